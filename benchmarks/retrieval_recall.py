@@ -1,0 +1,117 @@
+"""Retrieval recall and context-budget survival on SQuAD v1.1 (dev, part a).
+
+Corpus: the 913 paragraphs, one document each. For every question the target is its own
+paragraph: recall@k is the share of questions with a chunk of that paragraph among the top k.
+Then the top 10 hits are trimmed to 256, 512 and 1,024 tokens of the Qwen2.5 tokenizer
+(instructions, passages and question together), and we count how often a gold answer is
+still in the prompt.
+
+    python benchmarks/retrieval_recall.py [--data DIR] [--tokenizer DIR] [--limit N]
+
+The data is read from $SLUICE_DATA or ../shared/data; the collection is built in a temporary
+folder, so nothing derived from the data lands in the repository except the figures.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from retrieval import Document, Embedder, HFTokenizer, Store, build_prompt, trim  # noqa: E402
+
+MODES = ("dense", "bm25", "hybrid")
+RECALL_AT = (1, 3, 5)
+BUDGETS = (256, 512, 1024)
+TRIM_FROM = 10  # hits handed to trimming
+
+
+def load_squad(path: Path):
+    data = json.loads(path.read_text())["data"]
+    docs, questions = [], []
+    for a, article in enumerate(data):
+        for p, para in enumerate(article["paragraphs"]):
+            doc_id = f"{a:02d}-{p:03d}"
+            docs.append(Document(doc_id, para["context"], article["title"].replace("_", " ")))
+            questions += [(qa["question"], doc_id, [x["text"] for x in qa["answers"]]) for qa in para["qas"]]
+    return docs, questions
+
+
+def answer_tokenizer(folder: str | None) -> HFTokenizer:
+    if folder is None:
+        from engine.store import resolve  # the model store knows where the Qwen2.5 files are
+        folder = resolve("qwen2.5-coder-0.5b")
+    return HFTokenizer.from_file(Path(folder) / "tokenizer.json")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--data", default=os.environ.get("SLUICE_DATA", str(ROOT.parent / "shared" / "data")))
+    ap.add_argument("--tokenizer", help="folder with the answering model's tokenizer.json "
+                                        "(default: the model store's qwen2.5-coder-0.5b)")
+    ap.add_argument("--limit", type=int, help="only the first N questions (a quick look)")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "retrieval_recall.json"))
+    args = ap.parse_args()
+
+    docs, questions = load_squad(Path(args.data) / "squad-v1.1-dev-part-a.json")
+    questions = questions[:args.limit] if args.limit else questions
+    tokenizer = answer_tokenizer(args.tokenizer)
+    embedder = Embedder()
+    with tempfile.TemporaryDirectory() as tmp:
+        collection = Store(tmp, embedder).collection("bench", "squad")
+        t0 = time.perf_counter()
+        for i in tqdm(range(0, len(docs), 32), desc="ingest", unit="batch"):
+            collection.ingest(docs[i:i + 32])
+        ingest_s = time.perf_counter() - t0
+        vectors = embedder.encode([q for q, _, _ in questions])
+
+        hits_in = {m: np.zeros(len(RECALL_AT)) for m in MODES}
+        kept = {b: 0 for b in BUDGETS}
+        before_trim = 0
+        tokens = {b: [] for b in BUDGETS}
+        for (question, target, answers), vector in tqdm(zip(questions, vectors), total=len(questions),
+                                                        desc="questions", unit="q"):
+            for mode in MODES:
+                hits = collection.search(question, max(max(RECALL_AT), TRIM_FROM), mode, vector)
+                first = next((r for r, h in enumerate(hits) if h.chunk.doc_id == target), None)
+                hits_in[mode] += [first is not None and first < k for k in RECALL_AT]
+            chunks = [h.chunk for h in hits[:TRIM_FROM]]  # the last mode: hybrid
+            before_trim += any(a in c.text for a in answers for c in chunks)
+            for budget in BUDGETS:
+                result = trim(chunks, question, budget, tokenizer)
+                system = build_prompt(question, result.chunks).messages[0]["content"]
+                kept[budget] += any(a in system for a in answers)
+                tokens[budget].append(result.tokens)
+
+    n = len(questions)
+    report = {
+        "data": "squad-v1.1-dev-part-a.json", "paragraphs": len(docs), "questions": n,
+        "chunks": len(collection), "ingest_seconds": round(ingest_s, 1),
+        "recall": {m: {f"@{k}": round(float(v) / n, 4) for k, v in zip(RECALL_AT, hits_in[m])} for m in MODES},
+        "answer_in_top_10_hybrid": round(before_trim / n, 4),
+        "answer_in_context_after_trim": {str(b): round(kept[b] / n, 4) for b in BUDGETS},
+        "mean_prompt_tokens": {str(b): round(float(np.mean(tokens[b])), 1) for b in BUDGETS},
+    }
+    print(f"\n{n} questions, {len(docs)} paragraphs, {report['chunks']} chunks\n")
+    print("| search | recall@1 | recall@3 | recall@5 |\n|---|---|---|---|")
+    for m in MODES:
+        print(f"| {m} | " + " | ".join(f"{v:.3f}" for v in report["recall"][m].values()) + " |")
+    print(f"\nanswer text in the hybrid top {TRIM_FROM}: {report['answer_in_top_10_hybrid']:.3f}\n")
+    print("| budget (tokens) | answer in context | mean prompt tokens |\n|---|---|---|")
+    for b in BUDGETS:
+        print(f"| {b} | {report['answer_in_context_after_trim'][str(b)]:.3f} | {report['mean_prompt_tokens'][str(b)]} |")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""Async front: a background task steps the engine in its own thread while each request
+reads its tokens from its own queue. Cancelling a stream frees the request's blocks."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+
+from engine.llm_engine import Completion, LLMEngine, StepOutput
+from engine.sampling_params import SamplingParams
+
+log = logging.getLogger("sluice.engine")
+
+
+class EngineFailure(RuntimeError):
+    """The engine raised while stepping this request; the engine itself keeps serving."""
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._lock = threading.Lock()             # the engine is stepped and fed from threads
+        self._stepper = ThreadPoolExecutor(1, thread_name_prefix="sluice-step")
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    def _locked(self, fn, *args):
+        with self._lock:
+            return fn(*args)
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._wakeup.clear()
+            while self.engine.has_work():
+                try:
+                    outputs = await loop.run_in_executor(self._stepper, self._locked, self.engine.step)
+                except Exception as exc:                 # keep serving: fail only what was in flight
+                    log.exception("engine step failed")
+                    for request_id, queue in list(self._queues.items()):
+                        await loop.run_in_executor(self._stepper, self._locked, self.engine.abort, request_id)
+                        queue.put_nowait(EngineFailure(f"engine step failed: {exc}"))
+                    continue
+                for out in outputs:
+                    queue = self._queues.get(out.request_id)
+                    if queue is not None:
+                        queue.put_nowait(out)
+            await self._wakeup.wait()
+
+    async def stream(self, prompt: str | list[int], params: SamplingParams | None = None, model: str | None = None,
+                     salt: bytes = b"", request_id: str | None = None) -> AsyncIterator[StepOutput]:
+        """Yields each step's output for this request. Raises ValueError on bad input before
+        anything is queued."""
+        await self.start()
+        loop = asyncio.get_running_loop()
+        request_id = await loop.run_in_executor(None, self._locked, self.engine.add_request,
+                                                prompt, params, model, salt, request_id)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        self._wakeup.set()
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                if isinstance(out, Exception):
+                    raise out
+                finished = out.finished
+                yield out
+        finally:
+            del self._queues[request_id]
+            if not finished:   # cancelled or abandoned by the caller: free its blocks now
+                await asyncio.shield(loop.run_in_executor(None, self._locked, self.engine.abort, request_id))
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None, model: str | None = None,
+                       salt: bytes = b"", request_id: str | None = None) -> Completion:
+        last = None
+        async for out in self.stream(prompt, params, model, salt, request_id):
+            last = out
+        completion = self.engine.completion(last.request_id)
+        self.engine.release(last.request_id)
+        return completion

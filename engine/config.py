@@ -1,0 +1,100 @@
+"""Configuration: the engine's (msgspec, validated at the boundary) and a model's
+architecture (read from a Hugging Face ``config.json``)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
+
+
+class ModelEntry(msgspec.Struct, forbid_unknown_fields=True):
+    """One model the engine serves: a store name ("qwen2.5-coder-0.5b"), a Hugging Face
+    folder or a GGUF file."""
+    source: str
+    # Share of the KV memory this model gets, relative to the other models' shares.
+    kv_share: float = 1.0
+
+
+class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
+    models: dict[str, ModelEntry]
+    # One budget for weights plus KV across all models; KV gets what the weights leave.
+    memory_budget_gb: float = 12.0
+    # Cap KV blocks per model so tests and laptops do not reserve all the budget.
+    max_kv_blocks: int | None = None
+    block_size: int = 16
+    max_num_batched_tokens: int = 512      # per step and model: decodes + prefill chunks
+    max_num_seqs: int = 64
+    prefix_caching: bool = True
+    # Steps a waiting request may be overtaken by later, smaller ones before it blocks them.
+    max_wait_steps: int = 32
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.models:
+            raise ValueError("engine config: 'models' is empty; name at least one model")
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"engine config: block_size must be a power of two, got {self.block_size}")
+        if self.max_num_batched_tokens < self.block_size:
+            raise ValueError("engine config: max_num_batched_tokens must be at least block_size")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position: int
+    tie_embeddings: bool
+    attention_bias: bool      # Qwen2: bias on q, k, v
+    qk_norm: bool             # Qwen3: RMSNorm on q and k per head
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_hf(cls, d: dict) -> ModelConfig:
+        arch = d.get("model_type")
+        if arch not in SUPPORTED_ARCHS:
+            raise ValueError(f"model_type {arch!r} is not supported; expected one of {SUPPORTED_ARCHS}")
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        heads = d["num_attention_heads"]
+        # transformers 5 folds rope_theta and rope_scaling into one rope_parameters dict.
+        rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+        theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
+        if rope.get("rope_type", rope.get("type", "default")) == "default":
+            rope = {}
+        return cls(
+            arch=arch,
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_layers=d["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=theta,
+            rope_scaling=rope or None,
+            max_position=d.get("max_position_embeddings", 4096),
+            tie_embeddings=d.get("tie_word_embeddings", False),
+            attention_bias=arch == "qwen2" or bool(d.get("attention_bias")),
+            qk_norm=arch == "qwen3",
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> ModelConfig:
+        return cls.from_hf(json.loads((folder / "config.json").read_text()))

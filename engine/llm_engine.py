@@ -1,0 +1,208 @@
+"""The engine: one object holding every served model (small and large) under one memory
+budget, and one step loop over all of them."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig, ModelConfig
+from engine.model import CausalLM, load_model
+from engine.model_runner import ModelRunner
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+from engine.store import resolve
+from engine.tokenizer import Tokenizer
+
+
+@dataclass
+class StepOutput:
+    """What one step produced for one request: new tokens and the text they complete."""
+    request_id: str
+    model: str
+    new_token_ids: list[int]
+    new_logprobs: list[float]
+    text_delta: str
+    finished: bool
+    finish_reason: str | None
+
+
+@dataclass
+class Completion:
+    request_id: str
+    model: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    logprobs: list[float]
+    finish_reason: str
+    num_cached_tokens: int
+    ttft: float          # seconds from arrival to the first token
+    latency: float
+
+
+@dataclass
+class Worker:
+    """One model with everything that is per model: weights, tokenizer, KV, queues."""
+    name: str
+    cfg: ModelConfig
+    model: CausalLM
+    tokenizer: Tokenizer
+    block_manager: BlockManager
+    scheduler: Scheduler
+    runner: ModelRunner
+
+
+def _weight_bytes(model: CausalLM) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, progress: bool = True):
+        """Loads every model named in the config through the model store."""
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        loaded = {}
+        for name, entry in config.models.items():
+            folder = resolve(entry.source, progress=progress)
+            cfg = ModelConfig.from_folder(folder)
+            loaded[name] = (cfg, load_model(folder, cfg), Tokenizer(folder))
+        self.workers = self._size_kv(config, loaded)
+        self.requests: dict[str, tuple[Worker, Sequence]] = {}
+
+    @staticmethod
+    def _size_kv(config: EngineConfig, loaded: dict) -> dict[str, Worker]:
+        weights = sum(_weight_bytes(m) for _, m, _ in loaded.values())
+        free = config.memory_budget_gb * 2**30 - weights
+        if free <= 0:
+            raise ValueError(f"memory_budget_gb={config.memory_budget_gb} does not even hold the weights "
+                             f"({weights / 2**30:.2f} GiB); raise it")
+        shares = sum(config.models[n].kv_share for n in loaded)
+        workers = {}
+        for name, (cfg, model, tok) in loaded.items():
+            per_block = ModelRunner.kv_bytes_per_block(cfg, config.block_size)
+            blocks = int(free * config.models[name].kv_share / shares // per_block)
+            if config.max_kv_blocks:
+                blocks = min(blocks, config.max_kv_blocks)
+            if blocks < 2:
+                raise ValueError(f"memory budget leaves {blocks} KV blocks for model {name!r}; raise memory_budget_gb")
+            bm = BlockManager(blocks, config.block_size, config.prefix_caching)
+            eos = set(cfg.eos_token_ids) | {i for i in (tok.token_id(t) for t in (tok.eos_token,) if t) if i is not None}
+            sched = Scheduler(bm, cfg.max_position, config.max_num_batched_tokens, config.max_num_seqs,
+                              config.max_wait_steps, tuple(sorted(eos)))
+            workers[name] = Worker(name, cfg, model, tok, bm, sched, ModelRunner(model, cfg, blocks, config.block_size))
+        return workers
+
+    # ---- requests -------------------------------------------------------------------
+    def worker(self, model: str | None) -> Worker:
+        name = model or next(iter(self.workers))
+        if name not in self.workers:
+            raise ValueError(f"unknown model {name!r}; this engine serves: {', '.join(self.workers)}")
+        return self.workers[name]
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, model: str | None = None,
+                    salt: bytes = b"", request_id: str | None = None) -> str:
+        """Queue a request; bad input raises ValueError and leaves the engine untouched."""
+        worker = self.worker(model)
+        ids = worker.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ValueError("prompt is empty")
+        if any(not 0 <= t < worker.cfg.vocab_size for t in ids):
+            raise ValueError(f"prompt has token ids outside the vocabulary (0..{worker.cfg.vocab_size - 1})")
+        seq = Sequence(ids, params or SamplingParams(), salt=salt, request_id=request_id or "")
+        if seq.request_id in self.requests:
+            raise ValueError(f"request id {seq.request_id!r} is already in use")
+        worker.scheduler.add(seq)
+        self.requests[seq.request_id] = (worker, seq)
+        return seq.request_id
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request wherever it is; its KV blocks go back at once."""
+        entry = self.requests.pop(request_id, None)
+        if entry:
+            entry[0].scheduler.finish(entry[1], "abort")
+
+    def sequence(self, request_id: str) -> Sequence:
+        return self.requests[request_id][1]
+
+    def has_work(self) -> bool:
+        return any(w.scheduler.has_work() for w in self.workers.values())
+
+    # ---- the step loop --------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        outputs = []
+        for worker in self.workers.values():
+            scheduled = worker.scheduler.schedule()
+            if not scheduled:
+                continue
+            sampled = worker.runner.run(scheduled)
+            worker.scheduler.postprocess(scheduled, {sid: t for sid, (t, _) in sampled.items()})
+            now = time.monotonic()
+            for item in scheduled:
+                seq = item.seq
+                if seq.seq_id in sampled:
+                    seq.logprobs.append(sampled[seq.seq_id][1])
+                    seq.first_token_time = seq.first_token_time or now
+                    outputs.append(self._emit(worker, seq, sampled[seq.seq_id]))
+        return outputs
+
+    def _emit(self, worker: Worker, seq: Sequence, sampled: tuple[int, float]) -> StepOutput:
+        stops = seq.params.stop
+        text = worker.tokenizer.decode(seq.output_ids)
+        cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+        if cut >= 0:
+            text = text[:cut]
+            worker.scheduler.finish(seq, "stop")
+        elif not seq.is_finished:
+            # Hold back a partial UTF-8 character and any tail that may begin a stop string.
+            hold = max((len(s) - 1 for s in stops), default=0)
+            text = text.rstrip("\ufffd")
+            text = text[:max(len(seq.output_text), len(text) - hold)]
+        delta, seq.output_text = text[len(seq.output_text):], text
+        return StepOutput(seq.request_id, worker.name, [sampled[0]], [sampled[1]], delta,
+                          seq.is_finished, seq.finish_reason)
+
+    def completion(self, request_id: str) -> Completion:
+        worker, seq = self.requests[request_id]
+        end = time.monotonic()
+        return Completion(seq.request_id, worker.name, seq.token_ids[:seq.num_prompt_tokens], seq.output_ids,
+                          seq.output_text, list(seq.logprobs), seq.finish_reason or "", seq.num_cached_tokens,
+                          (seq.first_token_time or end) - seq.arrival, end - seq.arrival)
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request (its blocks were freed when it finished)."""
+        self.requests.pop(request_id, None)
+
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+                 model: str | None = None, salt: bytes = b"", progress: bool = False) -> list[Completion]:
+        """Batch use: run all prompts to completion with continuous batching."""
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        ids = [self.add_request(p, sp, model=model, salt=salt) for p, sp in zip(prompts, params_list)]
+        with tqdm(total=len(ids), disable=not progress, desc="generate") as bar:
+            pending = set(ids)
+            while pending:
+                for out in self.step():
+                    if out.finished and out.request_id in pending:
+                        pending.discard(out.request_id)
+                        bar.update(1)
+        results = [self.completion(i) for i in ids]
+        for i in ids:
+            self.release(i)
+        return results
+
+    def stats(self) -> dict[str, dict]:
+        out = {}
+        for name, w in self.workers.items():
+            bm = w.block_manager
+            out[name] = {
+                "running": len(w.scheduler.running), "waiting": len(w.scheduler.waiting),
+                "kv_blocks_total": len(bm.blocks), "kv_blocks_free": bm.num_free,
+                "prefix_cache_queries": bm.queries, "prefix_cache_hits": bm.hits,
+                "preemptions": w.scheduler.num_preemptions,
+            }
+        return out

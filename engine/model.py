@@ -1,0 +1,195 @@
+"""One decoder for Llama, Qwen2 (qkv bias) and Qwen3 (per-head q/k RMSNorm).
+
+The forward pass takes a step's tokens flattened into one batch, decodes first and then
+prefill chunks, with their positions; attention reads and writes the paged KV cache through
+the kernels package. Projections are fused (q|k|v, gate|up) so a layer costs four matmuls.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import nn
+
+from engine.config import ModelConfig
+from kernels import paged_decode_attention, paged_prefill_attention, store_kv
+
+
+@dataclass
+class StepBatch:
+    """What attention needs to know about the step's flattened tokens."""
+    slot_mapping: torch.Tensor                 # [T] cache slot of each new token
+    num_decodes: int                           # the first num_decodes tokens are decodes
+    decode_block_tables: torch.Tensor | None   # [D, max_blocks]
+    decode_context_lens: torch.Tensor | None   # [D]
+    prefill_block_tables: torch.Tensor | None  # [P, max_blocks]
+    prefill_context_lens: torch.Tensor | None  # [P]
+    prefill_query_start: torch.Tensor | None   # [P + 1], relative to the first prefill token
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        inv_freq = torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    elif kind != "default":
+        raise ValueError(f"rope_scaling type {kind!r} is not supported (default, linear, llama3)")
+    return inv_freq.float()
+
+
+class Rotary(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        freqs = torch.outer(torch.arange(cfg.max_position, dtype=torch.float32), rope_inv_freq(cfg))
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # Hugging Face layout: the two rotated halves are the first and second half of each head.
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: Rotary):
+        super().__init__()
+        self.h, self.kvh, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.h + 2 * self.kvh) * self.d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rotary = rotary
+        self.scale = self.d ** -0.5
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: StepBatch, layer: int) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.h * self.d, self.kvh * self.d, self.kvh * self.d], dim=-1)
+        q, k, v = q.view(T, self.h, self.d), k.view(T, self.kvh, self.d), v.view(T, self.kvh, self.d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(q, positions), self.rotary(k, positions)
+        k_cache, v_cache = batch.kv_caches[layer]
+        store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        D = batch.num_decodes
+        parts = []
+        if D:
+            parts.append(paged_decode_attention(q[:D], k_cache, v_cache, batch.decode_block_tables,
+                                                batch.decode_context_lens, self.scale))
+        if D < T:
+            parts.append(paged_prefill_attention(q[D:], k_cache, v_cache, batch.prefill_block_tables,
+                                                 batch.prefill_context_lens, batch.prefill_query_start,
+                                                 self.scale))
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return self.o_proj(out.reshape(T, self.h * self.d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: Rotary):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, positions, batch, layer):
+        x = x + self.self_attn(self.input_layernorm(x), positions, batch, layer)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        rotary = Rotary(cfg)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions, batch, i)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)
+
+
+def _fused_rows(cfg: ModelConfig) -> dict[str, tuple[str, int, int]]:
+    """Hugging Face projection name -> (fused name, first row, rows) in this model's layout."""
+    q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    return {"q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv), "v_proj": ("qkv_proj", q + kv, kv),
+            "gate_proj": ("gate_up_proj", 0, inter), "up_proj": ("gate_up_proj", inter, inter)}
+
+
+def load_model(folder: Path, cfg: ModelConfig | None = None) -> CausalLM:
+    """Build the model from a Hugging Face safetensors folder (float32)."""
+    cfg = cfg or ModelConfig.from_folder(folder)
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    model.to_empty(device="cpu")
+    rotary = Rotary(cfg)  # its buffers were left empty on the meta device
+    for layer in model.layers:
+        layer.self_attn.rotary = rotary
+    params = dict(model.named_parameters())
+    fused = _fused_rows(cfg)
+    rows_loaded = dict.fromkeys(params, 0)
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            for hf_name in f.keys():
+                if hf_name.endswith("rotary_emb.inv_freq") or (hf_name == "lm_head.weight" and cfg.tie_embeddings):
+                    continue
+                name = hf_name.removeprefix("model.")
+                parts = name.split(".")
+                first = 0
+                if len(parts) >= 2 and parts[-2] in fused:
+                    fused_name, first, _ = fused[parts[-2]]
+                    name = ".".join(parts[:-2] + [fused_name, parts[-1]])
+                if name not in params:
+                    raise ValueError(f"{file.name}: unexpected tensor {name!r}")
+                tensor = f.get_tensor(hf_name)
+                params[name].data[first:first + tensor.shape[0]].copy_(tensor.float())
+                rows_loaded[name] += tensor.shape[0]
+    missing = [n for n, p in params.items() if rows_loaded[n] != p.shape[0]]
+    if missing:
+        raise ValueError(f"{folder}: weights missing or incomplete for {missing[:5]}")
+    return model.eval().requires_grad_(False)

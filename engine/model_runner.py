@@ -1,0 +1,71 @@
+"""Runs one model over a scheduled step: flatten the sequences into one batch (token ids,
+positions, slot mapping, block tables, context lengths), one forward pass, then sample."""
+from __future__ import annotations
+
+import torch
+
+from engine.config import ModelConfig
+from engine.model import CausalLM, StepBatch
+from engine.sampler import sample
+from engine.scheduler import ScheduledSeq
+
+
+def _padded(rows: list[list[int]]) -> torch.Tensor:
+    width = max(len(r) for r in rows)
+    return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long)
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, cfg: ModelConfig, num_blocks: int, block_size: int):
+        self.model, self.cfg, self.block_size = model, cfg, block_size
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_layers)]
+
+    @staticmethod
+    def kv_bytes_per_block(cfg: ModelConfig, block_size: int) -> int:
+        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * 4
+
+    def _slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
+        pos = torch.arange(start, end)
+        return torch.tensor(block_table)[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def prepare(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, StepBatch, list[int]]:
+        decodes = [s for s in scheduled if not s.seq.in_prefill]
+        chunks = [s for s in scheduled if s.seq.in_prefill]
+        assert scheduled[:len(decodes)] == decodes, "decodes must come first"
+        ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        slots: list[torch.Tensor] = []
+        sample_rows: list[int] = []
+        for item in scheduled:
+            seq, start = item.seq, item.seq.num_computed_tokens
+            end = start + item.num_tokens
+            ids.extend(seq.token_ids[start:end])
+            positions.append(torch.arange(start, end))
+            slots.append(self._slots(seq.block_table, start, end))
+            if item.samples:
+                sample_rows.append(len(ids) - 1)
+        batch = StepBatch(slot_mapping=torch.cat(slots), num_decodes=len(decodes),
+                          decode_block_tables=None, decode_context_lens=None,
+                          prefill_block_tables=None, prefill_context_lens=None,
+                          prefill_query_start=None, kv_caches=self.kv_caches)
+        if decodes:
+            batch.decode_block_tables = _padded([s.seq.block_table for s in decodes])
+            batch.decode_context_lens = torch.tensor([len(s.seq) for s in decodes])
+        if chunks:
+            batch.prefill_block_tables = _padded([s.seq.block_table for s in chunks])
+            batch.prefill_context_lens = torch.tensor([s.seq.num_computed_tokens + s.num_tokens for s in chunks])
+            batch.prefill_query_start = torch.tensor([0] + [s.num_tokens for s in chunks]).cumsum(0)
+        return torch.tensor(ids), torch.cat(positions), batch, sample_rows
+
+    @torch.inference_mode()
+    def run(self, scheduled: list[ScheduledSeq]) -> dict[int, tuple[int, float]]:
+        """Returns seq_id -> (next token, its log-probability) for sequences that sample."""
+        input_ids, positions, batch, rows = self.prepare(scheduled)
+        hidden = self.model(input_ids, positions, batch)
+        sampling = [s.seq for s in scheduled if s.samples]
+        if not sampling:
+            return {}
+        logits = self.model.logits(hidden[rows])
+        tokens, logprobs = sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
+        return {s.seq_id: (t, lp) for s, t, lp in zip(sampling, tokens, logprobs)}

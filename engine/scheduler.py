@@ -1,0 +1,135 @@
+"""Continuous batching for one model: which sequences run this step, and how many tokens.
+
+Every step takes decodes first (one token each), then prefill chunks up to the step's token
+budget (chunked prefill), so a long prompt never stalls the streams already running. When
+blocks run out, the most recently admitted sequence is preempted and later recomputed
+(its prefix blocks usually still sit in the prefix cache, so recompute is cheap).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from engine.block_manager import BlockManager
+from engine.sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_tokens: int            # tokens to compute this step, from seq.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the end of the sequence, so the step yields its next token."""
+        return self.seq.num_computed_tokens + self.num_tokens == len(self.seq)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_model_len: int, max_num_batched_tokens: int,
+                 max_num_seqs: int, max_wait_steps: int, eos_token_ids: tuple[int, ...]):
+        self.bm = block_manager
+        # A sequence never outgrows the model's context nor the whole KV pool, so a lone
+        # sequence can always make progress.
+        self.max_model_len = min(max_model_len, len(block_manager.blocks) * block_manager.block_size)
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_wait_steps = max_wait_steps
+        self.eos_token_ids = set(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        if not seq.token_ids:
+            raise ValueError("prompt is empty")
+        if len(seq) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(seq)} tokens; this model accepts at most "
+                             f"{self.max_model_len - 1} (context {self.max_model_len} including output)")
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledSeq]:
+        budget = self.max_num_batched_tokens
+        decodes: list[ScheduledSeq] = []
+        chunks: list[ScheduledSeq] = []
+        for seq in list(self.running):
+            if seq.status is not Status.RUNNING or budget == 0:
+                continue
+            if seq.in_prefill:
+                n = min(len(seq) - seq.num_computed_tokens, budget)
+                chunks.append(ScheduledSeq(seq, n))
+                budget -= n
+                continue
+            while not self.bm.can_append(seq):
+                victim = self.running[-1]
+                self._preempt(victim)
+                decodes = [s for s in decodes if s.seq is not victim]
+                chunks = [s for s in chunks if s.seq is not victim]
+                if victim is seq:
+                    break
+            else:
+                self.bm.append_slot(seq)
+                decodes.append(ScheduledSeq(seq, 1))
+                budget -= 1
+        budget = self.max_num_batched_tokens - sum(s.num_tokens for s in decodes + chunks)
+        self._admit(budget, chunks)
+        return decodes + chunks
+
+    def _admit(self, budget: int, chunks: list[ScheduledSeq]) -> None:
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            if not self.bm.can_allocate(seq):
+                seq.waited_steps += 1
+                # Aging: once a request has been overtaken long enough, later ones wait
+                # behind it so the blocks it needs can free up.
+                if seq.waited_steps >= self.max_wait_steps:
+                    break
+                continue
+            self.waiting.remove(seq)
+            self.bm.allocate(seq)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            n = min(len(seq) - seq.num_computed_tokens, budget)
+            chunks.append(ScheduledSeq(seq, n))
+            budget -= n
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.bm.free_seq(seq)
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def postprocess(self, scheduled: list[ScheduledSeq], next_tokens: dict[int, int]) -> None:
+        """Advance computed counts; append sampled tokens; finish on eos or length."""
+        for item in scheduled:
+            seq = item.seq
+            seq.num_computed_tokens += item.num_tokens
+            self.bm.register_computed(seq)
+            token = next_tokens.get(seq.seq_id)
+            if token is None:
+                continue
+            seq.token_ids.append(token)
+            if token in self.eos_token_ids and not seq.params.ignore_eos:
+                self.finish(seq, "stop")
+            elif token in seq.params.stop_token_ids:
+                self.finish(seq, "stop")
+            elif seq.num_output_tokens >= seq.params.max_tokens or len(seq) >= self.max_model_len:
+                self.finish(seq, "length")
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Finish (or abort) a sequence wherever it is, returning its blocks at once."""
+        if seq.status is Status.FINISHED:
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+            self.bm.free_seq(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason

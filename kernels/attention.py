@@ -1,0 +1,67 @@
+"""Paged attention, plain PyTorch: the reference twins of the Triton kernels.
+
+KV lives in fixed-size blocks: ``k_cache[num_blocks, block_size, kv_heads, head_dim]``.
+A sequence's block table lists its blocks in order, so token ``p`` of the sequence sits
+at slot ``block_table[p // block_size] * block_size + p % block_size``.
+"""
+import torch
+import torch.nn.functional as F
+
+
+def _slots(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    return block_tables[..., positions // block_size] * block_size + positions % block_size
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write the step's new keys and values [T, kv_heads, head_dim] into their slots."""
+    kvh, dh = k.shape[1:]
+    k_cache.view(-1, kvh, dh).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, kvh, dh).index_copy_(0, slot_mapping, v)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """One query token per sequence. q [S, heads, head_dim] -> [S, heads, head_dim].
+
+    Every sequence of the step is gathered into one padded batch so the whole decode is a
+    single SDPA call, whatever the number of sequences.
+    """
+    block_size, kvh, dh = k_cache.shape[1:]
+    max_len = int(context_lens.max())
+    pos = torch.arange(max_len)
+    slots = _slots(block_tables, pos, block_size)                     # [S, L]
+    k = k_cache.view(-1, kvh, dh)[slots].transpose(1, 2)             # [S, kvh, L, dh]
+    v = v_cache.view(-1, kvh, dh)[slots].transpose(1, 2)
+    mask = (pos[None, :] < context_lens[:, None])[:, None, None, :]   # [S, 1, 1, L]
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale,
+                                         enable_gqa=True)
+    return out.squeeze(2)
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, context_lens: torch.Tensor,
+                            query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+    """Ragged query chunks whose keys may include an already-cached prefix.
+
+    q [T, heads, head_dim] holds the sequences' chunks back to back (``query_start_loc``,
+    length S+1); sequence ``s`` has ``context_lens[s]`` tokens in cache including its chunk,
+    so its query ``i`` sits at position ``context_lens[s] - q_len + i`` and sees keys up to it.
+    """
+    block_size, kvh, dh = k_cache.shape[1:]
+    out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    for s, ctx in enumerate(context_lens.tolist()):
+        lo, hi = starts[s], starts[s + 1]
+        q_len = hi - lo
+        pos = torch.arange(ctx)
+        slots = _slots(block_tables[s], pos, block_size)
+        k = k_cache.view(-1, kvh, dh)[slots].transpose(0, 1)         # [kvh, ctx, dh]
+        v = v_cache.view(-1, kvh, dh)[slots].transpose(0, 1)
+        qpos = torch.arange(ctx - q_len, ctx)
+        mask = pos[None, :] <= qpos[:, None]                         # causal, offset by prefix
+        out[lo:hi] = F.scaled_dot_product_attention(
+            q[lo:hi].transpose(0, 1), k, v, attn_mask=mask, scale=scale, enable_gqa=True
+        ).transpose(0, 1)
+    return out

@@ -1,0 +1,236 @@
+"""Parse documents (plain text, Markdown, HTML, JSONL) and cut them into token-bounded chunks.
+
+Chunks are cut at sentence ends, preferably at paragraph ends, and never hold more than
+`size` tokens of the tokenizer they were cut with. Neighbouring chunks of one paragraph
+share up to `overlap` tokens of whole sentences, so a fact that straddles a cut is still
+whole in one of them.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from html.parser import HTMLParser
+from pathlib import Path
+
+from .types import Chunk, Document, RetrievalError, Tokenizer
+
+KINDS = {".txt": "text", ".text": "text", ".md": "markdown", ".markdown": "markdown",
+         ".html": "html", ".htm": "html", ".jsonl": "jsonl"}
+
+
+def load(path: str | Path, doc_id: str | None = None) -> list[Document]:
+    """Documents in a file, its type taken from the suffix; one document unless JSONL."""
+    path = Path(path)
+    kind = KINDS.get(path.suffix.lower())
+    if kind is None:
+        raise RetrievalError(f"unsupported document type {path.suffix or '(no suffix)'!r} of {path.name}: "
+                             f"use one of {', '.join(sorted(KINDS))}")
+    return parse(path.read_text(encoding="utf-8"), kind, doc_id=doc_id or path.name)
+
+
+def parse(content: str, kind: str, doc_id: str | None = None, title: str = "",
+          metadata: dict | None = None) -> list[Document]:
+    """Documents from raw content; JSONL carries its own ids, other kinds need `doc_id`."""
+    if kind == "jsonl":
+        return _parse_jsonl(content)
+    if kind not in ("text", "markdown", "html"):
+        raise RetrievalError(f"unsupported document type {kind!r}: use text, markdown, html or jsonl")
+    if not doc_id:
+        raise RetrievalError(f"a {kind} document needs a document id")
+    content = content.replace("\r\n", "\n")
+    if kind == "html":
+        content, html_title = html_text(content)
+        title = title or html_title
+    elif kind == "markdown":
+        content, md_title = _markdown(content)
+        title = title or md_title
+    return [_document(doc_id, content, title, metadata or {})]
+
+
+def _document(doc_id, text, title, metadata) -> Document:
+    if not isinstance(doc_id, str) or not doc_id.strip():
+        raise RetrievalError(f"document id must be a non-empty string, got {doc_id!r}")
+    if not isinstance(text, str) or not text.strip():
+        raise RetrievalError(f"document {doc_id!r} is empty")
+    if not isinstance(title, str):
+        raise RetrievalError(f"title of document {doc_id!r} must be a string, got {title!r}")
+    if not isinstance(metadata, dict):
+        raise RetrievalError(f"metadata of document {doc_id!r} must be an object, got {metadata!r}")
+    return Document(doc_id, text.strip(), title.strip(), metadata)
+
+
+def _parse_jsonl(content: str) -> list[Document]:
+    docs, seen = [], set()
+    for n, line in enumerate(content.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise RetrievalError(f"JSONL line {n} is not JSON: {e}") from None
+        if not isinstance(row, dict):
+            raise RetrievalError(f"JSONL line {n} must be an object with id, text, title, metadata")
+        missing = {"id", "text"} - row.keys()
+        extra = row.keys() - {"id", "text", "title", "metadata"}
+        if missing or extra:
+            raise RetrievalError(f"JSONL line {n}: " + "; ".join(
+                [f"missing {', '.join(sorted(missing))}"] * bool(missing)
+                + [f"unexpected {', '.join(sorted(extra))} (put extra fields under metadata)"] * bool(extra)))
+        if row["id"] in seen:
+            raise RetrievalError(f"JSONL line {n}: document id {row['id']!r} appears twice")
+        seen.add(row["id"])
+        docs.append(_document(row["id"], row["text"], row.get("title", ""), row.get("metadata", {})))
+    if not docs:
+        raise RetrievalError("JSONL content holds no documents")
+    return docs
+
+
+_HEADING = re.compile(r"^#{1,6}[ \t]+(.+?)[ \t#]*$", re.M)
+
+
+def _markdown(text: str) -> tuple[str, str]:
+    """Markdown stays Markdown (models read it well); headings are made to start paragraphs."""
+    first = _HEADING.search(text)
+    text = re.sub(r"\n{3,}", "\n\n", _HEADING.sub(lambda m: f"\n{m.group(0)}\n", text))
+    return text, (first.group(1) if first else "")
+
+
+class _HTMLText(HTMLParser):
+    SKIP = {"script", "style", "noscript", "template", "svg", "head"}
+    BLOCK = {"address", "article", "aside", "blockquote", "br", "dd", "div", "dl", "dt", "figcaption",
+             "figure", "footer", "form", "h1", "h2", "h3", "h4", "h5", "h6", "header", "hr", "li",
+             "main", "nav", "ol", "p", "pre", "section", "table", "tr", "ul"}
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.parts: list[str] = []
+        self.title: list[str] = []
+        self.skipping = 0
+        self.in_title = False
+
+    def handle_starttag(self, tag, attrs):
+        self.in_title = self.in_title or tag == "title"
+        if tag in self.SKIP:
+            self.skipping += 1
+        elif tag in self.BLOCK:
+            self.parts.append("\n\n")
+
+    def handle_endtag(self, tag):
+        if tag == "title":
+            self.in_title = False
+        if tag in self.SKIP:
+            self.skipping = max(0, self.skipping - 1)
+        elif tag in self.BLOCK:
+            self.parts.append("\n\n")
+
+    def handle_data(self, data):
+        if self.in_title:
+            self.title.append(data)
+        elif not self.skipping:
+            self.parts.append(data)
+
+
+def html_text(html: str) -> tuple[str, str]:
+    """(visible text with block elements as paragraphs, <title>) of an HTML page."""
+    parser = _HTMLText()
+    parser.feed(html)
+    parser.close()
+    blocks = (" ".join(b.split()) for b in "".join(parser.parts).split("\n\n"))
+    return "\n\n".join(b for b in blocks if b), " ".join("".join(parser.title).split())
+
+
+# ---- chunking ----
+
+_PARAGRAPH = re.compile(r"\S(?:.*?\S)?(?=\s*\n[ \t]*\n|\s*$)", re.S)
+# A sentence ends at . ! or ? (and any closing quotes or brackets) before whitespace and a
+# capital, digit, quote or bracket. Abbreviations split too often; that only adds cut points.
+_SENTENCE_END = re.compile(r"[.!?][\"'”’)\]]*(?=\s+[\"'“‘(\[A-Z0-9])")
+
+
+@dataclass
+class _Unit:
+    start: int  # character span in the document text
+    end: int
+    tokens: int
+    ends_paragraph: bool
+
+
+def chunk(doc: Document, tokenizer: Tokenizer, size: int = 200, overlap: int = 32) -> list[Chunk]:
+    """Cut a document into chunks of at most `size` tokens."""
+    # 8 tokens hold any single character, even one that a byte-level BPE spells in 4 bytes.
+    if size < 8 or not 0 <= overlap < size:
+        raise RetrievalError(f"chunk size must be at least 8 and overlap in [0, size), got size={size}, "
+                             f"overlap={overlap}")
+    text = doc.text
+    count = lambda a, b: len(tokenizer.encode(text[a:b]))
+    units = _units(text, count, size)
+    chunks, start = [], 0
+    while start < len(units):
+        end, total = start + 1, units[start].tokens
+        while end < len(units) and total + units[end].tokens <= size:
+            total += units[end].tokens
+            end += 1
+        if end < len(units):
+            # Prefer ending at a paragraph when that keeps the chunk at least half full.
+            for j in range(end - 1, start, -1):
+                if units[j].ends_paragraph and sum(u.tokens for u in units[start:j + 1]) >= size // 2:
+                    end = j + 1
+                    break
+        # Unit counts add up only approximately for subword tokenizers: check the real span.
+        while end > start + 1 and count(units[start].start, units[end - 1].end) > size:
+            end -= 1
+        chunks.append(Chunk(doc.id, len(chunks), text[units[start].start:units[end - 1].end],
+                            doc.title, doc.metadata))
+        if end == len(units):
+            break
+        # Overlap: step back over whole sentences of the same paragraph, at most `overlap`
+        # tokens and leaving room for the next new sentence.
+        limit, nxt = min(overlap, size - units[end].tokens), end
+        while (nxt - 1 > start and not units[nxt - 1].ends_paragraph
+               and count(units[nxt - 1].start, units[end - 1].end) <= limit):
+            nxt -= 1
+        start = nxt
+    return chunks
+
+
+def _units(text: str, count, size: int) -> list[_Unit]:
+    """Sentences (or, when a sentence is too long, pieces of it) with their token counts."""
+    units = []
+    for para in _PARAGRAPH.finditer(text):
+        a, b = para.span()
+        spans = []
+        for c in [m.end() for m in _SENTENCE_END.finditer(text, a, b)] + [b]:
+            spans += _fit(text, a, c, count, size)
+            a = _skip_space(text, c, b)
+        units += [_Unit(x, y, count(x, y), False) for x, y in spans]
+        units[-1].ends_paragraph = True
+    return units
+
+
+def _fit(text: str, a: int, b: int, count, size: int) -> list[tuple[int, int]]:
+    """Split text[a:b] into spans of at most `size` tokens: at spaces, or inside an overlong word."""
+    spans = []
+    while count(a, b) > size:
+        end = _longest([a + m.start() for m in re.finditer(r"\s+", text[a:b]) if m.start()], a, count, size)
+        end = end or _longest(range(a + 1, b), a, count, size)
+        spans.append((a, end))
+        a = _skip_space(text, end, b)
+    return spans + [(a, b)]
+
+
+def _longest(ends, a: int, count, size: int) -> int | None:
+    """The last of the sorted `ends` for which text[a:end] fits in `size` tokens (binary search)."""
+    if not ends or count(a, ends[0]) > size:
+        return None
+    lo, hi = 0, len(ends) - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if count(a, ends[mid]) <= size else (lo, mid - 1)
+    return ends[lo]
+
+
+def _skip_space(text: str, i: int, b: int) -> int:
+    while i < b and text[i].isspace():
+        i += 1
+    return i

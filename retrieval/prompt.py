@@ -1,0 +1,45 @@
+"""Prompt assembly: instructions and numbered passages in the system message, the question after.
+
+The system message depends only on the instructions and the set of passages, never on the
+question or on retrieval order: passages appear in canonical order (document, then
+position). Requests that retrieve the same chunks thus share a byte-identical prefix, which
+the engine's prefix cache reuses. Passages are cited by number; document ids, which come
+from users, stay out of the prompt.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from .types import Chunk
+
+DEFAULT_INSTRUCTIONS = (
+    "Answer the question using only the numbered passages below. Cite the passages you use "
+    "by number, like [1]. If the passages do not hold the answer, say that you do not know.")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    messages: list[dict[str, str]]  # [{"role": "system", ...}, {"role": "user", ...}] for the chat template
+    citations: dict[str, str]  # passage number as cited ("1") -> chunk id
+
+
+def canonical(chunks: Sequence[Chunk]) -> list[Chunk]:
+    return sorted(chunks, key=lambda c: (c.doc_id, c.position))
+
+
+def passage(number: int | str, c: Chunk) -> str:
+    return f"[{number}] {c.title}\n{c.text}" if c.title else f"[{number}]\n{c.text}"
+
+
+def system_text(chunks: Sequence[Chunk], instructions: str = DEFAULT_INSTRUCTIONS) -> str:
+    """The system message for these chunks, whatever order they come in."""
+    passages = "\n\n".join(passage(n, c) for n, c in enumerate(canonical(chunks), 1))
+    return f"{instructions}\n\n{passages}" if passages else instructions
+
+
+def build_prompt(question: str, chunks: Sequence[Chunk], instructions: str = DEFAULT_INSTRUCTIONS) -> Prompt:
+    ordered = canonical(chunks)
+    return Prompt([{"role": "system", "content": system_text(ordered, instructions)},
+                   {"role": "user", "content": question}],
+                  {str(n): c.id for n, c in enumerate(ordered, 1)})

@@ -1,0 +1,64 @@
+"""Types shared by every retrieval step, and the one error they raise."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import tokenizers
+
+
+class RetrievalError(ValueError):
+    """Bad input to retrieval: the message names what was wrong."""
+
+
+class Tokenizer(Protocol):
+    """All retrieval needs from a tokenizer: the engine's tokenizer satisfies it as is."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+
+class HFTokenizer:
+    """Adapts a Hugging Face `tokenizers.Tokenizer` (a model's tokenizer.json) to `Tokenizer`."""
+
+    def __init__(self, tokenizer: tokenizers.Tokenizer):
+        # Some tokenizer.json files (all-MiniLM's among them) pad and truncate to 128 tokens,
+        # which would make every count wrong; counting wants neither.
+        tokenizer.no_truncation()
+        tokenizer.no_padding()
+        self.hf = tokenizer
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> HFTokenizer:
+        return cls(tokenizers.Tokenizer.from_file(str(path)))
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=False).ids
+
+
+@dataclass(frozen=True)
+class Document:
+    id: str
+    text: str
+    title: str = ""
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    doc_id: str
+    position: int  # index of the chunk within its document, from 0
+    text: str
+    title: str = ""
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def id(self) -> str:
+        # Stable across re-ingests: the same document cut the same way gives the same ids.
+        return f"{self.doc_id}#{self.position}"
+
+
+@dataclass(frozen=True)
+class SearchHit:
+    chunk: Chunk
+    score: float  # higher is better; cosine for dense search, fused rank score for hybrid

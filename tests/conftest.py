@@ -1,0 +1,51 @@
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(2)
+
+TINY_VOCAB = 128
+
+
+def write_word_tokenizer(folder: Path, vocab_size: int) -> None:
+    """A word-level tokenizer ("t0".."tN", "<eos>") so tiny models can take text prompts."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    vocab = {f"t{i}": i for i in range(vocab_size - 1)} | {"<eos>": vocab_size - 1}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins with spaces
+    tok.add_special_tokens(["<eos>"])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
+
+
+def make_tiny_model(folder: Path, arch: str, seed: int = 0, tie: bool = False, **overrides) -> Path:
+    """A random-weight transformers model of the given architecture, saved as safetensors."""
+    import transformers
+    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+           "qwen3": transformers.Qwen3Config}[arch]
+    kw = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+              rms_norm_eps=1e-6, tie_word_embeddings=tie, eos_token_id=TINY_VOCAB - 1, bos_token_id=0)
+    if arch == "qwen3":
+        kw["head_dim"] = 16
+    kw.update(overrides)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cls(**kw), dtype=torch.float32)
+    # Bigger-than-init weights give peaked logits, so greedy choices are far from ties.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0, 0.1) if "norm" in name else p.normal_(0.0, 0.2)
+    model.save_pretrained(folder)
+    write_word_tokenizer(folder, TINY_VOCAB)
+    return folder
+
+
+@pytest.fixture(scope="session", params=["llama", "qwen2", "qwen3"])
+def tiny_folder(request, tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp(request.param), request.param)

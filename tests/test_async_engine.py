@@ -1,0 +1,62 @@
+import asyncio
+
+import pytest
+
+from engine.async_engine import AsyncEngine
+from engine.sampling_params import SamplingParams
+from tests.test_engine import folder, make_engine, prompts  # noqa: F401  (fixture)
+
+GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
+
+
+@pytest.mark.anyio
+async def test_streams_match_batch_generate(folder):
+    ps = prompts(5, seed=4)
+    expected = [c.token_ids for c in make_engine(folder).generate(ps, GREEDY)]
+    front = AsyncEngine(make_engine(folder))
+
+    async def collect(p):
+        return [t async for out in front.stream(p, GREEDY) for t in out.new_token_ids]
+
+    got = await asyncio.gather(*(collect(p) for p in ps))
+    await front.stop()
+    assert list(got) == expected
+
+
+@pytest.mark.anyio
+async def test_cancelled_stream_frees_blocks_at_once(folder):
+    engine = make_engine(folder, prefix_caching=False)
+    front = AsyncEngine(engine)
+    total = engine.stats()["tiny"]["kv_blocks_total"]
+    started = asyncio.Event()
+
+    async def consume():
+        async for _ in front.stream(prompts(1)[0], SamplingParams(max_tokens=400, ignore_eos=True)):
+            started.set()
+
+    task = asyncio.create_task(consume())
+    await started.wait()
+    assert engine.stats()["tiny"]["kv_blocks_free"] < total
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert engine.stats()["tiny"]["kv_blocks_free"] == total
+    assert not engine.requests
+    ok = await front.generate(prompts(1)[0], GREEDY)      # and it keeps serving
+    assert len(ok.token_ids) == 16
+    await front.stop()
+
+
+@pytest.mark.anyio
+async def test_bad_request_raises_and_others_continue(folder):
+    front = AsyncEngine(make_engine(folder))
+    good = asyncio.create_task(front.generate(prompts(1)[0], GREEDY))
+    with pytest.raises(ValueError, match="empty"):
+        await front.generate([], GREEDY)
+    assert len((await good).token_ids) == 16
+    await front.stop()
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"

@@ -1,0 +1,146 @@
+"""The engine end to end on tiny random models: continuous batching, preemption,
+cancellation, sampling and bad input."""
+import pytest
+import torch
+
+from engine.config import EngineConfig, ModelEntry
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from tests.conftest import make_tiny_model
+
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+
+
+def make_engine(folder, **kw):
+    cfg = dict(models={"tiny": ModelEntry(str(folder))}, block_size=4, max_kv_blocks=256,
+               max_num_batched_tokens=64, memory_budget_gb=1.0)
+    cfg.update(kw)
+    return LLMEngine(EngineConfig(**cfg), progress=False)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("qwen2"), "qwen2", seed=1)
+
+
+def prompts(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 127, (int(torch.randint(3, 90, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def test_concurrent_requests_equal_running_alone(folder):
+    ps = prompts(12)
+    alone = [make_engine(folder).generate([p], GREEDY)[0].token_ids for p in ps[:4]]
+    engine = make_engine(folder)
+    together = engine.generate(ps, GREEDY)
+    assert [c.token_ids for c in together[:4]] == alone
+    assert all(len(c.token_ids) == 24 for c in together)
+    assert engine.stats()["tiny"]["kv_blocks_free"] == 256
+
+
+def test_preempted_request_finishes_with_same_output(folder):
+    ps = prompts(6, seed=3)
+    expected = [c.token_ids for c in make_engine(folder).generate(ps, GREEDY)]
+    tight = make_engine(folder, max_kv_blocks=48, prefix_caching=False)   # 192 slots for ~6x(50+24)
+    got = [c.token_ids for c in tight.generate(ps, GREEDY)]
+    assert tight.stats()["tiny"]["preemptions"] > 0
+    assert got == expected
+
+
+def test_cancel_returns_blocks_and_others_continue(folder):
+    engine = make_engine(folder, prefix_caching=False)
+    a = engine.add_request(prompts(1)[0], GREEDY)
+    b = engine.add_request(prompts(1, seed=5)[0], GREEDY)
+    for _ in range(3):
+        engine.step()
+    assert engine.sequence(a).block_table
+    engine.abort(a)
+    while engine.has_work():
+        engine.step()
+    assert engine.completion(b).finish_reason == "length"
+    assert engine.stats()["tiny"]["kv_blocks_free"] == 256
+
+
+def test_prefix_cache_hits_and_same_output(folder):
+    engine = make_engine(folder)
+    shared = prompts(1, seed=7)[0] + prompts(1, seed=8)[0]
+    first = engine.generate([shared + [1, 2, 3]], GREEDY)[0]
+    second = engine.generate([shared + [4, 5]], GREEDY)[0]
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens == (len(shared) // 4) * 4
+    cold = make_engine(folder, prefix_caching=False).generate([shared + [4, 5]], GREEDY)[0]
+    assert second.token_ids == cold.token_ids
+
+
+def test_seeded_sampling_is_reproducible_and_filters_apply(folder):
+    engine = make_engine(folder)
+    p = prompts(1, seed=9)[0]
+    sp = SamplingParams(temperature=1.0, top_k=5, top_p=0.9, seed=42, max_tokens=20, ignore_eos=True)
+    one = engine.generate([p], sp)[0]
+    two = engine.generate([p, p[:10]], [sp, SamplingParams(temperature=0.7, max_tokens=5)])[0]
+    assert one.token_ids == two.token_ids
+    other = engine.generate([p], SamplingParams(temperature=1.0, seed=43, max_tokens=20, ignore_eos=True))[0]
+    assert other.token_ids != one.token_ids
+    assert all(lp <= 0 for lp in one.logprobs) and len(one.logprobs) == 20
+
+
+def test_logprobs_are_the_models_own(folder):
+    engine = make_engine(folder)
+    c = engine.generate([prompts(1)[0]], SamplingParams(max_tokens=5, ignore_eos=True))[0]
+    import transformers
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = ref(torch.tensor([c.prompt_token_ids + c.token_ids])).logits[0]
+    lp = torch.log_softmax(logits, -1)
+    n = len(c.prompt_token_ids)
+    want = [lp[n - 1 + i, t].item() for i, t in enumerate(c.token_ids)]
+    assert c.logprobs == pytest.approx(want, abs=1e-4)
+
+
+def test_stop_strings_and_tokens(folder):
+    engine = make_engine(folder)
+    p = prompts(1, seed=11)[0]
+    full = engine.generate([p], GREEDY)[0]
+    words = full.text.split()
+    stop_word = words[5]
+    cut = engine.generate([p], SamplingParams(max_tokens=24, ignore_eos=True, stop=[stop_word]))[0]
+    assert cut.finish_reason == "stop" and stop_word not in cut.text
+    assert full.text.startswith(cut.text)
+    tok = engine.generate([p], SamplingParams(max_tokens=24, ignore_eos=True, stop_token_ids=[full.token_ids[3]]))[0]
+    assert tok.token_ids == full.token_ids[:full.token_ids.index(full.token_ids[3]) + 1]
+
+
+def test_bad_input_is_rejected_and_engine_keeps_serving(folder):
+    engine = make_engine(folder)
+    ok = engine.add_request(prompts(1)[0], GREEDY)
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request([], GREEDY)
+    with pytest.raises(ValueError, match="accepts at most"):
+        engine.add_request([1] * 600, GREEDY)            # model context is 512
+    with pytest.raises(ValueError, match="unknown model 'huge'"):
+        engine.add_request([1, 2], GREEDY, model="huge")
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request([1, 10_000], GREEDY)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=1.5)
+    small_pool = make_engine(folder, max_kv_blocks=8)
+    with pytest.raises(ValueError, match="accepts at most"):
+        small_pool.add_request([1] * 40, GREEDY)         # 8 blocks x 4 = 32 slots
+    while engine.has_work():
+        engine.step()
+    assert len(engine.completion(ok).token_ids) == 24
+
+
+def test_waiting_request_ages_and_is_not_starved(folder):
+    # A pool that fits one long request or several short ones: the long one must still run.
+    engine = make_engine(folder, max_kv_blocks=32, max_wait_steps=4, prefix_caching=False)
+    short = SamplingParams(max_tokens=8, ignore_eos=True)
+    ids = [engine.add_request(p, short) for p in prompts(3, seed=2)]
+    long_id = engine.add_request([7] * 100, SamplingParams(max_tokens=8, ignore_eos=True))
+    for _ in range(40):
+        ids.append(engine.add_request([3, 4, 5], short))
+        engine.step()
+        if engine.sequence(long_id).is_finished:
+            break
+    assert engine.sequence(long_id).is_finished
