@@ -89,9 +89,7 @@ class AsyncEngine:
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None, model: str | None = None,
                        salt: bytes = b"", request_id: str | None = None) -> Completion:
-        last = None
         async for out in self.stream(prompt, params, model, salt, request_id):
-            last = out
-        completion = self.engine.completion(last.request_id)
-        self.engine.release(last.request_id)
-        return completion
+            if out.completion:
+                return out.completion
+        raise EngineFailure("stream ended without a completion")

@@ -20,18 +20,6 @@ from engine.tokenizer import Tokenizer
 
 
 @dataclass
-class StepOutput:
-    """What one step produced for one request: new tokens and the text they complete."""
-    request_id: str
-    model: str
-    new_token_ids: list[int]
-    new_logprobs: list[float]
-    text_delta: str
-    finished: bool
-    finish_reason: str | None
-
-
-@dataclass
 class Completion:
     request_id: str
     model: str
@@ -43,6 +31,22 @@ class Completion:
     num_cached_tokens: int
     ttft: float          # seconds from arrival to the first token
     latency: float
+
+
+@dataclass
+class StepOutput:
+    """What one step produced for one request: new tokens and the text they complete.
+    The last output of a request carries its whole completion."""
+    request_id: str
+    model: str
+    new_token_ids: list[int]
+    new_logprobs: list[float]
+    text_delta: str
+    completion: Completion | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.completion is not None
 
 
 @dataclass
@@ -164,36 +168,28 @@ class LLMEngine:
             text = text.rstrip("\ufffd")
             text = text[:max(len(seq.output_text), len(text) - hold)]
         delta, seq.output_text = text[len(seq.output_text):], text
-        return StepOutput(seq.request_id, worker.name, [sampled[0]], [sampled[1]], delta,
-                          seq.is_finished, seq.finish_reason)
-
-    def completion(self, request_id: str) -> Completion:
-        worker, seq = self.requests[request_id]
-        end = time.monotonic()
-        return Completion(seq.request_id, worker.name, seq.token_ids[:seq.num_prompt_tokens], seq.output_ids,
-                          seq.output_text, list(seq.logprobs), seq.finish_reason or "", seq.num_cached_tokens,
-                          (seq.first_token_time or end) - seq.arrival, end - seq.arrival)
-
-    def release(self, request_id: str) -> None:
-        """Forget a finished request (its blocks were freed when it finished)."""
-        self.requests.pop(request_id, None)
+        completion = None
+        if seq.is_finished:      # the engine forgets it now; its blocks are already free
+            del self.requests[seq.request_id]
+            end = time.monotonic()
+            completion = Completion(seq.request_id, worker.name, seq.token_ids[:seq.num_prompt_tokens],
+                                    seq.output_ids, seq.output_text, list(seq.logprobs), seq.finish_reason or "",
+                                    seq.num_cached_tokens, seq.first_token_time - seq.arrival, end - seq.arrival)
+        return StepOutput(seq.request_id, worker.name, [sampled[0]], [sampled[1]], delta, completion)
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
                  model: str | None = None, salt: bytes = b"", progress: bool = False) -> list[Completion]:
         """Batch use: run all prompts to completion with continuous batching."""
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         ids = [self.add_request(p, sp, model=model, salt=salt) for p, sp in zip(prompts, params_list)]
+        done: dict[str, Completion] = {}
         with tqdm(total=len(ids), disable=not progress, desc="generate") as bar:
-            pending = set(ids)
-            while pending:
+            while len(done) < len(ids):
                 for out in self.step():
-                    if out.finished and out.request_id in pending:
-                        pending.discard(out.request_id)
+                    if out.completion and out.request_id in ids:
+                        done[out.request_id] = out.completion
                         bar.update(1)
-        results = [self.completion(i) for i in ids]
-        for i in ids:
-            self.release(i)
-        return results
+        return [done[i] for i in ids]
 
     def stats(self) -> dict[str, dict]:
         out = {}
