@@ -17,6 +17,14 @@ class ModelEntry(msgspec.Struct, forbid_unknown_fields=True):
     source: str
     # Share of the KV memory this model gets, relative to the other models' shares.
     kv_share: float = 1.0
+    quant: str = "none"           # weight-only: "none" | "int8" | "int4"
+    group_size: int = 128         # int4 group along the input dimension: 32, 64 or 128
+
+    def __post_init__(self) -> None:
+        if self.quant not in ("none", "int8", "int4"):
+            raise ValueError(f"model {self.source!r}: quant must be none, int8 or int4, got {self.quant!r}")
+        if self.group_size not in (32, 64, 128):
+            raise ValueError(f"model {self.source!r}: group_size must be 32, 64 or 128, got {self.group_size}")
 
 
 class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -29,6 +37,7 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
     max_num_batched_tokens: int = 512      # per step and model: decodes + prefill chunks
     max_num_seqs: int = 64
     prefix_caching: bool = True
+    kv_cache_dtype: str = "float32"        # "int8" halves KV memory (one scale per token and head)
     # Steps a waiting request may be overtaken by later, smaller ones before it blocks them.
     max_wait_steps: int = 32
     num_threads: int | None = None
@@ -38,6 +47,8 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
             raise ValueError("engine config: 'models' is empty; name at least one model")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"engine config: block_size must be a power of two, got {self.block_size}")
+        if self.kv_cache_dtype not in ("float32", "int8"):
+            raise ValueError(f"engine config: kv_cache_dtype must be float32 or int8, got {self.kv_cache_dtype!r}")
         if self.max_num_batched_tokens < self.block_size:
             raise ValueError("engine config: max_num_batched_tokens must be at least block_size")
 

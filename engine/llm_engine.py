@@ -15,7 +15,8 @@ from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
-from engine.store import resolve
+from engine.quantize import apply_quantization
+from engine.store import derived_path, resolve
 from engine.tokenizer import Tokenizer
 
 
@@ -62,7 +63,7 @@ class Worker:
 
 
 def _weight_bytes(model: CausalLM) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
 
 
 class LLMEngine:
@@ -75,7 +76,11 @@ class LLMEngine:
         for name, entry in config.models.items():
             folder = resolve(entry.source, progress=progress)
             cfg = ModelConfig.from_folder(folder)
-            loaded[name] = (cfg, load_model(folder, cfg), Tokenizer(folder))
+            model = load_model(folder, cfg)
+            if entry.quant != "none":
+                cache = derived_path(folder, f"{entry.quant}-g{entry.group_size}.safetensors")
+                model = apply_quantization(model, entry.quant, entry.group_size, cache)
+            loaded[name] = (cfg, model, Tokenizer(folder))
         self.workers = self._size_kv(config, loaded)
         self.requests: dict[str, tuple[Worker, Sequence]] = {}
 
@@ -89,7 +94,8 @@ class LLMEngine:
         shares = sum(config.models[n].kv_share for n in loaded)
         workers = {}
         for name, (cfg, model, tok) in loaded.items():
-            per_block = ModelRunner.kv_bytes_per_block(cfg, config.block_size)
+            kv_int8 = config.kv_cache_dtype == "int8"
+            per_block = ModelRunner.kv_bytes_per_block(cfg, config.block_size, kv_int8)
             blocks = int(free * config.models[name].kv_share / shares // per_block)
             if config.max_kv_blocks:
                 blocks = min(blocks, config.max_kv_blocks)
@@ -99,7 +105,7 @@ class LLMEngine:
             eos = set(cfg.eos_token_ids) | {i for i in (tok.token_id(t) for t in (tok.eos_token,) if t) if i is not None}
             sched = Scheduler(bm, cfg.max_position, config.max_num_batched_tokens, config.max_num_seqs,
                               config.max_wait_steps, tuple(sorted(eos)))
-            workers[name] = Worker(name, cfg, model, tok, bm, sched, ModelRunner(model, cfg, blocks, config.block_size))
+            workers[name] = Worker(name, cfg, model, tok, bm, sched, ModelRunner(model, cfg, blocks, config.block_size, kv_int8))
         return workers
 
     # ---- requests -------------------------------------------------------------------

@@ -16,7 +16,7 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.config import ModelConfig
-from kernels import paged_decode_attention, paged_prefill_attention, store_kv
+from kernels import add_rms_norm, apply_rotary, paged_decode_attention, paged_prefill_attention, store_kv
 
 
 @dataclass
@@ -29,7 +29,9 @@ class StepBatch:
     prefill_block_tables: torch.Tensor | None  # [P, max_blocks]
     prefill_context_lens: torch.Tensor | None  # [P]
     prefill_query_start: torch.Tensor | None   # [P + 1], relative to the first prefill token
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    # Per layer: k, v caches, and their per-token-and-head scales when the cache is int8.
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = \
+        field(default_factory=list)
 
 
 class Linear(nn.Module):
@@ -52,8 +54,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """Without a residual: the normed x. With one: (norm(x + residual), x + residual)."""
+        if residual is None:
+            return add_rms_norm(x, None, self.weight, self.eps)[0]
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -88,12 +93,6 @@ class Rotary(nn.Module):
         return self.cos.index_select(0, positions).unsqueeze(1), self.sin.index_select(0, positions).unsqueeze(1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # Hugging Face layout: the two rotated halves are the first and second half of each head.
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -112,17 +111,17 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        k_cache, v_cache = batch.kv_caches[layer]
-        store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        k_cache, v_cache, k_scale, v_scale = batch.kv_caches[layer]
+        store_kv(k, v, k_cache, v_cache, batch.slot_mapping, k_scale, v_scale)
         D = batch.num_decodes
         parts = []
         if D:
             parts.append(paged_decode_attention(q[:D], k_cache, v_cache, batch.decode_block_tables,
-                                                batch.decode_context_lens, self.scale))
+                                                batch.decode_context_lens, self.scale, k_scale, v_scale))
         if D < T:
             parts.append(paged_prefill_attention(q[D:], k_cache, v_cache, batch.prefill_block_tables,
                                                  batch.prefill_context_lens, batch.prefill_query_start,
-                                                 self.scale))
+                                                 self.scale, k_scale, v_scale))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return self.o_proj(out.reshape(T, self.h * self.d))
 
@@ -146,9 +145,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, rope, batch, layer):
-        x = x + self.self_attn(self.input_layernorm(x), rope, batch, layer)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, rope, batch, layer):
+        # The residual add is fused into the next norm (nano-vllm's layout).
+        h, residual = self.input_layernorm(x, residual) if residual is not None else (self.input_layernorm(x), x)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, rope, batch, layer), residual)
+        return self.mlp(h), residual
 
 
 class CausalLM(nn.Module):
@@ -166,9 +167,10 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         rope = self.rotary(positions)
+        residual = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, batch, i)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, batch, i)
+        return self.norm(x, residual)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

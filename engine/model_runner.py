@@ -16,14 +16,20 @@ def _padded(rows: list[list[int]]) -> torch.Tensor:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, cfg: ModelConfig, num_blocks: int, block_size: int):
+    def __init__(self, model: CausalLM, cfg: ModelConfig, num_blocks: int, block_size: int, kv_int8: bool = False):
         self.model, self.cfg, self.block_size = model, cfg, block_size
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_layers)]
+        dtype = torch.int8 if kv_int8 else torch.float32
+
+        def scales():
+            return torch.ones(shape[:-1]) if kv_int8 else None
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype), scales(), scales())
+                          for _ in range(cfg.num_layers)]
 
     @staticmethod
-    def kv_bytes_per_block(cfg: ModelConfig, block_size: int) -> int:
-        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * 4
+    def kv_bytes_per_block(cfg: ModelConfig, block_size: int, kv_int8: bool = False) -> int:
+        per_head = cfg.head_dim + 4 if kv_int8 else cfg.head_dim * 4     # int8 values + one fp32 scale
+        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * per_head
 
     def _slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
         pos = torch.arange(start, end)

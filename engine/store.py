@@ -68,6 +68,15 @@ def cache_dir() -> Path:
     return Path(os.environ.get("SLUICE_CACHE") or "~/.cache/sluice").expanduser()
 
 
+def derived_path(folder: Path, name: str) -> Path:
+    """Where to cache something computed from a model folder (its quantized weights): keyed by
+    the folder's path and its weights' size and mtime, so an edited model is never served stale."""
+    stamp = [str(folder.resolve())] + [f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}"
+                                      for f in sorted(folder.glob("*.safetensors"))]
+    key = hashlib.sha256("|".join(stamp).encode()).hexdigest()[:16]
+    return cache_dir() / "derived" / f"{folder.name}-{key}" / name
+
+
 def resolve(name_or_path: str, progress: bool = True) -> Path:
     """A folder with config.json, *.safetensors, tokenizer.json and tokenizer_config.json."""
     if name_or_path in DEFAULT_MODELS:

@@ -1,8 +1,13 @@
-"""Paged attention, plain PyTorch: the reference twins of the Triton kernels.
+"""Paged attention, plain PyTorch: the reference twins of the Triton kernels in attention_triton.py.
 
 KV lives in fixed-size blocks: ``k_cache[num_blocks, block_size, kv_heads, head_dim]``.
-A sequence's block table lists its blocks in order, so token ``p`` of the sequence sits
-at slot ``block_table[p // block_size] * block_size + p % block_size``.
+A sequence's block table lists its blocks in order (padded with 0), so token ``p`` of the
+sequence sits at slot ``block_table[p // block_size] * block_size + p % block_size``.
+Query heads ``g*i .. g*i+g-1`` share KV head ``i`` (GQA, g = heads // kv_heads).
+
+int8 KV: the caches are int8 and ``k_scale, v_scale [num_blocks, block_size, kv_heads]`` float32
+hold one symmetric scale per token and head (absmax / 127); value = int8 * scale. Every function
+takes ``k_scale=None, v_scale=None`` for a float cache.
 """
 import torch
 import torch.nn.functional as F
@@ -12,22 +17,44 @@ def _slots(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int)
     return block_tables[..., positions // block_size] * block_size + positions % block_size
 
 
-def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+def _gather(cache: torch.Tensor, slots: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The cache rows at `slots` [n, kv_heads, head_dim], dequantized to `dtype`."""
     # index_select, not cache[slots]: advanced indexing is ~1000x slower here on CPU.
-    return cache.view(-1, *cache.shape[2:]).index_select(0, slots)
+    rows = cache.view(-1, *cache.shape[2:]).index_select(0, slots)
+    if scale is None:
+        return rows
+    s = scale.view(-1, scale.shape[-1]).index_select(0, slots)
+    return (rows.float() * s[..., None]).to(dtype)
+
+
+def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, kv_heads, head_dim] -> int8 values and float32 scales [T, kv_heads] (absmax / 127)."""
+    x = x.float()
+    scale = x.abs().amax(-1) / 127
+    q = x / torch.where(scale > 0, scale, 1.0)[..., None]   # an all-zero row stays zero
+    # Round half away from zero: the Triton kernel can do exactly this (no rint in its interpreter).
+    q = torch.trunc(q + 0.5 * torch.sign(q)).clamp(-127, 127)
+    return q.to(torch.int8), scale
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Write the step's new keys and values [T, kv_heads, head_dim] into their slots."""
+             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> None:
+    """Write the step's new keys and values [T, kv_heads, head_dim] into their slots
+    (quantizing them when the cache is int8)."""
     kvh, dh = k.shape[1:]
+    if k_scale is not None:
+        (k, ks), (v, vs) = quantize_kv(k), quantize_kv(v)
+        k_scale.view(-1, kvh).index_copy_(0, slot_mapping, ks)
+        v_scale.view(-1, kvh).index_copy_(0, slot_mapping, vs)
     k_cache.view(-1, kvh, dh).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, kvh, dh).index_copy_(0, slot_mapping, v)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           scale: float) -> torch.Tensor:
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence. q [S, heads, head_dim] -> [S, heads, head_dim].
 
     Every sequence of the step is gathered into one padded batch so the whole decode is a
@@ -38,8 +65,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     pos = torch.arange(max_len)
     S, heads = q.shape[:2]
     slots = _slots(block_tables, pos, block_size).view(-1)            # [S * L]
-    k = _gather(k_cache, slots).view(S, max_len, kvh, dh).transpose(1, 2)   # [S, kvh, L, dh]
-    v = _gather(v_cache, slots).view(S, max_len, kvh, dh).transpose(1, 2)
+    k = _gather(k_cache, slots, k_scale, q.dtype).view(S, max_len, kvh, dh).transpose(1, 2)  # [S, kvh, L, dh]
+    v = _gather(v_cache, slots, v_scale, q.dtype).view(S, max_len, kvh, dh).transpose(1, 2)
     mask = (pos[None, :] < context_lens[:, None])[:, None, None, :]   # [S, 1, 1, L]
     # The query heads that share a KV head become that head's rows: GQA without copying KV
     # (SDPA's own enable_gqa with a mask takes a path ~100x slower on CPU).
@@ -49,14 +76,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, context_lens: torch.Tensor,
-                            query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+                            query_start_loc: torch.Tensor, scale: float,
+                            k_scale: torch.Tensor | None = None,
+                            v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Ragged query chunks whose keys may include an already-cached prefix.
 
     q [T, heads, head_dim] holds the sequences' chunks back to back (``query_start_loc``,
     length S+1); sequence ``s`` has ``context_lens[s]`` tokens in cache including its chunk,
     so its query ``i`` sits at position ``context_lens[s] - q_len + i`` and sees keys up to it.
     """
-    block_size, kvh, dh = k_cache.shape[1:]
+    block_size = k_cache.shape[1]
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
     for s, ctx in enumerate(context_lens.tolist()):
@@ -64,8 +93,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q_len = hi - lo
         pos = torch.arange(ctx)
         slots = _slots(block_tables[s], pos, block_size)
-        k = _gather(k_cache, slots).transpose(0, 1)                  # [kvh, ctx, dh]
-        v = _gather(v_cache, slots).transpose(0, 1)
+        k = _gather(k_cache, slots, k_scale, q.dtype).transpose(0, 1)   # [kvh, ctx, dh]
+        v = _gather(v_cache, slots, v_scale, q.dtype).transpose(0, 1)
         qpos = torch.arange(ctx - q_len, ctx)
         mask = pos[None, :] <= qpos[:, None]                         # causal, offset by prefix
         out[lo:hi] = F.scaled_dot_product_attention(

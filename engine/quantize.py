@@ -1,0 +1,113 @@
+"""Weight-only quantization of the decoder's linear layers.
+
+Formats (shared with the Triton kernels in kernels/):
+  int8: w int8 [N, K], scales [N]; symmetric per output channel: w ~= q * scale.
+  int4: q 0..15 two per byte [N, K // 2] (low nibble = even k), scales and zeros [N, K // group];
+        asymmetric per group: w ~= (q - zero) * scale.
+On CPU the matmuls run on torch's packed int8/int4 ops, which are fast only with bf16
+activations, so activations are cast to bf16 just around them; norms, attention and sampling
+stay in float32. Elsewhere they run on the kernels package.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from engine.model import CausalLM, Linear
+
+MODES = ("none", "int8", "int4")
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scales = w.abs().amax(dim=1).clamp(min=1e-8) / 127
+    return (w / scales[:, None]).round().clamp(-127, 127).to(torch.int8), scales
+
+
+def quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    N, K = w.shape
+    if K % group:
+        raise ValueError(f"int4 group size {group} does not divide the layer's input size {K}")
+    g = w.view(N, K // group, group)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scales = (hi - lo).clamp(min=1e-8) / 15
+    zeros = -lo / scales                         # in quantized units: w = (q - zero) * scale
+    q = (g / scales[..., None] + zeros[..., None]).round().clamp(0, 15).to(torch.uint8).view(N, K)
+    return q[:, 0::2] | (q[:, 1::2] << 4), scales, zeros
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    q = torch.empty(packed.shape[0], packed.shape[1] * 2, dtype=torch.uint8)
+    q[:, 0::2], q[:, 1::2] = packed & 0xF, packed >> 4
+    return q
+
+
+class QuantLinear(nn.Module):
+    """A Linear whose weight is int8 or int4; built from the shared format above."""
+
+    def __init__(self, mode: str, tensors: dict[str, torch.Tensor], bias: torch.Tensor | None, group: int):
+        super().__init__()
+        self.mode, self.group = mode, group
+        self.register_buffer("bias", bias, persistent=False)
+        if mode == "int8":
+            self.register_buffer("w", tensors["w"], persistent=False)
+            self.register_buffer("scales", tensors["scales"].to(torch.bfloat16), persistent=False)
+        else:
+            q = unpack_int4(tensors["w"]).to(torch.int32)
+            self.register_buffer("w", torch._convert_weight_to_int4pack_for_cpu(q, 1), persistent=False)
+            # torch's int4 op computes (q - 8) * scale + zero_point.
+            scales, zeros = tensors["scales"], tensors["zeros"]
+            packed = torch.stack([scales, (8 - zeros) * scales], -1).transpose(0, 1).contiguous()
+            self.register_buffer("scales_and_zeros", packed.to(torch.bfloat16), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xb = x.to(torch.bfloat16)
+        if self.mode == "int8":
+            y = torch._weight_int8pack_mm(xb, self.w, self.scales)
+        else:
+            y = torch._weight_int4pack_mm_for_cpu(xb, self.w, self.group, self.scales_and_zeros)
+        y = y.float()
+        return y if self.bias is None else y + self.bias
+
+
+def quantize_tensors(model: CausalLM, mode: str, group: int) -> dict[str, torch.Tensor]:
+    """Every decoder Linear (the LM head too) in the shared format, keyed by module name."""
+    out = {}
+    for name, module in model.named_modules():
+        if isinstance(module, Linear):
+            w = module.weight_t.t().contiguous()
+            if mode == "int8":
+                q, s = quantize_int8(w)
+                out |= {f"{name}.w": q, f"{name}.scales": s}
+            else:
+                q, s, z = quantize_int4(w, group)
+                out |= {f"{name}.w": q, f"{name}.scales": s, f"{name}.zeros": z}
+    return out
+
+
+def apply_quantization(model: CausalLM, mode: str, group: int = 128, cache: Path | None = None) -> CausalLM:
+    """Swap the model's Linears for quantized ones; with `cache`, quantize once and reuse."""
+    if mode not in MODES:
+        raise ValueError(f"quant must be one of {MODES}, got {mode!r}")
+    if mode == "none":
+        return model
+    if cache is not None and cache.exists():
+        # Copies, not views of the file: torch's int8 kernel segfaults on weights that are not
+        # aligned as its own allocator aligns them.
+        tensors = {k: v.clone() for k, v in load_file(cache).items()}
+    else:
+        tensors = quantize_tensors(model, mode, group)
+        if cache is not None:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache.with_suffix(".tmp")
+            save_file(tensors, tmp)
+            tmp.rename(cache)
+    for name, module in list(model.named_modules()):
+        if isinstance(module, Linear):
+            parent, _, child = name.rpartition(".")
+            own = {k.removeprefix(name + "."): v for k, v in tensors.items() if k.startswith(name + ".")}
+            bias = None if module.bias is None else module.bias.data
+            setattr(model.get_submodule(parent) if parent else model, child, QuantLinear(mode, own, bias, group))
+    return model

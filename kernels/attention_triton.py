@@ -1,0 +1,218 @@
+"""Paged attention in Triton; same signatures as the references in attention.py.
+
+Caches must be contiguous ``[num_blocks, block_size, kv_heads, head_dim]``; q, k and v may be
+strided views (the engine splits them out of one fused qkv projection) as long as head_dim
+is contiguous. Offsets into the caches are int64: a large KV pool passes 2**31 elements.
+The softmax runs online (flash-attention style) in fp32, in base 2 with log2(e) folded into
+the scale, because exp2 is the hardware instruction.
+"""
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _quantize(x):
+    """Rows of x -> int8 and their scales, exactly as attention.quantize_kv."""
+    scale = tl.max(tl.abs(x), axis=1) / 127
+    q = x / tl.where(scale > 0, scale, 1.0)[:, None]
+    q = q + tl.where(q >= 0, 0.5, -0.5)   # then truncation rounds half away from zero
+    return tl.minimum(tl.maximum(q, -127.0), 127.0).to(tl.int8), scale
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, k_cache, v_cache, k_scale, v_scale, slot_mapping,
+                     stride_kt, stride_kh, stride_vt, stride_vh,
+                     KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    mask = (h[:, None] < KV_HEADS) & (d[None, :] < HEAD_DIM)
+    slot = tl.load(slot_mapping + t).to(tl.int64)
+    dst = slot * KV_HEADS * HEAD_DIM + h[:, None] * HEAD_DIM + d[None, :]
+    k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask, other=0.0)
+    v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask, other=0.0)
+    if QUANT:
+        k, ks = _quantize(k.to(tl.float32))
+        v, vs = _quantize(v.to(tl.float32))
+        tl.store(k_scale + slot * KV_HEADS + h, ks, mask=h < KV_HEADS)
+        tl.store(v_scale + slot * KV_HEADS + h, vs, mask=h < KV_HEADS)
+    tl.store(k_cache + dst, k, mask=mask)
+    tl.store(v_cache + dst, v, mask=mask)
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, out_ptr,
+                   qk_scale, block_size, stride_qs, stride_qh, stride_bt, stride_os, stride_oh,
+                   KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                   QUANT: tl.constexpr):
+    # One program per (sequence, KV head): the GROUP query heads sharing that KV head are the
+    # rows of one tile, so each key and value is read once for all of them.
+    s = tl.program_id(0)
+    kvh = tl.program_id(1)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    n = tl.arange(0, BLOCK_N)
+    g_mask = g < GROUP
+    d_mask = d < HEAD_DIM
+    heads = kvh * GROUP + g
+    q = tl.load(q_ptr + s * stride_qs + heads[:, None] * stride_qh + d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    ctx = tl.load(context_lens + s)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for start in range(0, ctx, BLOCK_N):
+        pos = start + n
+        valid = pos < ctx
+        block = tl.load(block_tables + s * stride_bt + pos // block_size, mask=valid, other=0)
+        slot = block.to(tl.int64) * block_size + pos % block_size
+        kv_off = (slot * KV_HEADS + kvh) * HEAD_DIM
+        kv_mask = valid[:, None] & d_mask[None, :]
+        k = tl.load(k_cache + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        v = tl.load(v_cache + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        scores = tl.dot(q, tl.trans(k))                               # [BLOCK_G, BLOCK_N]
+        if QUANT:  # a per-token scale factors out of the dot product
+            scores *= tl.load(k_scale + slot * KV_HEADS + kvh, mask=valid, other=0.0)[None, :]
+        scores = tl.where(valid[None, :], scores * qk_scale, float("-inf"))
+        # Every tile holds at least one valid key (start < ctx), so m_new is finite.
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if QUANT:
+            p *= tl.load(v_scale + slot * KV_HEADS + kvh, mask=valid, other=0.0)[None, :]
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + s * stride_os + heads[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=g_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, query_start_loc,
+                    out_ptr, qk_scale, block_size, stride_qt, stride_qh, stride_bt, stride_ot, stride_oh,
+                    KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                    QUANT: tl.constexpr):
+    # One program per (sequence, query head, tile of BLOCK_M queries of that sequence's chunk).
+    s = tl.program_id(0)
+    h = tl.program_id(1)
+    tile = tl.program_id(2)
+    q_start = tl.load(query_start_loc + s)
+    q_len = tl.load(query_start_loc + s + 1) - q_start
+    if tile * BLOCK_M >= q_len:   # the grid is sized for the longest chunk of the batch
+        return
+    ctx = tl.load(context_lens + s)
+    kvh = h // GROUP
+    m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    n = tl.arange(0, BLOCK_N)
+    m_mask = m < q_len
+    d_mask = d < HEAD_DIM
+    q_pos = ctx - q_len + m                                           # causal, offset by the cached prefix
+    q = tl.load(q_ptr + (q_start + m)[:, None] * stride_qt + h * stride_qh + d[None, :],
+                mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # Keys past the tile's last query are masked for every row: stop there.
+    end = tl.minimum(ctx, ctx - q_len + (tile + 1) * BLOCK_M)
+    for start in range(0, end, BLOCK_N):
+        pos = start + n
+        valid = pos < ctx
+        block = tl.load(block_tables + s * stride_bt + pos // block_size, mask=valid, other=0)
+        slot = block.to(tl.int64) * block_size + pos % block_size
+        kv_off = (slot * KV_HEADS + kvh) * HEAD_DIM
+        kv_mask = valid[:, None] & d_mask[None, :]
+        k = tl.load(k_cache + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        v = tl.load(v_cache + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        scores = tl.dot(q, tl.trans(k))                               # [BLOCK_M, BLOCK_N]
+        if QUANT:
+            scores *= tl.load(k_scale + slot * KV_HEADS + kvh, mask=valid, other=0.0)[None, :]
+        seen = valid[None, :] & (pos[None, :] <= q_pos[:, None])
+        scores = tl.where(seen, scores * qk_scale, float("-inf"))
+        # Key 0 is in the first tile and every row sees it, so m_i is finite from then on.
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if QUANT:
+            p *= tl.load(v_scale + slot * KV_HEADS + kvh, mask=valid, other=0.0)[None, :]
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + (q_start + m)[:, None] * stride_ot + h * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale, v_scale) -> bool:
+    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "KV caches must be contiguous"
+    quant = k_scale is not None
+    assert quant == (v_scale is not None) and quant == (k_cache.dtype == torch.int8)
+    assert not quant or (k_scale.is_contiguous() and v_scale.is_contiguous())
+    return quant
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None, num_warps: int = 1) -> None:
+    quant = _check_cache(k_cache, v_cache, k_scale, v_scale)
+    k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
+    T, kvh, dh = k.shape
+    _store_kv_kernel[(T,)](k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping,
+                           k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                           KV_HEADS=kvh, HEAD_DIM=dh, BLOCK_H=triton.next_power_of_2(kvh),
+                           BLOCK_D=triton.next_power_of_2(dh), QUANT=quant, num_warps=num_warps)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                           block_n: int = 64, num_warps: int = 4) -> torch.Tensor:
+    quant = _check_cache(k_cache, v_cache, k_scale, v_scale)
+    q = _last_dim_contiguous(q)
+    S, heads, dh = q.shape
+    block_size, kvh = k_cache.shape[1:3]
+    out = torch.empty(S, heads, dh, dtype=q.dtype, device=q.device)
+    # tl.dot wants every dimension >= 16: a small group is padded with masked rows.
+    block_g = max(16, triton.next_power_of_2(heads // kvh))
+    _decode_kernel[(S, kvh)](q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, out,
+                             scale * LOG2E, block_size, q.stride(0), q.stride(1), block_tables.stride(0),
+                             out.stride(0), out.stride(1),
+                             KV_HEADS=kvh, GROUP=heads // kvh, HEAD_DIM=dh, BLOCK_G=block_g,
+                             BLOCK_D=max(16, triton.next_power_of_2(dh)), BLOCK_N=block_n,
+                             QUANT=quant, num_warps=num_warps)
+    return out
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, context_lens: torch.Tensor,
+                            query_start_loc: torch.Tensor, scale: float,
+                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                            block_m: int = 64, block_n: int = 64, num_warps: int = 4) -> torch.Tensor:
+    quant = _check_cache(k_cache, v_cache, k_scale, v_scale)
+    q = _last_dim_contiguous(q)
+    T, heads, dh = q.shape
+    S = context_lens.shape[0]
+    block_size, kvh = k_cache.shape[1:3]
+    out = torch.empty(T, heads, dh, dtype=q.dtype, device=q.device)
+    max_q_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    grid = (S, heads, triton.cdiv(max_q_len, block_m))
+    _prefill_kernel[grid](q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, query_start_loc,
+                          out, scale * LOG2E, block_size, q.stride(0), q.stride(1), block_tables.stride(0),
+                          out.stride(0), out.stride(1),
+                          KV_HEADS=kvh, GROUP=heads // kvh, HEAD_DIM=dh, BLOCK_M=block_m,
+                          BLOCK_D=max(16, triton.next_power_of_2(dh)), BLOCK_N=block_n,
+                          QUANT=quant, num_warps=num_warps)
+    return out

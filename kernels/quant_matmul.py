@@ -1,0 +1,21 @@
+"""Weight-only quantized matmuls, plain PyTorch: the reference twins of quant_matmul_triton.py.
+
+Formats (engine/quantize.py produces them):
+  int8: w int8 [N, K], scales float32 [N]; symmetric per output channel: w ~= q * scale.
+  int4: w uint8 [N, K // 2], two values 0..15 per byte (low nibble = even k, high = odd k),
+        scales and zeros float32 [N, K // group]; asymmetric per group: w ~= (q - zero) * scale.
+Both compute x [M, K] @ w.T -> [M, N] in x's dtype.
+"""
+import torch
+
+
+def int8_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return x @ (w.float() * scales[:, None]).to(x.dtype).T
+
+
+def int4_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                group_size: int) -> torch.Tensor:
+    N = w.shape[0]
+    q = torch.stack((w & 0xF, w >> 4), dim=-1).view(N, -1).float()   # [N, K], k in order
+    deq = (q - zeros.repeat_interleave(group_size, 1)) * scales.repeat_interleave(group_size, 1)
+    return x @ deq.to(x.dtype).T

@@ -1,0 +1,336 @@
+"""Kernels: the plain-PyTorch references against dense math, then every Triton kernel against its
+reference on CPU under TRITON_INTERPRET=1 (set in conftest), in float32 because the interpreter
+gets bf16 wrong (see docs/kernels.md). Shapes are small but cross page, tile and group boundaries."""
+import importlib
+import inspect
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+from kernels import attention, norm_rope, quant_matmul
+
+HEAD_DIM = 64
+PAGE = 8                         # KV block size: small, so sequences span several blocks
+SCALE = HEAD_DIM ** -0.5
+
+
+@dataclass
+class Paged:
+    k: list[torch.Tensor]        # per sequence, dense [len, kv_heads, head_dim] as written
+    v: list[torch.Tensor]
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    slot_mapping: torch.Tensor
+
+    def caches(self):
+        return self.k_cache, self.v_cache
+
+    def scales(self):
+        return dict(k_scale=self.k_scale, v_scale=self.v_scale)
+
+    def dense(self, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequence s's K and V as the cache holds them (dequantized when int8)."""
+        if self.k_scale is None:
+            return self.k[s], self.v[s]
+        return tuple(q.float() * sc[..., None] for q, sc in map(attention.quantize_kv, (self.k[s], self.v[s])))
+
+
+def make_paged(lens: list[int], kv_heads: int, quant: bool, seed: int = 0, store=attention.store_kv) -> Paged:
+    """Random K/V for sequences of `lens` tokens, written with `store` into shuffled blocks.
+
+    Every block is in use, block 0 included, so the 0 that pads a block table points at
+    another sequence's data: reading past a context length would show.
+    """
+    g = torch.Generator().manual_seed(seed)
+    counts = [-(-n // PAGE) for n in lens]
+    num_blocks = sum(counts)
+    perm = torch.randperm(num_blocks, generator=g)
+    tables = torch.zeros(len(lens), max(counts), dtype=torch.int32)
+    slots, used = [], 0
+    for s, (n, c) in enumerate(zip(lens, counts)):
+        tables[s, :c] = perm[used:used + c]
+        used += c
+        slots += [int(tables[s, p // PAGE]) * PAGE + p % PAGE for p in range(n)]
+    T = sum(lens)
+    k = torch.randn(T, kv_heads, HEAD_DIM, generator=g)
+    v = torch.randn(T, kv_heads, HEAD_DIM, generator=g)
+    k[0, 0, :3] = torch.tensor([127, 2.5, -2.5]) / 64   # scale 1/64: exact rounding ties for int8
+    shape = (num_blocks, PAGE, kv_heads, HEAD_DIM)
+    dtype = torch.int8 if quant else torch.float32
+    k_cache, v_cache = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+    k_scale = torch.zeros(shape[:3]) if quant else None
+    v_scale = torch.zeros(shape[:3]) if quant else None
+    slot_mapping = torch.tensor(slots)
+    store(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    return Paged(list(k.split(lens)), list(v.split(lens)), k_cache, v_cache, k_scale, v_scale, tables,
+                 torch.tensor(lens), slot_mapping)
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Plain causal attention of q [n, heads, d] over the last n of k, v [L, kv_heads, d]."""
+    group = q.shape[1] // k.shape[1]
+    k, v = (t.repeat_interleave(group, dim=1).transpose(0, 1) for t in (k, v))   # [heads, L, d]
+    L, n = k.shape[1], q.shape[0]
+    mask = torch.ones(L, L, dtype=torch.bool).tril()[L - n:]
+    return F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, scale=SCALE).transpose(0, 1)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] values 0..15 -> [N, K // 2] bytes, low nibble = even k."""
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)
+
+
+# GQA ratio 1, and 3 (not a power of two, as Qwen2.5-1.5B's 12 heads over 2 KV heads).
+HEADS = [(2, 2), (6, 2)]
+DECODE_LENS = [37, 5, 16, 20]                    # a sequence of exactly two pages, one of < 1 page
+PREFILL = [(37, 13), (9, 9), (20, 1), (16, 16)]  # (context incl. chunk, chunk): cached prefixes 24, 0, 19, 0
+
+triton_only = pytest.mark.usefixtures("needs_triton")
+
+
+@pytest.fixture
+def needs_triton():
+    pytest.importorskip("triton")
+
+
+# ---- the references against dense math ----
+
+def test_quantize_kv_is_symmetric_absmax():
+    x = torch.randn(5, 2, HEAD_DIM)
+    x[3, 1] = 0
+    q, scale = attention.quantize_kv(x)
+    assert q.dtype == torch.int8 and scale.shape == (5, 2)
+    assert torch.equal(scale, x.abs().amax(-1) / 127)
+    assert torch.equal(q[3, 1], torch.zeros(HEAD_DIM, dtype=torch.int8))
+    assert torch.equal(q.abs().amax(-1)[scale > 0], torch.full((9,), 127, dtype=torch.int8))
+    assert ((q.float() * scale[..., None] - x).abs() <= scale[..., None] / 2 + 1e-7).all()
+    q, _ = attention.quantize_kv(torch.tensor([[[127, 2.5, -2.5, 0.5, -0.5]]]) / 64)
+    assert q.tolist() == [[[127, 3, -3, 1, -1]]]                # ties round away from zero
+
+
+@pytest.mark.parametrize("quant", [False, True])
+def test_store_kv_reference_writes_each_token_to_its_slot(quant):
+    p = make_paged(DECODE_LENS, 2, quant)
+    for s, n in enumerate(DECODE_LENS):
+        slots = p.block_tables[s, torch.arange(n) // PAGE] * PAGE + torch.arange(n) % PAGE
+        k, v = p.dense(s)
+        got_k = p.k_cache.view(-1, 2, HEAD_DIM)[slots]
+        if quant:
+            got_k = got_k.float() * p.k_scale.view(-1, 2)[slots][..., None]
+        torch.testing.assert_close(got_k, k, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("quant", [False, True])
+@pytest.mark.parametrize("heads,kv_heads", HEADS)
+def test_decode_reference_matches_dense_attention(heads, kv_heads, quant):
+    p = make_paged(DECODE_LENS, kv_heads, quant)
+    q = torch.randn(len(DECODE_LENS), heads, HEAD_DIM)
+    out = attention.paged_decode_attention(q, *p.caches(), p.block_tables, p.context_lens, SCALE, **p.scales())
+    for s in range(len(DECODE_LENS)):
+        torch.testing.assert_close(out[s:s + 1], dense_attention(q[s:s + 1], *p.dense(s)))
+
+
+@pytest.mark.parametrize("quant", [False, True])
+@pytest.mark.parametrize("heads,kv_heads", HEADS)
+def test_prefill_reference_matches_dense_causal_attention(heads, kv_heads, quant):
+    ctx, chunk = zip(*PREFILL)
+    p = make_paged(list(ctx), kv_heads, quant)
+    q = torch.randn(sum(chunk), heads, HEAD_DIM)
+    qsl = torch.tensor([0, *torch.tensor(chunk).cumsum(0).tolist()])
+    out = attention.paged_prefill_attention(q, *p.caches(), p.block_tables, p.context_lens, qsl, SCALE,
+                                            **p.scales())
+    for s in range(len(PREFILL)):
+        lo, hi = qsl[s], qsl[s + 1]
+        torch.testing.assert_close(out[lo:hi], dense_attention(q[lo:hi], *p.dense(s)))
+
+
+def test_int8_kv_attention_stays_close_to_float():
+    pf, pq = make_paged(DECODE_LENS, 2, False), make_paged(DECODE_LENS, 2, True)
+    q = torch.randn(len(DECODE_LENS), 6, HEAD_DIM)
+    args = (pf.block_tables, pf.context_lens, SCALE)
+    exact = attention.paged_decode_attention(q, *pf.caches(), *args)
+    approx = attention.paged_decode_attention(q, *pq.caches(), *args, **pq.scales())
+    torch.testing.assert_close(approx, exact, rtol=0, atol=0.03)
+
+
+def test_int8_matmul_reference_matches_dense():
+    x, w, scales = torch.randn(3, 40), torch.randint(-127, 128, (24, 40), dtype=torch.int8), torch.rand(24)
+    dense = torch.stack([w[n].float() * scales[n] for n in range(24)])
+    torch.testing.assert_close(quant_matmul.int8_matmul(x, w, scales), x @ dense.T)
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_matmul_reference_matches_dense(group):
+    N, K = 24, 256
+    q = torch.randint(0, 16, (N, K), dtype=torch.uint8)
+    scales, zeros = torch.rand(N, K // group), torch.rand(N, K // group) * 15   # fractional zeros
+    dense = torch.empty(N, K)
+    for k in range(K):
+        dense[:, k] = (q[:, k].float() - zeros[:, k // group]) * scales[:, k // group]
+    x = torch.randn(3, K)
+    torch.testing.assert_close(quant_matmul.int4_matmul(x, pack_int4(q), scales, zeros, group), x @ dense.T)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_reference_matches_hugging_face(dtype):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    hf = LlamaRMSNorm(96, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        hf.weight.normal_(1.0, 0.2)
+    x, res = torch.randn(5, 96, dtype=dtype), torch.randn(5, 96, dtype=dtype)
+    normed, new_res = norm_rope.add_rms_norm(x, res, hf.weight.detach(), 1e-6)
+    assert torch.equal(new_res, x + res)
+    assert torch.equal(normed, hf(x + res).detach())
+    normed, new_res = norm_rope.add_rms_norm(x, None, hf.weight.detach(), 1e-6)
+    assert new_res is x and torch.equal(normed, hf(x).detach())
+
+
+def test_apply_rotary_reference_equals_the_engines():
+    from engine.model import apply_rotary as engine_rotary
+    x, cos, sin = torch.randn(5, 3, HEAD_DIM), torch.randn(5, HEAD_DIM // 2), torch.randn(5, HEAD_DIM // 2)
+    expected = engine_rotary(x, cos[:, None], sin[:, None])
+    assert torch.equal(norm_rope.apply_rotary(x, cos, sin), expected)
+    assert torch.equal(norm_rope.apply_rotary(x, cos[:, None], sin[:, None]), expected)
+
+
+# ---- the Triton kernels against their references (interpreted) ----
+
+@triton_only
+@pytest.mark.parametrize("quant", [False, True])
+def test_triton_store_kv(quant):
+    from kernels import attention_triton
+    want = make_paged(DECODE_LENS, 2, quant)
+    got = make_paged(DECODE_LENS, 2, quant, store=attention_triton.store_kv)
+    for a, b in [(got.k_cache, want.k_cache), (got.v_cache, want.v_cache), (got.k_scale, want.k_scale),
+                 (got.v_scale, want.v_scale)]:
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+@triton_only
+@pytest.mark.parametrize("quant", [False, True])
+@pytest.mark.parametrize("heads,kv_heads", HEADS)
+def test_triton_paged_decode_attention(heads, kv_heads, quant):
+    from kernels import attention_triton
+    p = make_paged(DECODE_LENS, kv_heads, quant)
+    # q as the engine makes it: a strided view out of a fused qkv projection.
+    qkv = torch.randn(len(DECODE_LENS), (heads + 2 * kv_heads) * HEAD_DIM)
+    q = qkv[:, :heads * HEAD_DIM].view(-1, heads, HEAD_DIM)
+    args = (q, *p.caches(), p.block_tables, p.context_lens, SCALE)
+    # Tiles of 16 keys over pages of 8: a tile spans two blocks, and a context several tiles.
+    got = attention_triton.paged_decode_attention(*args, **p.scales(), block_n=16)
+    torch.testing.assert_close(got, attention.paged_decode_attention(*args, **p.scales()))
+
+
+@triton_only
+@pytest.mark.parametrize("quant", [False, True])
+@pytest.mark.parametrize("heads,kv_heads", HEADS)
+def test_triton_paged_prefill_attention(heads, kv_heads, quant):
+    from kernels import attention_triton
+    ctx, chunk = zip(*PREFILL)
+    p = make_paged(list(ctx), kv_heads, quant)
+    q = torch.randn(sum(chunk), heads, HEAD_DIM)
+    qsl = torch.tensor([0, *torch.tensor(chunk).cumsum(0).tolist()])
+    args = (q, *p.caches(), p.block_tables, p.context_lens, qsl, SCALE)
+    # Query tiles of 8: the 13- and 16-token chunks take two, the others leave grid cells empty.
+    got = attention_triton.paged_prefill_attention(*args, **p.scales(), block_m=8, block_n=16)
+    torch.testing.assert_close(got, attention.paged_prefill_attention(*args, **p.scales()))
+
+
+@triton_only
+@pytest.mark.parametrize("M", [1, 4])
+def test_triton_int8_matmul(M):
+    from kernels import quant_matmul_triton
+    N, K = 80, 200                     # neither a multiple of the blocks below
+    x, w, scales = torch.randn(M, K), torch.randint(-127, 128, (N, K), dtype=torch.int8), torch.rand(N) / 100
+    got = quant_matmul_triton.int8_matmul(x, w, scales, block_n=32, block_k=64)
+    torch.testing.assert_close(got, quant_matmul.int8_matmul(x, w, scales))
+
+
+@triton_only
+@pytest.mark.parametrize("M", [1, 4])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_triton_int4_matmul(group, M):
+    from kernels import quant_matmul_triton
+    N, K = 40, 256
+    w = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8)
+    scales, zeros = torch.rand(N, K // group) / 10, torch.rand(N, K // group) * 15
+    x = torch.randn(M, K)
+    # K tiles of 64: two groups per tile at group 32, two tiles per group at 128.
+    got = quant_matmul_triton.int4_matmul(x, w, scales, zeros, group, block_n=32, block_k=64)
+    torch.testing.assert_close(got, quant_matmul.int4_matmul(x, w, scales, zeros, group))
+
+
+@triton_only
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_triton_add_rms_norm(with_residual):
+    from kernels import norm_rope_triton
+    x, res, w = torch.randn(5, 96), torch.randn(5, 96), torch.randn(96)   # 96: a masked tail in the block
+    res = res if with_residual else None
+    got, want = norm_rope_triton.add_rms_norm(x, res, w, 1e-6), norm_rope.add_rms_norm(x, res, w, 1e-6)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@triton_only
+def test_triton_apply_rotary():
+    from kernels import norm_rope_triton
+    qkv = torch.randn(5, 6 * HEAD_DIM)
+    k = qkv[:, 3 * HEAD_DIM:].view(5, 3, HEAD_DIM)        # strided, three heads
+    cos, sin = torch.randn(5, 1, HEAD_DIM // 2), torch.randn(5, 1, HEAD_DIM // 2)
+    torch.testing.assert_close(norm_rope_triton.apply_rotary(k, cos, sin), norm_rope.apply_rotary(k, cos, sin),
+                               rtol=1e-6, atol=1e-6)
+
+
+# ---- the dispatcher ----
+
+@triton_only
+@pytest.mark.parametrize("name", kernels.__all__)
+def test_triton_twin_takes_the_references_arguments(name):
+    reference = inspect.unwrap(getattr(kernels, name))
+    twin = getattr(importlib.import_module(reference.__module__ + "_triton"), name)
+    ref_params = [(p.name, p.default) for p in inspect.signature(reference).parameters.values()]
+    twin_params = [(p.name, p.default) for p in inspect.signature(twin).parameters.values()]
+    assert twin_params[:len(ref_params)] == ref_params
+    assert all(default is not inspect.Parameter.empty for _, default in twin_params[len(ref_params):])
+
+
+@triton_only
+def test_dispatcher_runs_triton_when_asked_and_the_reference_on_cpu(monkeypatch):
+    from kernels import norm_rope_triton
+    x, cos, sin = torch.randn(3, 2, HEAD_DIM), torch.randn(3, HEAD_DIM // 2), torch.randn(3, HEAD_DIM // 2)
+    calls = []
+    monkeypatch.setattr(norm_rope_triton, "_rotary_kernel", _Spy(norm_rope_triton._rotary_kernel, calls))
+    kernels.apply_rotary(x, cos, sin)
+    assert calls == []
+    monkeypatch.setattr(kernels, "_use_triton", lambda t: True)
+    kernels.apply_rotary(x, cos, sin)
+    assert len(calls) == 1
+
+
+class _Spy:
+    def __init__(self, kernel, calls):
+        self.kernel, self.calls = kernel, calls
+
+    def __getitem__(self, grid):
+        self.calls.append(grid)
+        return self.kernel[grid]
+
+
+def test_kernels_import_and_run_on_cpu_without_triton():
+    code = ("import sys; sys.modules['triton'] = None\n"   # makes `import triton` fail
+            "import torch, kernels\n"
+            "assert not kernels.HAS_TRITON\n"
+            "x = torch.randn(2, 8)\n"
+            "print(kernels.add_rms_norm(x, None, torch.ones(8), 1e-6)[0].shape)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).parents[1])
+    assert out.returncode == 0, out.stderr
