@@ -27,7 +27,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from retrieval import Document, Embedder, HFTokenizer, Store, build_prompt, trim  # noqa: E402
+from retrieval import Document, Embedder, Store, build_prompt, trim  # noqa: E402
 
 MODES = ("dense", "bm25", "hybrid")
 RECALL_AT = (1, 3, 5)
@@ -46,11 +46,11 @@ def load_squad(path: Path):
     return docs, questions
 
 
-def answer_tokenizer(folder: str | None) -> HFTokenizer:
-    if folder is None:
-        from engine.store import resolve  # the model store knows where the Qwen2.5 files are
-        folder = resolve("qwen2.5-coder-0.5b")
-    return HFTokenizer.from_file(Path(folder) / "tokenizer.json")
+def answer_tokenizer(folder: str | None):
+    """The engine's own tokenizer for Qwen2.5, so counts are the ones the engine will see."""
+    from engine.store import resolve
+    from engine.tokenizer import Tokenizer
+    return Tokenizer(Path(folder) if folder else resolve("qwen2.5-coder-0.5b"))
 
 
 def main():
@@ -108,7 +108,8 @@ def main():
     print(f"\nanswer text in the hybrid top {TRIM_FROM}: {report['answer_in_top_10_hybrid']:.3f}\n")
     print("| budget (tokens) | answer in context | mean prompt tokens |\n|---|---|---|")
     for b in BUDGETS:
-        print(f"| {b} | {report['answer_in_context_after_trim'][str(b)]:.3f} | {report['mean_prompt_tokens'][str(b)]} |")
+        kept_share, mean = report["answer_in_context_after_trim"][str(b)], report["mean_prompt_tokens"][str(b)]
+        print(f"| {b} | {kept_share:.3f} | {mean} |")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
 

@@ -13,7 +13,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.model import CausalLM, load_model
 from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import Sequence
 from engine.quantize import apply_quantization
 from engine.store import derived_path, resolve
@@ -196,6 +196,30 @@ class LLMEngine:
                         done[out.request_id] = out.completion
                         bar.update(1)
         return [done[i] for i in ids]
+
+    def score(self, token_ids: list[int], model: str | None = None) -> list[float]:
+        """Log-probability of each token after the first given the ones before it (perplexity,
+        answer likelihoods). Synchronous: call it between steps, not during one."""
+        worker = self.worker(model)
+        seq = Sequence(list(token_ids), SamplingParams(max_tokens=1), salt=b"score")
+        if len(seq) < 2 or len(seq) >= worker.scheduler.max_model_len:
+            raise ValueError(f"score needs 2 to {worker.scheduler.max_model_len - 1} tokens, got {len(seq)}")
+        if not worker.block_manager.can_allocate(seq):
+            raise ValueError("not enough free KV blocks to score this sequence now")
+        worker.block_manager.allocate(seq)
+        seq.num_computed_tokens = 0     # score every token, even ones the prefix cache holds
+        out: list[float] = []
+        try:
+            while seq.num_computed_tokens < len(seq):
+                start = seq.num_computed_tokens
+                n = min(len(seq) - start, self.config.max_num_batched_tokens)
+                lp = worker.runner.all_logprobs(ScheduledSeq(seq, n))
+                targets = torch.tensor(seq.token_ids[start + 1:start + n + 1])
+                out += lp[:len(targets)].gather(1, targets[:, None]).squeeze(1).tolist()
+                seq.num_computed_tokens += n
+        finally:
+            worker.block_manager.free_seq(seq)
+        return out
 
     def stats(self) -> dict[str, dict]:
         out = {}

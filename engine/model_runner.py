@@ -65,6 +65,12 @@ class ModelRunner:
         return torch.tensor(ids), torch.cat(positions), batch, sample_rows
 
     @torch.inference_mode()
+    def all_logprobs(self, item: ScheduledSeq) -> torch.Tensor:
+        """Log-probabilities over the vocabulary at every position of one chunk (scoring)."""
+        input_ids, positions, batch, _ = self.prepare([item])
+        return torch.log_softmax(self.model.logits(self.model(input_ids, positions, batch)), dim=-1)
+
+    @torch.inference_mode()
     def run(self, scheduled: list[ScheduledSeq]) -> dict[int, tuple[int, float]]:
         """Returns seq_id -> (next token, its log-probability) for sequences that sample."""
         input_ids, positions, batch, rows = self.prepare(scheduled)

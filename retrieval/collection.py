@@ -32,8 +32,7 @@ import numpy as np
 from .documents import chunk
 from .types import Chunk, Document, RetrievalError, SearchHit, Tokenizer
 
-HNSW_FROM = 50_000  # exact search costs about 10 ms a query on 2 cores at this size
-RRF_K = 60  # reciprocal rank fusion constant from Cormack et al. (2009); not tuned here
+HNSW_FROM = 50_000  # exact search takes about 15 ms a query on 2 cores at this size
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
@@ -86,17 +85,13 @@ class Collection:
         stored = self._meta("config")
         if stored is None:
             self.config = config or CollectionConfig()
+            _check(self.config, embedder)  # before it is stored for good
             with self._transaction():
                 self._set_meta("config", json.dumps(asdict(self.config)))
         else:
             self.config = CollectionConfig(**json.loads(stored))
             if config is not None and config != self.config:
                 raise RetrievalError(f"collection {self.path.name!r} exists with {self.config}, not {config}")
-        if self.config.index not in (None, "flat", "hnsw", "ivf"):
-            raise RetrievalError(f"unknown index kind {self.config.index!r}: use flat, hnsw or ivf")
-        if self.config.chunk_size > embedder.max_tokens:
-            raise RetrievalError(f"chunk size {self.config.chunk_size} exceeds the embedder's "
-                                 f"{embedder.max_tokens}-token window")
         with self.lock:
             self._load_index()
 
@@ -111,13 +106,14 @@ class Collection:
             raise RetrievalError("the same document id appears twice in one ingest")
         chunks = [c for d in docs for c in chunk(d, self.embedder.tokenizer, self.config.chunk_size,
                                                  self.config.chunk_overlap)]
-        key = lambda c: (c.doc_id, c.title, c.text)
         with self.lock:  # unchanged chunks keep their vectors: embedding is the slow part
-            known = {r[:3]: np.frombuffer(r[3], np.float32) for r in self._where_in(
-                "SELECT doc_id, title, text, vector FROM chunks WHERE doc_id IN ({})", doc_ids)}
-        new = [c for c in chunks if key(c) not in known]
-        known.update(zip(map(key, new), self.embedder.encode([_embed_text(c) for c in new])))
-        vectors = np.stack([known[key(c)] for c in chunks])
+            known = {text: np.frombuffer(vector, np.float32) for text, vector in self._where_in(
+                "SELECT text, vector FROM chunks WHERE doc_id IN ({})", doc_ids)}
+        new = list(dict.fromkeys(c.text for c in chunks if c.text not in known))
+        # Text alone is embedded: the title made no difference on SQuAD (recall@1 0.658 with it,
+        # 0.659 without) and would take room in the 256-token window. BM25 does index titles.
+        known.update(zip(new, self.embedder.encode(new)))
+        vectors = np.stack([known[c.text] for c in chunks])
         with self.lock:
             with self._transaction():
                 removed = self._remove(doc_ids)
@@ -151,7 +147,8 @@ class Collection:
             cur = self.db.execute(
                 "INSERT INTO chunks(doc_id, position, title, text, metadata, vector) VALUES (?, ?, ?, ?, ?, ?)",
                 (c.doc_id, c.position, c.title, c.text, json.dumps(c.metadata), v.tobytes()))
-            self.db.execute("INSERT INTO terms(rowid, title, text) VALUES (?, ?, ?)", (cur.lastrowid, c.title, c.text))
+            self.db.execute("INSERT INTO terms(rowid, title, text) VALUES (?, ?, ?)",
+                            (cur.lastrowid, c.title, c.text))
             ids.append(cur.lastrowid)
         return ids
 
@@ -218,7 +215,8 @@ class Collection:
 
     # ---- search ----
 
-    def search(self, query: str, k: int = 8, mode: str = "hybrid", vector: np.ndarray | None = None) -> list[SearchHit]:
+    def search(self, query: str, k: int = 8, mode: str = "hybrid",
+               vector: np.ndarray | None = None) -> list[SearchHit]:
         """The k best chunks for a query: by embedding ("dense"), by BM25 ("bm25") or both fused.
         `vector` is the query's embedding when the caller has it already (the router needs it too)."""
         if not query.strip():
@@ -377,6 +375,17 @@ class Store:
         return self.root / tenant if name is None else self.root / tenant / name
 
 
+def _check(config: CollectionConfig, embedder: Embed):
+    if config.index not in (None, "flat", "hnsw", "ivf"):
+        raise RetrievalError(f"unknown index kind {config.index!r}: use flat, hnsw or ivf")
+    if config.chunk_size > embedder.max_tokens:
+        raise RetrievalError(f"chunk size {config.chunk_size} exceeds the embedder's "
+                             f"{embedder.max_tokens}-token window")
+    if not 8 <= config.chunk_size or not 0 <= config.chunk_overlap < config.chunk_size:
+        raise RetrievalError(f"chunk size must be at least 8 and overlap in [0, size), got size="
+                             f"{config.chunk_size}, overlap={config.chunk_overlap}")
+
+
 def _new_index(kind: str, vectors: np.ndarray) -> faiss.Index:
     d = vectors.shape[1]
     if kind == "hnsw":
@@ -397,16 +406,17 @@ def _kind(index: faiss.Index) -> str:
 
 
 def _fuse(rankings: list[list[tuple[int, float]]]) -> list[tuple[int, float]]:
-    """Reciprocal rank fusion: ranks, not raw scores, so cosine and BM25 scales never mix."""
+    """Equal-weight sum of each ranking's min-max normalized scores, a chunk missing from one
+    counting 0 there. This convex combination beat reciprocal rank fusion on SQuAD (recall@1
+    0.82 against 0.76), as Bruch et al. (2023) found on other sets; the weight is not tuned."""
     fused: dict[int, float] = {}
     for ranking in rankings:
-        for rank, (i, _) in enumerate(ranking, 1):
-            fused[i] = fused.get(i, 0.0) + 1.0 / (RRF_K + rank)
+        if not ranking:
+            continue
+        lo, hi = min(s for _, s in ranking), max(s for _, s in ranking)
+        for i, s in ranking:
+            fused[i] = fused.get(i, 0.0) + ((s - lo) / (hi - lo) if hi > lo else 1.0) / len(rankings)
     return sorted(fused.items(), key=lambda x: (-x[1], x[0]))
-
-
-def _embed_text(c: Chunk) -> str:
-    return f"{c.title}\n{c.text}" if c.title else c.text
 
 
 def _chunk(row) -> Chunk:

@@ -40,7 +40,7 @@ def parse(content: str, kind: str, doc_id: str | None = None, title: str = "",
         raise RetrievalError(f"a {kind} document needs a document id")
     content = content.replace("\r\n", "\n")
     if kind == "html":
-        content, html_title = html_text(content)
+        content, html_title = _html_text(content)
         title = title or html_title
     elif kind == "markdown":
         content, md_title = _markdown(content)
@@ -115,6 +115,8 @@ class _HTMLText(HTMLParser):
             self.skipping += 1
         elif tag in self.BLOCK:
             self.parts.append("\n\n")
+        elif tag in ("td", "th"):  # cells of a row stay on one line, apart
+            self.parts.append(" ")
 
     def handle_endtag(self, tag):
         if tag == "title":
@@ -131,7 +133,7 @@ class _HTMLText(HTMLParser):
             self.parts.append(data)
 
 
-def html_text(html: str) -> tuple[str, str]:
+def _html_text(html: str) -> tuple[str, str]:
     """(visible text with block elements as paragraphs, <title>) of an HTML page."""
     parser = _HTMLText()
     parser.feed(html)

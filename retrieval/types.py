@@ -61,4 +61,4 @@ class Chunk:
 @dataclass(frozen=True)
 class SearchHit:
     chunk: Chunk
-    score: float  # higher is better; cosine for dense search, fused rank score for hybrid
+    score: float  # higher is better: cosine (dense), BM25 (bm25) or fused in [0, 1] (hybrid)

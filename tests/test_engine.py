@@ -162,3 +162,17 @@ def test_int8_kv_cache_fits_more_blocks_and_follows_float(folder):
     got = [c.token_ids for c in i8.generate(ps, short)]
     # Per-token-and-head int8 keeps short greedy runs of a random model on the same path.
     assert got == ref
+
+
+def test_score_matches_transformers_logprobs(folder):
+    import transformers
+    engine = make_engine(folder, max_num_batched_tokens=16)        # several chunks
+    ids = prompts(1, seed=13)[0][:50]
+    engine.generate([ids], GREEDY)                                   # its prefix is now cached
+    got = engine.score(ids)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        lp = torch.log_softmax(ref(torch.tensor([ids])).logits[0], -1)
+    want = lp[:-1].gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1).tolist()
+    assert got == pytest.approx(want, abs=1e-4)
+    assert engine.stats()["tiny"]["kv_blocks_free"] == 256

