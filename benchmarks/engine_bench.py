@@ -12,45 +12,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import transformers
+from common import RESULTS, machine, memory_bandwidth_gbs, percentile, timed
 from rich.console import Console
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from engine.config import EngineConfig, ModelEntry  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.store import resolve  # noqa: E402
+from engine.config import EngineConfig, ModelEntry
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from engine.store import resolve
 
 console = Console()
-RESULTS = Path(__file__).parent / "results"
-
-
-def memory_bandwidth_gbs() -> float:
-    """Read bandwidth: summing a 1 GiB float32 tensor, best of five."""
-    x = torch.ones(2**28)
-    x.sum()
-    best = min(_timed(x.sum) for _ in range(5))
-    return x.numel() * 4 / best / 1e9
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
-def percentile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
 def workload(seed: int, n: int, vocab: int) -> list[tuple[list[int], int]]:
@@ -74,8 +52,8 @@ def decode_speed(engine: LLMEngine, hf, prompt: list[int], n: int) -> dict:
     ids = torch.tensor([prompt])
     with torch.no_grad():
         hf.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
-        first = _timed(lambda: hf.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False))
-        total = _timed(lambda: hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False))
+        first = timed(lambda: hf.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False))
+        total = timed(lambda: hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False))
     return {"sluice_tok_s": sluice, "hf_tok_s": (n - 1) / (total - first)}
 
 
@@ -101,7 +79,7 @@ def concurrent(engine: LLMEngine, hf, reqs: list[tuple[list[int], int]], hf_mode
             width = max(len(p) for p, _ in reqs)
             ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in reqs])        # left padding
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in reqs])
-            wall = _timed(lambda: hf.generate(ids, attention_mask=mask, max_new_tokens=max(n for _, n in reqs),
+            wall = timed(lambda: hf.generate(ids, attention_mask=mask, max_new_tokens=max(n for _, n in reqs),
                                               min_new_tokens=max(n for _, n in reqs), do_sample=False,
                                               pad_token_id=0))
             # Every request of a padded batch finishes when the longest does.
@@ -154,8 +132,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     bw = memory_bandwidth_gbs()
-    results = {"machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-                           "torch": torch.__version__, "read_bandwidth_gbs": bw}, "models": {}}
+    results = {"machine": machine() | {"read_bandwidth_gbs": bw}, "models": {}}
     for name in args.models:
         results["models"][name] = run(name, args.hf_modes, args.decode_tokens)
     table = Table(title=f"Sluice vs transformers (float32, {torch.get_num_threads()} threads, "

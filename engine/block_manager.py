@@ -98,6 +98,21 @@ class BlockManager:
         seq.num_cached_tokens = seq.num_computed_tokens = cached_tokens
         seq.num_hashed_blocks = cached_tokens // bs
 
+    def resize(self, seq: Sequence, num_tokens: int) -> bool:
+        """Grow or shrink the block table to cover num_tokens (speculation's drafts and their
+        rollback); False, and nothing changed, when there are not enough free blocks."""
+        want = (num_tokens + self.block_size - 1) // self.block_size
+        if want - len(seq.block_table) > self.num_free:
+            return False
+        while len(seq.block_table) < want:
+            seq.block_table.append(self._evict_and_take())
+        while len(seq.block_table) > want:
+            block = self.blocks[seq.block_table.pop()]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[block.block_id] = None
+        return True
+
     def can_append(self, seq: Sequence) -> bool:
         return len(seq.block_table) >= seq.num_blocks(self.block_size) or self.num_free > 0
 

@@ -27,6 +27,20 @@ class ModelEntry(msgspec.Struct, forbid_unknown_fields=True):
             raise ValueError(f"model {self.source!r}: group_size must be 32, 64 or 128, got {self.group_size}")
 
 
+class SpecConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """Speculative decoding for one target model. Every source has its own off switch."""
+    target: str                        # name of the model that verifies
+    draft: str | None = None           # name of the draft model (same tokenizer); None: no model drafts
+    prompt_lookup: bool = True         # n-gram drafts from the sequence itself
+    max_k: int = 6                     # most tokens one proposal may hold
+    max_external_k: int = 16           # an external draft is cheap: verify more of it per pass
+    min_ngram: int = 2
+    max_ngram: int = 4
+    # Marginal cost of verifying one more token, relative to a decode step of the target.
+    verify_cost: float = 0.05
+    probe_every: int = 16              # steps a sequence waits with speculation off before trying again
+
+
 class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
     models: dict[str, ModelEntry]
     # One budget for weights plus KV across all models; KV gets what the weights leave.
@@ -41,10 +55,16 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
     # Steps a waiting request may be overtaken by later, smaller ones before it blocks them.
     max_wait_steps: int = 32
     num_threads: int | None = None
+    speculative: SpecConfig | None = None
 
     def __post_init__(self) -> None:
         if not self.models:
             raise ValueError("engine config: 'models' is empty; name at least one model")
+        spec = self.speculative
+        for role, name in (("target", spec and spec.target), ("draft", spec and spec.draft)):
+            if name and name not in self.models:
+                raise ValueError(f"engine config: speculative {role} {name!r} is not one of the models "
+                                 f"({', '.join(self.models)})")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"engine config: block_size must be a power of two, got {self.block_size}")
         if self.kv_cache_dtype not in ("float32", "int8"):

@@ -9,12 +9,13 @@ import torch
 from tqdm import tqdm
 
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig, ModelConfig, SpecConfig
 from engine.model import CausalLM, load_model
 from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import Sequence
+from engine.speculative import SpecState, Speculator
 from engine.quantize import apply_quantization
 from engine.store import derived_path, resolve
 from engine.tokenizer import Tokenizer
@@ -83,6 +84,15 @@ class LLMEngine:
             loaded[name] = (cfg, model, Tokenizer(folder))
         self.workers = self._size_kv(config, loaded)
         self.requests: dict[str, tuple[Worker, Sequence]] = {}
+        self.speculator = self._speculator(config.speculative)
+
+    def _speculator(self, spec: SpecConfig | None) -> Speculator | None:
+        if spec is None:
+            return None
+        target, draft = self.workers[spec.target], spec.draft and self.workers[spec.draft]
+        if draft and draft.tokenizer.hf.get_vocab() != target.tokenizer.hf.get_vocab():
+            raise ValueError(f"draft model {spec.draft!r} cannot draft for {spec.target!r}: their tokenizers differ")
+        return Speculator(spec, target, draft or None)
 
     @staticmethod
     def _size_kv(config: EngineConfig, loaded: dict) -> dict[str, Worker]:
@@ -116,8 +126,11 @@ class LLMEngine:
         return self.workers[name]
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, model: str | None = None,
-                    salt: bytes = b"", request_id: str | None = None) -> str:
-        """Queue a request; bad input raises ValueError and leaves the engine untouched."""
+                    salt: bytes = b"", request_id: str | None = None, speculate: bool = True,
+                    draft: list[int] | None = None) -> str:
+        """Queue a request; bad input raises ValueError and leaves the engine untouched.
+        `draft` is an external draft of the continuation (say, a small model's answer) that the
+        target verifies instead of generating from scratch; the output is unchanged by it."""
         worker = self.worker(model)
         ids = worker.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
@@ -127,6 +140,10 @@ class LLMEngine:
         seq = Sequence(ids, params or SamplingParams(), salt=salt, request_id=request_id or "")
         if seq.request_id in self.requests:
             raise ValueError(f"request id {seq.request_id!r} is already in use")
+        if draft and not (self.speculator and worker is self.speculator.target):
+            raise ValueError(f"an external draft needs speculative decoding configured with {worker.name!r} as target")
+        if self.speculator and worker is self.speculator.target and speculate:
+            seq.spec = SpecState(external=list(draft or []))
         worker.scheduler.add(seq)
         self.requests[seq.request_id] = (worker, seq)
         return seq.request_id
@@ -136,6 +153,8 @@ class LLMEngine:
         entry = self.requests.pop(request_id, None)
         if entry:
             entry[0].scheduler.finish(entry[1], "abort")
+            if self.speculator:
+                self.speculator.release(entry[1])
 
     def sequence(self, request_id: str) -> Sequence:
         return self.requests[request_id][1]
@@ -146,22 +165,36 @@ class LLMEngine:
     # ---- the step loop --------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         outputs = []
+        spec = self.speculator
         for worker in self.workers.values():
+            speculating = spec is not None and worker is spec.target
+            if speculating:
+                spec.propose()
             scheduled = worker.scheduler.schedule()
             if not scheduled:
                 continue
+            lengths = {item.seq.seq_id: len(item.seq) - item.num_draft for item in scheduled}
+            start = time.perf_counter()
             sampled = worker.runner.run(scheduled)
-            worker.scheduler.postprocess(scheduled, {sid: t for sid, (t, _) in sampled.items()})
+            if speculating:
+                spec.observe_target_step(time.perf_counter() - start)
+                for item in scheduled:
+                    if item.seq.seq_id in sampled:
+                        spec.observe(item, sampled[item.seq.seq_id][0])
+            worker.scheduler.postprocess(scheduled, {sid: tokens for sid, (tokens, _) in sampled.items()})
             now = time.monotonic()
             for item in scheduled:
                 seq = item.seq
                 if seq.seq_id in sampled:
-                    seq.logprobs.append(sampled[seq.seq_id][1])
+                    new = seq.token_ids[lengths[seq.seq_id]:]        # after any finish cut them
+                    seq.logprobs.extend(sampled[seq.seq_id][1][:len(new)])
                     seq.first_token_time = seq.first_token_time or now
-                    outputs.append(self._emit(worker, seq, sampled[seq.seq_id]))
+                    if seq.is_finished and speculating:
+                        spec.release(seq)
+                    outputs.append(self._emit(worker, seq, new, sampled[seq.seq_id][1][:len(new)]))
         return outputs
 
-    def _emit(self, worker: Worker, seq: Sequence, sampled: tuple[int, float]) -> StepOutput:
+    def _emit(self, worker: Worker, seq: Sequence, new: list[int], logprobs: list[float]) -> StepOutput:
         stops = seq.params.stop
         text = worker.tokenizer.decode(seq.output_ids)
         cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
@@ -181,7 +214,7 @@ class LLMEngine:
             completion = Completion(seq.request_id, worker.name, seq.token_ids[:seq.num_prompt_tokens],
                                     seq.output_ids, seq.output_text, list(seq.logprobs), seq.finish_reason or "",
                                     seq.num_cached_tokens, seq.first_token_time - seq.arrival, end - seq.arrival)
-        return StepOutput(seq.request_id, worker.name, [sampled[0]], [sampled[1]], delta, completion)
+        return StepOutput(seq.request_id, worker.name, new, logprobs, delta, completion)
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
                  model: str | None = None, salt: bytes = b"", progress: bool = False) -> list[Completion]:
@@ -231,4 +264,6 @@ class LLMEngine:
                 "prefix_cache_queries": bm.queries, "prefix_cache_hits": bm.hits,
                 "preemptions": w.scheduler.num_preemptions,
             }
+        if self.speculator:
+            out[self.speculator.target.name]["speculation"] = self.speculator.stats.as_dict()
         return out

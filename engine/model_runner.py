@@ -6,8 +6,10 @@ import torch
 
 from engine.config import ModelConfig
 from engine.model import CausalLM, StepBatch
+from engine.sampler import probs as sampling_probs
 from engine.sampler import sample
 from engine.scheduler import ScheduledSeq
+from engine.speculative import verify
 
 
 def _padded(rows: list[list[int]]) -> torch.Tensor:
@@ -35,22 +37,23 @@ class ModelRunner:
         pos = torch.arange(start, end)
         return torch.tensor(block_table)[pos // self.block_size] * self.block_size + pos % self.block_size
 
-    def prepare(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, StepBatch, list[int]]:
-        decodes = [s for s in scheduled if not s.seq.in_prefill]
-        chunks = [s for s in scheduled if s.seq.in_prefill]
-        assert scheduled[:len(decodes)] == decodes, "decodes must come first"
+    def prepare(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, StepBatch,
+                                                              list[tuple[ScheduledSeq, int]]]:
+        """Flatten the step: single-token decodes first (one batched attention call), then
+        chunks (prefills and speculative verifications). Returns each item with its first row."""
+        decodes = [s for s in scheduled if s.is_decode]
+        chunks = [s for s in scheduled if not s.is_decode]
         ids: list[int] = []
         positions: list[torch.Tensor] = []
         slots: list[torch.Tensor] = []
-        sample_rows: list[int] = []
-        for item in scheduled:
+        rows: list[tuple[ScheduledSeq, int]] = []
+        for item in decodes + chunks:
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_tokens
+            rows.append((item, len(ids)))
             ids.extend(seq.token_ids[start:end])
             positions.append(torch.arange(start, end))
             slots.append(self._slots(seq.block_table, start, end))
-            if item.samples:
-                sample_rows.append(len(ids) - 1)
         batch = StepBatch(slot_mapping=torch.cat(slots), num_decodes=len(decodes),
                           decode_block_tables=None, decode_context_lens=None,
                           prefill_block_tables=None, prefill_context_lens=None,
@@ -62,7 +65,7 @@ class ModelRunner:
             batch.prefill_block_tables = _padded([s.seq.block_table for s in chunks])
             batch.prefill_context_lens = torch.tensor([s.seq.num_computed_tokens + s.num_tokens for s in chunks])
             batch.prefill_query_start = torch.tensor([0] + [s.num_tokens for s in chunks]).cumsum(0)
-        return torch.tensor(ids), torch.cat(positions), batch, sample_rows
+        return torch.tensor(ids), torch.cat(positions), batch, rows
 
     @torch.inference_mode()
     def all_logprobs(self, item: ScheduledSeq) -> torch.Tensor:
@@ -71,13 +74,29 @@ class ModelRunner:
         return torch.log_softmax(self.model.logits(self.model(input_ids, positions, batch)), dim=-1)
 
     @torch.inference_mode()
-    def run(self, scheduled: list[ScheduledSeq]) -> dict[int, tuple[int, float]]:
-        """Returns seq_id -> (next token, its log-probability) for sequences that sample."""
+    def run(self, scheduled: list[ScheduledSeq], return_probs: bool = False):
+        """seq_id -> (new tokens, their log-probabilities) for every item that reaches its
+        sequence's end: one token, or for a verification the accepted drafts plus one.
+        With return_probs, also seq_id -> the distribution each sampled token came from
+        (what a draft model hands to the rejection rule)."""
         input_ids, positions, batch, rows = self.prepare(scheduled)
         hidden = self.model(input_ids, positions, batch)
-        sampling = [s.seq for s in scheduled if s.samples]
-        if not sampling:
-            return {}
-        logits = self.model.logits(hidden[rows])
-        tokens, logprobs = sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
-        return {s.seq_id: (t, lp) for s, t, lp in zip(sampling, tokens, logprobs)}
+        plain = [(item, row + item.num_tokens - 1) for item, row in rows if item.samples and not item.num_draft]
+        verifying = [(item, row) for item, row in rows if item.num_draft]
+        out: dict[int, tuple[list[int], list[float]]] = {}
+        probs: dict[int, torch.Tensor] = {}
+        if plain:
+            logits = self.model.logits(hidden[[r for _, r in plain]])
+            seqs = [item.seq for item, _ in plain]
+            tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+            for i, (seq, t, lp) in enumerate(zip(seqs, tokens, logprobs)):
+                out[seq.seq_id] = ([t], [lp])
+                if return_probs and not seq.params.greedy:
+                    probs[seq.seq_id] = sampling_probs(logits[i], seq.params)[None]
+        for item, row in verifying:
+            seq = item.seq
+            logits = self.model.logits(hidden[row:row + item.num_tokens])
+            tokens = verify(logits, seq.draft[:item.num_draft], seq.draft_probs, seq.params, seq.generator)
+            lp = torch.log_softmax(logits[:len(tokens)], -1).gather(1, torch.tensor(tokens)[:, None])
+            out[seq.seq_id] = (tokens, lp.squeeze(1).tolist())
+        return (out, probs) if return_probs else out

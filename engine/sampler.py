@@ -6,6 +6,11 @@ import torch
 from engine.sampling_params import SamplingParams
 
 
+def probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The distribution a non-greedy request samples from: temperature, then top-k, top-p."""
+    return _filtered(logits, p).softmax(-1)
+
+
 def _filtered(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     logits = logits / p.temperature
     if p.top_k and p.top_k < logits.shape[-1]:
@@ -13,9 +18,9 @@ def _filtered(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if p.top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True)
-        probs = sorted_logits.softmax(-1)
+        sorted_probs = sorted_logits.softmax(-1)
         # Drop a token when the mass before it already reaches top_p; the top token always stays.
-        drop = probs.cumsum(-1) - probs >= p.top_p
+        drop = sorted_probs.cumsum(-1) - sorted_probs >= p.top_p
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     return logits
 
@@ -28,7 +33,6 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     tokens = logits.argmax(dim=-1)
     for i, p in enumerate(params):
         if not p.greedy:
-            probs = _filtered(logits[i], p).softmax(-1)
-            tokens[i] = torch.multinomial(probs, 1, generator=generators[i]).item()
+            tokens[i] = torch.multinomial(probs(logits[i], p), 1, generator=generators[i]).item()
     chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
     return tokens.tolist(), chosen.tolist()

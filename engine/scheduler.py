@@ -18,6 +18,11 @@ from engine.sequence import Sequence, Status
 class ScheduledSeq:
     seq: Sequence
     num_tokens: int            # tokens to compute this step, from seq.num_computed_tokens
+    num_draft: int = 0         # of those, speculative tokens the step verifies
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_tokens == 1 and self.samples
 
     @property
     def samples(self) -> bool:
@@ -72,8 +77,13 @@ class Scheduler:
                     break
             else:
                 self.bm.append_slot(seq)
-                decodes.append(ScheduledSeq(seq, 1))
-                budget -= 1
+                k = min(len(seq.draft), budget - 1)
+                if k and self.bm.resize(seq, len(seq) + k):
+                    seq.token_ids.extend(seq.draft[:k])       # verified this step, rolled back after
+                    decodes.append(ScheduledSeq(seq, 1 + k, num_draft=k))
+                else:
+                    decodes.append(ScheduledSeq(seq, 1))
+                budget -= decodes[-1].num_tokens
         budget = self.max_num_batched_tokens - sum(s.num_tokens for s in decodes + chunks)
         self._admit(budget, chunks)
         return decodes + chunks
@@ -105,22 +115,41 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def postprocess(self, scheduled: list[ScheduledSeq], next_tokens: dict[int, int]) -> None:
-        """Advance computed counts; append sampled tokens; finish on eos or length."""
+    def postprocess(self, scheduled: list[ScheduledSeq], new_tokens: dict[int, list[int]]) -> None:
+        """Advance computed counts, roll back rejected drafts, append the new tokens (accepted
+        drafts, then the step's own token), and finish on eos, stop tokens or length, dropping
+        whatever came after the finish."""
         for item in scheduled:
             seq = item.seq
-            seq.num_computed_tokens += item.num_tokens
+            tokens = new_tokens.get(seq.seq_id) or []
+            if item.num_draft:
+                del seq.token_ids[len(seq) - item.num_draft:]
+                seq.draft, seq.draft_probs = [], None
+                seq.num_computed_tokens += 1         # the last real token; accepted drafts next
+            else:
+                seq.num_computed_tokens += item.num_tokens
+            seq.token_ids.extend(tokens[:-1])        # accepted drafts: their KV is computed
+            seq.num_computed_tokens += len(tokens[:-1])
             self.bm.register_computed(seq)
-            token = next_tokens.get(seq.seq_id)
-            if token is None:
+            if not tokens:
                 continue
-            seq.token_ids.append(token)
-            if token in self.eos_token_ids and not seq.params.ignore_eos:
-                self.finish(seq, "stop")
-            elif token in seq.params.stop_token_ids:
-                self.finish(seq, "stop")
-            elif seq.num_output_tokens >= seq.params.max_tokens or len(seq) >= self.max_model_len:
-                self.finish(seq, "length")
+            base = len(seq) - (len(tokens) - 1)      # length before the first new token
+            seq.token_ids.append(tokens[-1])
+            if item.num_draft:
+                self.bm.resize(seq, len(seq))        # return the rejected drafts' surplus blocks
+            for i, token in enumerate(tokens):
+                reason = self._finish_reason(seq, token, base + i + 1)
+                if reason:
+                    del seq.token_ids[base + i + 1:]
+                    self.finish(seq, reason)
+                    break
+
+    def _finish_reason(self, seq: Sequence, token: int, length: int) -> str | None:
+        if (token in self.eos_token_ids and not seq.params.ignore_eos) or token in seq.params.stop_token_ids:
+            return "stop"
+        if length - seq.num_prompt_tokens >= seq.params.max_tokens or length >= self.max_model_len:
+            return "length"
+        return None
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Finish (or abort) a sequence wherever it is, returning its blocks at once."""

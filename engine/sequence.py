@@ -5,6 +5,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 from enum import Enum, auto
+from typing import Any
 
 import torch
 
@@ -41,6 +42,12 @@ class Sequence:
     waited_steps: int = 0           # steps spent waiting behind others (aging)
     num_preemptions: int = 0
     generator: torch.Generator | None = None
+    # Speculative decoding: this step's proposed tokens (appended to token_ids only while the
+    # target verifies them), the draft model's distributions for sampled requests, and the
+    # per-sequence speculation state (None: this sequence does not speculate).
+    draft: list[int] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None
+    spec: Any = None
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

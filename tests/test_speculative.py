@@ -1,0 +1,127 @@
+"""Speculative decoding on tiny random models: greedy output identical with and without it,
+the rejection rule reproduces the target distribution, rollback leaves the KV cache as a
+plain run leaves it, external drafts, and the config checks."""
+import pytest
+import torch
+
+from engine.config import EngineConfig, ModelEntry, SpecConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from engine.speculative import best_k, prompt_lookup, verify
+from tests.conftest import make_tiny_model, write_word_tokenizer
+from tests.test_engine import prompts
+
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("spec")
+    return make_tiny_model(root / "large", "qwen2", seed=1), make_tiny_model(root / "small", "qwen2", seed=2,
+                                                                              num_hidden_layers=1)
+
+
+def engine(large, small=None, **spec):
+    models = {"large": ModelEntry(str(large))} | ({"small": ModelEntry(str(small))} if small else {})
+    sc = SpecConfig(target="large", draft="small" if small else None, **spec) if spec or small else None
+    return LLMEngine(EngineConfig(models=models, block_size=4, max_kv_blocks=256, max_num_batched_tokens=64,
+                                  memory_budget_gb=1.0, speculative=sc), progress=False)
+
+
+def test_greedy_identical_with_draft_model_and_lookup(pair):
+    large, small = pair
+    ps = prompts(6, seed=21) + [[5, 6, 7, 8, 9] * 6]           # a repetitive one for prompt lookup
+    plain = [c.token_ids for c in engine(large).generate(ps, GREEDY, model="large")]
+    for kw in ({}, {"prompt_lookup": False}):
+        spec = engine(large, small, **kw)
+        assert [c.token_ids for c in spec.generate(ps, GREEDY, model="large")] == plain
+        stats = spec.stats()["large"]["speculation"]
+        assert stats["proposed"] > 0 and stats["verify_passes"] > 0
+
+
+def test_self_drafting_accepts_everything_and_saves_passes(pair):
+    large, _ = pair
+    spec = engine(large, large, prompt_lookup=False, max_k=4)
+    plain = engine(large).generate(prompts(2, seed=22), GREEDY, model="large")
+    got = spec.generate(prompts(2, seed=22), GREEDY, model="large")
+    assert [c.token_ids for c in got] == [c.token_ids for c in plain]
+    stats = spec.stats()["large"]["speculation"]
+    assert stats["acceptance_rate"] == 1.0
+    assert stats["tokens_per_verify_pass"] > 3
+    assert spec.stats()["large"]["kv_blocks_free"] == 256 and spec.stats()["small"]["kv_blocks_free"] == 256
+
+
+def test_rollback_leaves_kv_as_a_plain_run(pair):
+    large, small = pair
+    p = prompts(1, seed=23)[0]
+    caches = []
+    for e in (engine(large), engine(large, small)):
+        rid = e.add_request(p, SamplingParams(max_tokens=200, ignore_eos=True), model="large")
+        seq = e.requests[rid][1]
+        while len(seq) < len(p) + 30:
+            e.step()
+        n = seq.num_computed_tokens
+        kc, vc, _, _ = e.workers["large"].runner.kv_caches[0]
+        pos = torch.arange(n)
+        slots = torch.tensor(seq.block_table)[pos // 4] * 4 + pos % 4
+        caches.append((seq.token_ids[:n], kc.view(-1, *kc.shape[2:])[slots], vc.view(-1, *vc.shape[2:])[slots]))
+    (ids_a, k_a, v_a), (ids_b, k_b, v_b) = caches
+    m = min(len(ids_a), len(ids_b))
+    assert ids_a[:m] == ids_b[:m]
+    torch.testing.assert_close(k_b[:m], k_a[:m], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(v_b[:m], v_a[:m], atol=1e-4, rtol=1e-4)
+
+
+def test_external_draft_gives_own_greedy_output(pair):
+    large, _ = pair
+    p = prompts(1, seed=24)[0]
+    own = engine(large).generate([p], GREEDY, model="large")[0].token_ids
+    for draft in (own, own[:10] + [(t + 1) % 127 for t in own[10:]]):
+        e = engine(large, prompt_lookup=False)
+        rid = e.add_request(p, GREEDY, model="large", draft=draft)
+        done = {}
+        while e.has_work():
+            done |= {o.request_id: o.completion for o in e.step() if o.completion}
+        assert done[rid].token_ids == own
+    stats = e.stats()["large"]["speculation"]
+    assert stats["by_source"]["external"]["accepted"] == 10       # then it diverged and was dropped
+
+
+def test_external_draft_without_speculation_is_refused(pair):
+    large, _ = pair
+    with pytest.raises(ValueError, match="external draft"):
+        engine(large).add_request([1, 2, 3], GREEDY, draft=[4, 5])
+
+
+def test_draft_with_another_tokenizer_is_refused(tmp_path, pair):
+    large, _ = pair
+    other = make_tiny_model(tmp_path / "other", "qwen2", seed=5)
+    write_word_tokenizer(other, 100)           # different vocabulary
+    with pytest.raises(ValueError, match="tokenizers differ"):
+        engine(large, other)
+
+
+@pytest.mark.parametrize("model_draft", [True, False])
+def test_rejection_rule_reproduces_target_distribution(model_draft):
+    g = torch.Generator().manual_seed(0)
+    vocab, k, trials = 6, 2, 20000
+    logits = torch.randn(k + 1, vocab, generator=g) * 1.5
+    params = SamplingParams(temperature=1.0)
+    q = torch.softmax(torch.randn(k, vocab, generator=g), -1)
+    counts = torch.zeros(vocab)
+    for _ in range(trials):
+        if model_draft:
+            draft = [int(torch.multinomial(q[i], 1, generator=g)) for i in range(k)]
+            out = verify(logits, draft, q, params, g)
+        else:
+            out = verify(logits, [2, 3], None, params, g)      # a fixed proposal, as lookup makes
+        counts[out[0]] += 1
+    p = torch.softmax(logits[0], -1)
+    assert (counts / trials - p).abs().sum() / 2 < 0.02          # total variation distance
+
+
+def test_prompt_lookup_and_k_choice():
+    assert prompt_lookup([1, 2, 3, 4, 9, 1, 2, 3], 3) == [4, 9, 1]
+    assert prompt_lookup([1, 2, 3, 4], 3) == []
+    assert best_k(0.9, 0.1, 0.05, 8) >= 4
+    assert best_k(0.05, 0.35, 0.05, 8) == 0                     # does not pay: off
