@@ -11,6 +11,19 @@ import msgspec
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
 
 
+class ThinkingConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """The model's thinking span. A native thinker (Qwen3) opens it itself; for the others the
+    span is prompted with `instruction`, with the same markers."""
+    open: str = "<think>"
+    close: str = "</think>"
+    # What budget forcing writes before the closing marker (Qwen3's own wording).
+    nudge: str = ("\n\nConsidering the limited time by the user, I have to give the solution "
+                  "based on the thinking directly now.\n")
+    native: bool = False
+    instruction: str = ("First think step by step between <think> and </think>. "
+                        "After </think>, give only the final answer.")
+
+
 class ModelEntry(msgspec.Struct, forbid_unknown_fields=True):
     """One model the engine serves: a store name ("qwen2.5-coder-0.5b"), a Hugging Face
     folder or a GGUF file."""
@@ -19,6 +32,7 @@ class ModelEntry(msgspec.Struct, forbid_unknown_fields=True):
     kv_share: float = 1.0
     quant: str = "none"           # weight-only: "none" | "int8" | "int4"
     group_size: int = 128         # int4 group along the input dimension: 32, 64 or 128
+    thinking: ThinkingConfig = ThinkingConfig()
 
     def __post_init__(self) -> None:
         if self.quant not in ("none", "int8", "int4"):

@@ -9,13 +9,14 @@ import torch
 from tqdm import tqdm
 
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig, ModelConfig, SpecConfig
+from engine.config import EngineConfig, ModelConfig, SpecConfig, ThinkingConfig
 from engine.model import CausalLM, load_model
 from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import Sequence
 from engine.speculative import SpecState, Speculator
+from engine.thinking import advance, open_span
 from engine.quantize import apply_quantization
 from engine.store import derived_path, resolve
 from engine.tokenizer import Tokenizer
@@ -33,6 +34,8 @@ class Completion:
     num_cached_tokens: int
     ttft: float          # seconds from arrival to the first token
     latency: float
+    thinking_text: str = ""
+    num_thinking_tokens: int = 0   # inside the span, within the budget; forced markers not counted
 
 
 @dataclass
@@ -61,6 +64,7 @@ class Worker:
     block_manager: BlockManager
     scheduler: Scheduler
     runner: ModelRunner
+    thinking: ThinkingConfig
 
 
 def _weight_bytes(model: CausalLM) -> int:
@@ -115,7 +119,8 @@ class LLMEngine:
             eos = set(cfg.eos_token_ids) | {i for i in (tok.token_id(t) for t in (tok.eos_token,) if t) if i is not None}
             sched = Scheduler(bm, cfg.max_position, config.max_num_batched_tokens, config.max_num_seqs,
                               config.max_wait_steps, tuple(sorted(eos)))
-            workers[name] = Worker(name, cfg, model, tok, bm, sched, ModelRunner(model, cfg, blocks, config.block_size, kv_int8))
+            runner = ModelRunner(model, cfg, blocks, config.block_size, kv_int8)
+            workers[name] = Worker(name, cfg, model, tok, bm, sched, runner, config.models[name].thinking)
         return workers
 
     # ---- requests -------------------------------------------------------------------
@@ -137,7 +142,12 @@ class LLMEngine:
             raise ValueError("prompt is empty")
         if any(not 0 <= t < worker.cfg.vocab_size for t in ids):
             raise ValueError(f"prompt has token ids outside the vocabulary (0..{worker.cfg.vocab_size - 1})")
-        seq = Sequence(ids, params or SamplingParams(), salt=salt, request_id=request_id or "")
+        params = params or SamplingParams()
+        thinking = None
+        if params.thinking_budget is not None:
+            ids, thinking = open_span(ids, params.thinking_budget, worker.thinking, worker.tokenizer)
+        seq = Sequence(ids, params, salt=salt, request_id=request_id or "")
+        seq.thinking = thinking
         if seq.request_id in self.requests:
             raise ValueError(f"request id {seq.request_id!r} is already in use")
         if draft and not (self.speculator and worker is self.speculator.target):
@@ -147,6 +157,18 @@ class LLMEngine:
         worker.scheduler.add(seq)
         self.requests[seq.request_id] = (worker, seq)
         return seq.request_id
+
+    def chat_prompt(self, messages: list[dict], model: str | None = None, thinking: bool = False) -> str:
+        """The model's chat template over `messages`; with `thinking` and a model that does not
+        think natively, the system message also asks for a thinking span."""
+        worker = self.worker(model)
+        if thinking and not worker.thinking.native:
+            instruction = worker.thinking.instruction
+            if messages and messages[0].get("role") == "system":
+                messages = [{"role": "system", "content": f"{messages[0]['content']}\n\n{instruction}"}] + messages[1:]
+            else:
+                messages = [{"role": "system", "content": instruction}] + messages
+        return worker.tokenizer.apply_chat_template(messages)
 
     def abort(self, request_id: str) -> None:
         """Drop a request wherever it is; its KV blocks go back at once."""
@@ -186,7 +208,11 @@ class LLMEngine:
             for item in scheduled:
                 seq = item.seq
                 if seq.seq_id in sampled:
-                    new = seq.token_ids[lengths[seq.seq_id]:]        # after any finish cut them
+                    if seq.thinking and seq.thinking.end is None and not seq.is_finished:
+                        keep, forced = advance(seq.token_ids, seq.thinking, worker.thinking, worker.tokenizer)
+                        if forced:
+                            worker.scheduler.replace_tail(seq, keep, forced)
+                    new = seq.token_ids[lengths[seq.seq_id]:]        # after any finish or forcing
                     seq.logprobs.extend(sampled[seq.seq_id][1][:len(new)])
                     seq.first_token_time = seq.first_token_time or now
                     if seq.is_finished and speculating:
@@ -196,7 +222,10 @@ class LLMEngine:
 
     def _emit(self, worker: Worker, seq: Sequence, new: list[int], logprobs: list[float]) -> StepOutput:
         stops = seq.params.stop
-        text = worker.tokenizer.decode(seq.output_ids)
+        start = seq.answer_start
+        if seq.params.include_thinking:
+            start = seq.num_prompt_tokens
+        text = worker.tokenizer.decode(seq.token_ids[start:]) if start is not None else ""
         cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
         if cut >= 0:
             text = text[:cut]
@@ -211,9 +240,13 @@ class LLMEngine:
         if seq.is_finished:      # the engine forgets it now; its blocks are already free
             del self.requests[seq.request_id]
             end = time.monotonic()
+            th = seq.thinking
+            n_think = th.num_tokens(len(seq)) if th else 0
             completion = Completion(seq.request_id, worker.name, seq.token_ids[:seq.num_prompt_tokens],
                                     seq.output_ids, seq.output_text, list(seq.logprobs), seq.finish_reason or "",
-                                    seq.num_cached_tokens, seq.first_token_time - seq.arrival, end - seq.arrival)
+                                    seq.num_cached_tokens, seq.first_token_time - seq.arrival, end - seq.arrival,
+                                    worker.tokenizer.decode(seq.token_ids[th.start:th.start + n_think]) if th else "",
+                                    n_think)
         return StepOutput(seq.request_id, worker.name, new, logprobs, delta, completion)
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,

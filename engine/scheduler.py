@@ -147,9 +147,24 @@ class Scheduler:
     def _finish_reason(self, seq: Sequence, token: int, length: int) -> str | None:
         if (token in self.eos_token_ids and not seq.params.ignore_eos) or token in seq.params.stop_token_ids:
             return "stop"
-        if length - seq.num_prompt_tokens >= seq.params.max_tokens or length >= self.max_model_len:
+        answer_start = seq.answer_start          # max_tokens counts the answer, not the thinking
+        if answer_start is not None and length - answer_start >= seq.params.max_tokens:
             return "length"
-        return None
+        return "length" if length >= self.max_model_len else None
+
+    def replace_tail(self, seq: Sequence, length: int, tokens: list[int]) -> None:
+        """Cut a running sequence back to `length` tokens and append `tokens` (budget forcing);
+        they are computed as a chunk on the next step. A block the cut falls inside is given
+        back and its kept tokens recomputed in a fresh one: it may be cached and shared, so it
+        must never be written again."""
+        full = length // self.bm.block_size
+        del seq.token_ids[length:]
+        seq.token_ids.extend(tokens)
+        seq.num_computed_tokens = min(seq.num_computed_tokens, full * self.bm.block_size)
+        seq.num_hashed_blocks = min(seq.num_hashed_blocks, full)
+        self.bm.resize(seq, full * self.bm.block_size)
+        if not self.bm.resize(seq, len(seq)):
+            self._preempt(seq)      # no room now: it comes back with all its tokens as a prompt
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Finish (or abort) a sequence wherever it is, returning its blocks at once."""

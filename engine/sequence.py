@@ -48,6 +48,7 @@ class Sequence:
     draft: list[int] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None
     spec: Any = None
+    thinking: Any = None            # ThinkingState when the request has a thinking budget
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
@@ -66,6 +67,11 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def answer_start(self) -> int | None:
+        """Index of the first answer token: after the thinking span, None while still in it."""
+        return self.num_prompt_tokens if self.thinking is None else self.thinking.end
 
     @property
     def is_finished(self) -> bool:

@@ -1,0 +1,73 @@
+"""Thinking budgets on a tiny random model whose markers are words of its vocabulary."""
+import pytest
+
+from engine.config import EngineConfig, ModelEntry, SpecConfig, ThinkingConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from tests.test_engine import folder, prompts  # noqa: F401  (fixture)
+
+OPEN, CLOSE, NUDGE = 120, 121, 122
+
+
+def engine(folder, close=CLOSE, speculative=False):
+    thinking = ThinkingConfig(open=f"t{OPEN}", close=f"t{close}", nudge=f"t{NUDGE} ")
+    models = {"tiny": ModelEntry(str(folder), thinking=thinking)}
+    if speculative:      # the model drafts for itself: every step appends several tokens at once
+        models["draft"] = ModelEntry(str(folder))
+    spec = SpecConfig(target="tiny", draft="draft", prompt_lookup=False, max_k=4) if speculative else None
+    return LLMEngine(EngineConfig(models=models, block_size=4, max_kv_blocks=256, memory_budget_gb=1.0,
+                                  speculative=spec), progress=False)
+
+
+def thinking_span(c, budget):
+    out = c.token_ids
+    return out[:out.index(CLOSE) + 1] if CLOSE in out else out
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+@pytest.mark.parametrize("budget", [1, 5, 13])
+def test_budget_is_never_exceeded_and_the_answer_follows(folder, budget, speculative):
+    e = engine(folder, speculative=speculative)
+    c = e.generate(prompts(1, seed=31), SamplingParams(max_tokens=6, ignore_eos=True, thinking_budget=budget))[0]
+    assert c.prompt_token_ids[-1] == OPEN
+    assert c.num_thinking_tokens == budget
+    assert c.token_ids[budget:budget + 2] == [NUDGE, CLOSE]           # forced, right at the budget
+    assert len(c.token_ids) == budget + 2 + 6                          # then a 6-token answer
+    assert c.text == e.worker("tiny").tokenizer.decode(c.token_ids[budget + 2:])
+    assert f"t{NUDGE}" not in c.text and c.thinking_text.split() == [f"t{t}" for t in c.token_ids[:budget]]
+
+
+def test_natural_close_within_budget_is_kept(folder):
+    free = engine(folder).generate(prompts(1, seed=32), SamplingParams(max_tokens=12, ignore_eos=True,
+                                                                       thinking_budget=50))[0]
+    marker = free.token_ids[3]                        # a token this model writes anyway: call it the close
+    e = engine(folder, close=marker)
+    c = e.generate(prompts(1, seed=32), SamplingParams(max_tokens=5, ignore_eos=True, thinking_budget=50))[0]
+    first = free.token_ids.index(marker)
+    assert c.num_thinking_tokens == first + 1 and NUDGE not in c.token_ids
+    assert c.token_ids[:first + 1] == free.token_ids[:first + 1]
+    assert len(c.token_ids) == first + 1 + 5
+
+
+def test_budget_zero_closes_the_span_in_the_prompt(folder):
+    c = engine(folder).generate(prompts(1), SamplingParams(max_tokens=4, ignore_eos=True, thinking_budget=0))[0]
+    assert c.prompt_token_ids[-2:] == [OPEN, CLOSE]
+    assert c.num_thinking_tokens == 0 and len(c.token_ids) == 4
+
+
+def test_include_thinking_returns_the_span_too(folder):
+    e = engine(folder)
+    sp = dict(max_tokens=3, ignore_eos=True, thinking_budget=4)
+    hidden = e.generate(prompts(1), SamplingParams(**sp))[0]
+    shown = e.generate(prompts(1), SamplingParams(**sp, include_thinking=True))[0]
+    assert shown.text.startswith(hidden.thinking_text) and shown.text.endswith(hidden.text)
+    assert f"t{CLOSE}" in shown.text and f"t{CLOSE}" not in hidden.text
+
+
+def test_prompted_thinking_for_a_non_native_model(folder):
+    e = engine(folder)
+    p = e.chat_prompt([{"role": "user", "content": "hi"}], thinking=True)
+    assert ThinkingConfig().instruction in p
+    assert ThinkingConfig().instruction not in e.chat_prompt([{"role": "user", "content": "hi"}])
+    with pytest.raises(ValueError, match="thinking_budget"):
+        SamplingParams(thinking_budget=-1)
