@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from engine.config import EngineConfig, ModelEntry
-from engine.llm_engine import LLMEngine, _weight_bytes
+from engine.llm_engine import LLMEngine, weight_bytes
 from engine.sampling_params import SamplingParams
 
 console = Console()
@@ -61,10 +61,11 @@ def main() -> None:
             console.print(f"{model} {quant}")
             engine = LLMEngine(EngineConfig(models={"m": ModelEntry(model, quant=quant)}, max_kv_blocks=1024),
                                progress=False)
-            nbytes = _weight_bytes(engine.worker("m").model)
+            nbytes = weight_bytes(engine.worker("m").model)
+            read = weight_bytes(engine.worker("m").model, per_token=True)
             b1, b16 = decode_tok_s(engine, 1, args.tokens), decode_tok_s(engine, 16, args.tokens)
             rows.append({"model": model, "quant": quant, "weight_bytes": nbytes, "tok_s_b1": b1, "tok_s_b16": b16,
-                         "roofline_fraction_b1": b1 * nbytes / (bw * 1e9)})
+                         "bytes_read_per_token": read, "roofline_fraction_b1": b1 * read / (bw * 1e9)})
             del engine
     kv = [{"model": m, "kv_budget_gb": args.kv_budget_gb, "seq_len": 1500,
            "float32_seqs": kv_capacity(m, "float32", args.kv_budget_gb, 1500),

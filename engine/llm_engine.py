@@ -14,11 +14,11 @@ from engine.model import CausalLM, load_model
 from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler
+from engine.quantize import apply_quantization
 from engine.sequence import Sequence
 from engine.speculative import SpecState, Speculator
-from engine.thinking import advance, open_span
-from engine.quantize import apply_quantization
 from engine.store import derived_path, resolve
+from engine.thinking import advance, open_span
 from engine.tokenizer import Tokenizer
 
 
@@ -67,8 +67,14 @@ class Worker:
     thinking: ThinkingConfig
 
 
-def _weight_bytes(model: CausalLM) -> int:
-    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+def weight_bytes(model: CausalLM, per_token: bool = False) -> int:
+    """Bytes of the model's weights as loaded (quantized ones included). per_token: the bytes
+    a decode step reads, which leaves out the embedding table (one row of it is read)."""
+    total = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    if per_token:
+        total -= sum(t.numel() * t.element_size() for t in [*model.embed_tokens.parameters(),
+                                                            *model.rotary.buffers()])
+    return total
 
 
 class LLMEngine:
@@ -100,7 +106,7 @@ class LLMEngine:
 
     @staticmethod
     def _size_kv(config: EngineConfig, loaded: dict) -> dict[str, Worker]:
-        weights = sum(_weight_bytes(m) for _, m, _ in loaded.values())
+        weights = sum(weight_bytes(m) for _, m, _ in loaded.values())
         free = config.memory_budget_gb * 2**30 - weights
         if free <= 0:
             raise ValueError(f"memory_budget_gb={config.memory_budget_gb} does not even hold the weights "

@@ -129,8 +129,7 @@ class Speculator:
             if seq.status is not Status.RUNNING or seq.in_prefill or seq.spec is None:
                 continue
             st, seq.draft, seq.draft_probs, st.source = seq.spec, [], None, None
-            room = min(seq.params.max_tokens - seq.num_output_tokens, self.target.scheduler.max_model_len - len(seq)) - 1
-            if room <= 0:
+            if (room := _room(seq, self.target.scheduler.max_model_len)) <= 0:
                 continue
             if st.external:
                 seq.draft, st.source = st.external[:min(room, cfg.max_external_k)], "external"
@@ -240,6 +239,16 @@ class Speculator:
         shadow = self.shadows.pop(seq.seq_id, None)
         if shadow is not None:
             self.draft.block_manager.free_seq(shadow)
+
+
+def _room(seq: Sequence, max_model_len: int) -> int:
+    """Drafts past this many tokens would be cut anyway (answer length, thinking budget, context)."""
+    room = max_model_len - len(seq)
+    if seq.answer_start is not None:
+        room = min(room, seq.params.max_tokens - (len(seq) - seq.answer_start))
+    elif seq.thinking is not None:
+        room = min(room, seq.thinking.budget - seq.thinking.num_tokens(len(seq)))
+    return room - 1
 
 
 def _rate(acceptance: float, k: int, cost_per_token: float) -> float:
