@@ -1,67 +1,266 @@
-"""The `sluice` command. Until the HTTP gateway lands, `sluice demo` (what `make run`
-starts) loads the default models and answers a few questions, streaming tokens."""
+"""The `sluice` command: serve the gateway, ingest documents, ask a question locally through
+the same pipeline as /v1/ask, check tenant files, fetch models.
+
+Exit codes: 0 done, 2 bad arguments or bad files (the message says which and why).
+"""
 from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import sys
-import time
+from pathlib import Path
 
-from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig, ModelEntry
+import msgspec
+
 from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.store import StoreError
+from engine.store import StoreError, resolve
+from gateway.config import ConfigError, ServerConfig, load_server_config
+from gateway.errors import GatewayError
+from gateway.tenants import Tenant, TenantRegistry, check_folder
 
-DEFAULT_ENGINE = EngineConfig(models={"small": ModelEntry("qwen2.5-coder-0.5b"),
-                                      "large": ModelEntry("qwen2.5-coder-1.5b")}, memory_budget_gb=12.0)
-
-DEMO_QUESTIONS = [
-    ("small", "What is the capital of France? Answer in one sentence."),
-    ("small", "Write a Python one-liner that reverses a string s."),
-    ("large", "In one sentence: why does a paged KV cache help an LLM server?"),
-]
-
-
-async def _answer(engine: AsyncEngine, model: str, question: str, max_tokens: int) -> None:
-    tok = engine.engine.worker(model).tokenizer
-    prompt = tok.apply_chat_template([{"role": "user", "content": question}])
-    print(f"\n[{model}] {question}\n> ", end="", flush=True)
-    start, n = time.monotonic(), 0
-    async for out in engine.stream(prompt, SamplingParams(max_tokens=max_tokens), model=model):
-        print(out.text_delta, end="", flush=True)
-        n += len(out.new_token_ids)
-    elapsed = time.monotonic() - start
-    print(f"\n  ({n} tokens in {elapsed:.1f}s, {n / elapsed:.1f} tok/s)")
+REPO = Path(__file__).resolve().parent.parent
+DEMO_TENANTS = REPO / "examples" / "tenants"
+DEMO_DATA = REPO / ".cache" / "demo"
+DEMO_KEY = "sk-sluice-demo"          # examples/tenants/demo.toml holds its sha256
+DEMO_COLLECTION = "docs"
+DEMO_QUESTION = "What happens to a request when its client disconnects?"
 
 
-async def _run(config: EngineConfig, questions: list[tuple[str, str]], max_tokens: int) -> None:
-    engine = AsyncEngine(LLMEngine(config))
-    for model, question in questions:
-        await _answer(engine, model, question, max_tokens)
-    await engine.stop()
+class UsageError(Exception):
+    """Bad arguments or files: printed, exit code 2."""
+
+
+def _folders(args) -> tuple[Path, Path]:
+    return (DEMO_TENANTS, DEMO_DATA) if args.demo else (Path(args.tenants), Path(args.data))
+
+
+def _registry(args, config: ServerConfig) -> TenantRegistry:
+    registry = TenantRegistry(_folders(args)[0], set(config.engine.models), config.tenant_reload_interval_s)
+    for error in registry.errors.values():
+        print(f"sluice: warning: {error}", file=sys.stderr)
+    return registry
+
+
+def _tenant(registry: TenantRegistry, tenant_id: str) -> Tenant:
+    tenant = registry.get(tenant_id)
+    if tenant is None:
+        raise UsageError(f"no usable tenant {tenant_id!r} in {registry.folder} "
+                         f"(found: {', '.join(sorted(registry.tenants)) or 'none'})")
+    return tenant
+
+
+def _embedder():
+    from retrieval import Embedder
+    print("loading the embedder...", file=sys.stderr)
+    return Embedder()
+
+
+# ---------------------------------------------------------------------- ingest
+
+def _documents(path: Path) -> list:
+    from retrieval import load
+    from retrieval.documents import KINDS
+    if path.is_file():
+        return load(path)
+    if not path.is_dir():
+        raise UsageError(f"{path}: no such file or folder")
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in KINDS)
+    if not files:
+        raise UsageError(f"{path}: holds no documents (looked for {', '.join(sorted(KINDS))})")
+    return [d for p in files for d in load(p, doc_id=str(p.relative_to(path)))]
+
+
+def ingest_paths(store, tenant_id: str, collection: str, paths: list[Path]) -> tuple[int, int, int]:
+    """Ingest files and folders with a progress bar; returns (documents, chunks, embedded).
+    Unchanged chunks keep their vectors, so ingesting the same files again is quick."""
+    from tqdm import tqdm
+    docs = [d for path in paths for d in _documents(path)]
+    target = store.collection(tenant_id, collection)
+    totals = [0, 0, 0]
+    with tqdm(total=len(docs), desc=f"ingest into {collection}", unit="doc", file=sys.stderr) as bar:
+        for i in range(0, len(docs), 16):        # in batches, so the bar moves and memory stays flat
+            report = target.ingest(docs[i:i + 16])
+            totals = [totals[0] + report.documents, totals[1] + report.chunks, totals[2] + report.embedded]
+            bar.update(report.documents)
+    return totals[0], totals[1], totals[2]
+
+
+def cmd_ingest(args, config: ServerConfig) -> int:
+    from retrieval import Store
+    tenant = _tenant(_registry(args, config), args.tenant)
+    store = Store(_folders(args)[1] / "collections", _embedder())
+    try:
+        docs, chunks, embedded = ingest_paths(store, tenant.id, args.collection, [Path(args.path)])
+    finally:
+        store.close()
+    print(f"{tenant.id}/{args.collection}: {docs} documents, {chunks} chunks ({embedded} embedded anew)")
+    return 0
+
+
+# ------------------------------------------------------------------------- ask
+
+async def _ask(args, config: ServerConfig) -> int:
+    from gateway.decision import decide
+    from gateway.service import Done, Gateway, Meta, Query, Token
+    registry = _registry(args, config)
+    tenant = _tenant(registry, args.tenant)
+    # Load only the model that will answer (and its draft model): one local question need
+    # not wait for every model the server would load.
+    model = decide(tenant, args.mode).model
+    spec = config.engine.speculative if config.engine.speculative and config.engine.speculative.target == model else None
+    names = {model, *([spec.draft] if spec and spec.draft else [])}
+    engine = LLMEngine(msgspec.structs.replace(config.engine, speculative=spec,
+                                               models={n: config.engine.models[n] for n in names}))
+    gateway = Gateway(config, registry, _folders(args)[1], engine=engine, embedder=_embedder())
+    await gateway.start()
+    await gateway.wait_ready()
+    query = Query(question=args.question, endpoint="cli", collection=args.collection, mode=args.mode,
+                  max_output_tokens=args.max_tokens)
+    try:
+        async for event in gateway.run(tenant, query):
+            if isinstance(event, Meta):
+                print(f"[{event.decision.model}: {event.decision.reason}; {event.trimmed.kept} passages]",
+                      file=sys.stderr)
+                citations = event.citations
+            elif isinstance(event, Token):
+                print(event.text, end="", flush=True)
+            elif isinstance(event, Done):
+                print()
+                for c in citations:
+                    print(f"  [{c.number}] {c.doc_id} {c.title}".rstrip(), file=sys.stderr)
+                u = event.usage
+                print(f"[{u.prompt} prompt tokens ({u.cached} cached), {u.completion} output tokens, "
+                      f"${event.cost:.6f}, {event.timings.total / 1000:.1f} s]", file=sys.stderr)
+    finally:
+        await gateway.stop()
+    return 0
+
+
+def cmd_ask(args, config: ServerConfig) -> int:
+    return asyncio.run(_ask(args, config))
+
+
+# ----------------------------------------------------------------------- serve
+
+def demo_documents() -> list[Path]:
+    """The project's own docs: what `serve --demo` answers from."""
+    return sorted((REPO / "docs").glob("*.md")) + [p for p in [REPO / "README.md"] if p.exists()]
+
+
+def demo_banner(host: str, port: int) -> str:
+    body = f'{{"question": "{DEMO_QUESTION}", "collection": "{DEMO_COLLECTION}", "max_output_tokens": 128}}'
+    url = f"http://{host}:{port}"
+    return (f"\nSluice is ready. Ask it about its own docs:\n\n"
+            f"  curl -s {url}/v1/ask -H 'Authorization: Bearer {DEMO_KEY}' \\\n"
+            f"       -H 'Content-Type: application/json' -d '{body}'\n\n"
+            f"Stream it: add \"stream\": true and curl -N. OpenAPI schema: {url}/schema/openapi.json\n")
+
+
+def cmd_serve(args, config: ServerConfig) -> int:
+    import uvicorn
+    from gateway.app import create_app
+    from gateway.service import Gateway
+    from retrieval import Store
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    registry = _registry(args, config)
+    _, data = _folders(args)
+    engine = embedder = banner = None
+    if args.demo:
+        # Everything slow happens here, in front of the user, with progress bars: fetching
+        # and converting the models on first use, then embedding the docs.
+        _tenant(registry, "demo")
+        engine = LLMEngine(config.engine)
+        embedder = _embedder()
+        store = Store(data / "collections", embedder)
+        try:
+            ingest_paths(store, "demo", DEMO_COLLECTION, demo_documents())
+        finally:
+            store.close()
+        banner = demo_banner(args.host, args.port)
+    gateway = Gateway(config, registry, data, engine=engine, embedder=embedder)
+    uvicorn.run(create_app(gateway, banner=banner), host=args.host, port=args.port, log_level="info")
+    return 0
+
+
+# --------------------------------------------------------------- tenants, models
+
+def cmd_tenants_check(args, config: ServerConfig) -> int:
+    tenants, errors = check_folder(args.dir, set(config.engine.models))
+    for t in tenants:
+        s, lim = t.spec, t.spec.limits
+        print(f"ok     {t.id}: models {'/'.join(s.allowed_models)} (default {s.default_model}), "
+              f"context {s.context_budget}, output {s.output_budget} tokens, {lim.requests_per_minute} req/min, "
+              f"{lim.tokens_per_minute} tokens/min, cap ${lim.monthly_spend_cap_usd:.2f}/month, "
+              f"{len(s.api_key_sha256)} key(s)")
+    for error in errors.values():
+        print(f"error  {error}", file=sys.stderr)
+    if not tenants and not errors:
+        raise UsageError(f"{args.dir}: no tenant files (*.toml)")
+    return 2 if errors else 0
+
+
+def cmd_models_fetch(args, config: ServerConfig) -> int:
+    for name, entry in config.engine.models.items():
+        print(f"{name}: {resolve(entry.source, progress=True)}")
+    return 0
+
+
+# ------------------------------------------------------------------------ main
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sluice", description="Sluice: a workload-aware RAG gateway")
+    parser.add_argument("--config", help="server config TOML (engine models, prices, queue sizes); "
+                                         "default: built-in defaults, see docs/gateway.md")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    where = argparse.ArgumentParser(add_help=False)
+    where.add_argument("--tenants", default="tenants", metavar="DIR", help="folder of tenant files (default: %(default)s)")
+    where.add_argument("--data", default="sluice-data", metavar="DIR",
+                       help="collections and usage ledger (default: %(default)s)")
+    where.add_argument("--demo", action="store_true",
+                       help=f"use the demo tenant ({DEMO_TENANTS.relative_to(REPO)}) and data ({DEMO_DATA.relative_to(REPO)})")
+
+    serve = sub.add_parser("serve", parents=[where], help="run the HTTP gateway")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.set_defaults(run=cmd_serve)
+    serve.epilog = "With --demo: fetch the models, ingest docs/*.md and README.md as collection 'docs', serve."
+
+    ingest = sub.add_parser("ingest", parents=[where], help="add files (or a folder) to a tenant's collection")
+    ingest.add_argument("path")
+    ingest.add_argument("--collection", required=True)
+    ingest.add_argument("--tenant", required=True)
+    ingest.set_defaults(run=cmd_ingest)
+
+    ask = sub.add_parser("ask", parents=[where], help="answer one question here, through the /v1/ask pipeline")
+    ask.add_argument("question")
+    ask.add_argument("--tenant", default="demo")
+    ask.add_argument("--collection")
+    ask.add_argument("--mode", choices=["auto", "small", "large"], default="auto")
+    ask.add_argument("--max-tokens", type=int, help="output tokens (default: the tenant's output budget)")
+    ask.set_defaults(run=cmd_ask)
+
+    tenants = sub.add_parser("tenants", help="tenant files").add_subparsers(dest="action", required=True)
+    check = tenants.add_parser("check", help="validate a folder of tenant files; exit 2 if any is bad")
+    check.add_argument("dir")
+    check.set_defaults(run=cmd_tenants_check)
+
+    models = sub.add_parser("models", help="model weights").add_subparsers(dest="action", required=True)
+    fetch = models.add_parser("fetch", help="download, verify and convert the configured models")
+    fetch.set_defaults(run=cmd_models_fetch)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="sluice", description="Sluice: a workload-aware RAG gateway")
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("demo", help="load the default models and answer a few questions")
-    ask = sub.add_parser("ask", help="answer one question with one of the default models")
-    ask.add_argument("question")
-    ask.add_argument("--model", default="small", choices=sorted(DEFAULT_ENGINE.models))
-    for p in (sub.choices["demo"], ask):
-        p.add_argument("--max-tokens", type=int, default=64)
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)     # exits 2 with a message on bad arguments
     try:
-        if args.command == "demo":
-            asyncio.run(_run(DEFAULT_ENGINE, DEMO_QUESTIONS, args.max_tokens))
-        else:
-            config = EngineConfig(models={args.model: DEFAULT_ENGINE.models[args.model]})
-            asyncio.run(_run(config, [(args.model, args.question)], args.max_tokens))
-    except (StoreError, ValueError) as exc:
-        print(f"sluice: error: {exc}", file=sys.stderr)
+        return args.run(args, load_server_config(args.config))
+    except (UsageError, ConfigError, StoreError, GatewayError, ValueError) as e:   # RetrievalError is a ValueError
+        message = e.message if isinstance(e, GatewayError) else str(e)
+        print(f"sluice: error: {message}", file=sys.stderr)
         return 2
-    return 0
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

@@ -1,0 +1,317 @@
+"""The HTTP face of the gateway: a Litestar app over `Gateway` (service.py).
+
+Handlers only translate: a request body into a `Query`, the pipeline's events into JSON, or
+into Server-Sent Events. A streamed request takes the pipeline's first event (`Meta`)
+before it answers, so every refusal (limits, budgets, a missing collection) still gets its
+own status code rather than an error inside a 200 stream. (Should the response then never
+start, the pipeline's generator is closed when collected, by asyncio's async-generator
+finalizer, and gives back its engine slot and reservations.) A client that goes away
+cancels its generation: the engine aborts it and frees its KV blocks at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
+
+import anyio
+import msgspec
+from litestar import Litestar, Request, Response, Router, delete, get, post
+from litestar.datastructures import State
+from litestar.di import NamedDependency, Provide
+from litestar.openapi import OpenAPIConfig
+from litestar.params import FromPath, FromQuery, JSONBody
+from litestar.openapi.spec import Components, SecurityScheme
+from litestar.response import Stream
+from litestar.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway import schemas as s
+from gateway.auth import authenticate, current_tenant
+from gateway.decision import MODES
+from gateway.errors import HANDLERS, GatewayError, body
+from gateway.metrics import CONTENT_TYPE
+from gateway.service import Done, Gateway, Meta, Query, Token
+from gateway.tenants import Tenant
+from retrieval import RetrievalError, parse
+
+T = TypeVar("T")
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+MONTH = re.compile(r"\d{4}-(0[1-9]|1[0-2])")
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+def gateway_of(request: Request) -> Gateway:
+    return request.app.state.gateway
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it if the client disconnects first. (A streamed response
+    gets the same from Litestar, which watches for the disconnect while it streams.)"""
+    result, error, finished = None, None, False
+    async with anyio.create_task_group() as group:
+        async def watch() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            group.cancel_scope.cancel()
+
+        group.start_soon(watch)
+        try:
+            result, finished = await work, True
+        except Exception as e:          # raised after the group, not wrapped in an ExceptionGroup
+            error = e
+        group.cancel_scope.cancel()
+    if error is not None:
+        raise error
+    if not finished:
+        raise GatewayError(499, "the client closed the connection; its generation was cancelled")
+    return result
+
+
+def sse(data: msgspec.Struct | dict | str, event: str | None = None) -> bytes:
+    payload = data.encode() if isinstance(data, str) else msgspec.json.encode(data)
+    return (f"event: {event}\n".encode() if event else b"") + b"data: " + payload + b"\n\n"
+
+
+class EventStream(Stream):
+    """A stream of Server-Sent Events. (Litestar would let the handler's JSON media type,
+    taken from its return annotation, win over the stream's own.)"""
+
+    def to_asgi_response(self, app, request, **kwargs):
+        return super().to_asgi_response(app, request, **{**kwargs, "media_type": "text/event-stream"})
+
+
+def sse_response(events: AsyncIterator[bytes], request_id: str) -> EventStream:
+    return EventStream(events, headers={**SSE_HEADERS, "X-Request-Id": request_id})
+
+
+async def _relay(first: bytes, events: AsyncIterator, render, on_error) -> AsyncIterator[bytes]:
+    """SSE frames: `first`, then each pipeline event rendered. However this generator ends
+    (finished, an error, or closed because the client went away) it closes the pipeline,
+    shielded since the surrounding scope may be cancelled already: that aborts the
+    generation and frees its KV blocks."""
+    try:
+        yield first
+        async for event in events:
+            yield render(event)
+    except GatewayError as e:
+        yield on_error(e)
+    finally:
+        with anyio.CancelScope(shield=True):
+            await events.aclose()
+
+
+# ---------------------------------------------------------------------------- /v1/ask
+
+def _ask_done(meta: Meta, done: Done) -> s.AskResponse:
+    d = meta.decision
+    return s.AskResponse(done.request_id, done.answer, meta.citations, done.cited, d.model, d.escalated,
+                         d.difficulty, d.confidence, d.reason, done.usage, done.cost, done.timings, meta.trimmed,
+                         done.finish_reason)
+
+
+@post("/ask", status_code=200, summary="Answer a question, from a collection or not",
+      description="With `stream: true` the answer comes as Server-Sent Events: `meta` (route, citations), "
+                  "`token` events (`{\"text\": ...}`), then `done` (usage, cost, timings), or `error`.")
+async def ask(request: Request, data: JSONBody[s.AskRequest], tenant: NamedDependency[Tenant]) -> s.AskResponse:
+    query = Query(question=data.question, endpoint="ask", collection=data.collection, mode=data.mode,
+                  max_output_tokens=data.max_output_tokens, temperature=data.temperature, top_p=data.top_p,
+                  seed=data.seed, thinking_budget=data.thinking_budget or 0)
+    gateway = gateway_of(request)
+    if not data.stream:
+        return _ask_done(*await until_disconnect(request, gateway.ask(tenant, query)))
+    events = gateway.run(tenant, query)
+    meta = await anext(events)      # refusals raise here, before the 200 is sent
+
+    def render(event) -> bytes:
+        if isinstance(event, Token):
+            return sse(s.TokenEvent(event.text), "token")
+        return sse(s.DoneEvent(event.request_id, event.usage, event.cost, event.timings, event.finish_reason,
+                               event.cited), "done")
+
+    first = sse(s.MetaEvent(meta.request_id, meta.route, meta.citations, meta.trimmed), "meta")
+    error = lambda e: sse(body(e.status, e.message, e.param, e.code), "error")
+    return sse_response(_relay(first, events, render, error), meta.request_id)
+
+
+# ------------------------------------------------------------- /v1/chat/completions
+
+def _text(content: str | list[s.TextPart]) -> str:
+    return content if isinstance(content, str) else "".join(p.text for p in content)
+
+
+def _chat_usage(done: Done) -> s.ChatUsage:
+    u = done.usage
+    return s.ChatUsage(u.prompt, u.completion, u.prompt + u.completion, s.PromptTokensDetails(u.cached))
+
+
+@post("/chat/completions", status_code=200, summary="OpenAI-compatible chat completions",
+      description="`model` is `auto`, `small` or `large`. Sluice's extra field `collection` answers from "
+                  "that collection's passages (with an OpenAI SDK: `extra_body={\"collection\": ...}`).")
+async def chat(request: Request, data: JSONBody[s.ChatRequest], tenant: NamedDependency[Tenant]) -> s.ChatCompletion:
+    if data.model not in MODES:
+        raise GatewayError(404, f"model {data.model!r} does not exist; use one of {', '.join(MODES)}", "model",
+                           "model_not_found")
+    if data.n != 1:
+        raise GatewayError(422, "n must be 1: one choice per request", "n", "unsupported")
+    messages = [{"role": m.role, "content": _text(m.content)} for m in data.messages]
+    questions = [m["content"] for m in messages if m["role"] == "user"]
+    if not questions:
+        raise GatewayError(422, "messages need at least one message with role 'user'", "messages", "no_user_message")
+    stop = [data.stop] if isinstance(data.stop, str) else (data.stop or [])
+    query = Query(question=questions[-1], endpoint="chat", messages=messages, collection=data.collection,
+                  mode=data.model, mode_field="model", max_output_tokens=data.max_completion_tokens or data.max_tokens,
+                  temperature=0.0 if data.temperature is None else data.temperature,
+                  top_p=1.0 if data.top_p is None else data.top_p, seed=data.seed, stop=stop)
+    gateway, created = gateway_of(request), int(time.time())
+    if not data.stream:
+        meta, done = await until_disconnect(request, gateway.ask(tenant, query))
+        info = s.SluiceInfo(meta.route, meta.citations, meta.trimmed, done.cost, done.timings)
+        return s.ChatCompletion(f"chatcmpl-{done.request_id}", "chat.completion", created, meta.decision.model,
+                                [s.Choice(0, s.AssistantMessage(done.answer), done.finish_reason)],
+                                _chat_usage(done), info)
+    events = gateway.run(tenant, query)
+    meta = await anext(events)
+    cid, model = f"chatcmpl-{meta.request_id}", meta.decision.model
+    include_usage = bool(data.stream_options and data.stream_options.include_usage)
+
+    def chunk(delta: s.Delta, finish: str | None = None, **extra) -> bytes:
+        return sse(s.ChatCompletionChunk(cid, "chat.completion.chunk", created, model,
+                                         [s.ChunkChoice(0, delta, finish)], **extra))
+
+    def render(event) -> bytes:
+        if isinstance(event, Token):
+            return chunk(s.Delta(content=event.text))
+        info = s.SluiceInfo(meta.route, meta.citations, meta.trimmed, event.cost, event.timings)
+        frames = chunk(s.Delta(), event.finish_reason, sluice=info)
+        if include_usage:     # OpenAI's usage chunk: no choices, then [DONE]
+            frames += sse(s.ChatCompletionChunk(cid, "chat.completion.chunk", created, model, [],
+                                                usage=_chat_usage(event)))
+        return frames + sse("[DONE]")
+
+    first = chunk(s.Delta(role="assistant", content=""))
+    error = lambda e: sse(body(e.status, e.message, e.param, e.code))     # OpenAI's in-stream error
+    return sse_response(_relay(first, events, render, error), meta.request_id)
+
+
+@get("/models", summary="Models this tenant may ask for (OpenAI-compatible list)")
+async def models(tenant: NamedDependency[Tenant]) -> s.ModelList:
+    return s.ModelList([s.ModelCard(m) for m in ("auto", *tenant.spec.allowed_models)])
+
+
+# ------------------------------------------------------------------ collections
+
+def _collection_name(name: str) -> str:
+    if not NAME.fullmatch(name):
+        raise GatewayError(422, f"bad collection name {name!r}: use 1 to 64 letters, digits, '_', '.' or '-', "
+                                f"starting with a letter or digit", "name", "invalid_field")
+    return name
+
+
+@post("/collections/{name:str}/documents", status_code=200,
+      summary="Add or replace documents in one of the tenant's collections (created on first use)")
+async def add_documents(request: Request, name: FromPath[str], data: JSONBody[s.IngestRequest], tenant: NamedDependency[Tenant]) -> s.IngestResponse:
+    _collection_name(name)
+    docs = []
+    for i, d in enumerate(data.documents):
+        try:
+            docs += parse(d.text, d.format, doc_id=d.id, title=d.title, metadata=d.metadata)
+        except RetrievalError as e:
+            raise GatewayError(422, f"documents[{i}]: {e}", f"documents[{i}]", "bad_document") from None
+    return await gateway_of(request).ingest(tenant, name, docs)
+
+
+@delete("/collections/{name:str}/documents/{doc_id:path}", status_code=200, summary="Delete one document")
+async def delete_document(request: Request, name: FromPath[str], doc_id: FromPath[str], tenant: NamedDependency[Tenant]) -> s.DeleteResponse:
+    return await gateway_of(request).delete(tenant, _collection_name(name), doc_id.lstrip("/"))
+
+
+@get("/collections", summary="The tenant's own collections")
+async def list_collections(request: Request, tenant: NamedDependency[Tenant]) -> s.CollectionList:
+    return await anyio.to_thread.run_sync(gateway_of(request).collections, tenant)
+
+
+@get("/usage", summary="The calling tenant's usage and spend in one month (default: this one, UTC)")
+async def usage(request: Request, tenant: NamedDependency[Tenant], month: FromQuery[str | None] = None) -> s.UsageReport:
+    if month is not None and not MONTH.fullmatch(month):
+        raise GatewayError(422, f"month must look like 2025-01, got {month!r}", "month", "invalid_field")
+    return gateway_of(request).usage(tenant, month)
+
+
+# ------------------------------------------------------------ public endpoints
+
+@get("/healthz", summary="The process is up")
+async def healthz() -> s.Health:
+    return s.Health("ok")
+
+
+@get("/readyz", summary="Models and embedder are loaded")
+async def readyz(request: Request) -> Response[s.Health]:
+    gw = gateway_of(request)
+    if gw.ready:
+        return Response(s.Health("ready", models=sorted(gw.llm.workers)))
+    status = "failed" if gw.load_error else "loading"
+    return Response(s.Health(status, gw.load_error), status_code=503, headers={"Retry-After": "5"})
+
+
+@get("/metrics", summary="Prometheus metrics", media_type=CONTENT_TYPE)
+async def metrics(request: Request) -> str:
+    return gateway_of(request).metrics.render()
+
+
+# ------------------------------------------------------------------ the app
+
+def metrics_middleware(app: ASGIApp) -> ASGIApp:
+    """Counts every routed HTTP request by route template, status and tenant, and times it."""
+    async def middleware(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+        start, status = time.monotonic(), [500]
+
+        async def capture(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await app(scope, receive, capture)
+        finally:
+            tenant = (scope.get("state") or {}).get("tenant")
+            m = scope["app"].state.gateway.metrics
+            route = scope.get("path_template", "")
+            m.http.inc(route, str(status[0]), tenant.id if tenant else "")
+            m.http_latency.observe(time.monotonic() - start, route)
+    return middleware
+
+
+def create_app(gateway: Gateway, banner: str | None = None, debug: bool = False) -> Litestar:
+    """`banner` is printed once the models are loaded (`sluice serve --demo` prints its curl)."""
+    v1 = Router("/v1", route_handlers=[ask, chat, models, add_documents, delete_document, list_collections, usage],
+                guards=[authenticate], dependencies={"tenant": Provide(current_tenant, sync_to_thread=False)},
+                security=[{"bearer": []}])
+    openapi = OpenAPIConfig(title="Sluice", version="0.1.0", path="/schema",
+                            description="A workload-aware RAG gateway. Authenticate with `Authorization: Bearer <key>`.",
+                            components=Components(security_schemes={"bearer": SecurityScheme(
+                                type="http", scheme="bearer", description="the tenant's API key")}))
+    pending: set[asyncio.Task] = set()      # a task must be referenced until it is done
+
+    async def start() -> None:
+        await gateway.start()
+        if banner:
+            task = asyncio.create_task(announce())
+            pending.add(task)
+            task.add_done_callback(pending.discard)
+
+    async def announce() -> None:
+        try:
+            await gateway.wait_ready()
+        except RuntimeError:            # logged by the gateway; /readyz says why
+            return
+        print(banner, flush=True)
+
+    return Litestar([v1, healthz, readyz, metrics], on_startup=[start], on_shutdown=[gateway.stop],
+                    exception_handlers=HANDLERS, openapi_config=openapi, middleware=[metrics_middleware],
+                    request_max_body_size=gateway.config.max_body_bytes, state=State({"gateway": gateway}),
+                    debug=debug)

@@ -1,0 +1,83 @@
+"""The server's configuration (one optional TOML file) and the TOML reading it shares with
+tenant files: a bad file is reported as "<file>: field '<name>': <what was expected>"."""
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Annotated, Literal, TypeVar
+
+import msgspec
+
+from engine.config import EngineConfig, ModelEntry, SpecConfig
+from gateway.errors import explain
+
+T = TypeVar("T")
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+Dollars = Annotated[float, msgspec.Meta(ge=0)]
+
+
+class ConfigError(ValueError):
+    """A configuration file that cannot be used; the message names the file and the field."""
+
+
+class Price(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """US dollars per million tokens."""
+    input: Dollars            # prompt tokens computed anew
+    cached_input: Dollars     # prompt tokens served from the prefix cache
+    output: Dollars
+
+
+# Stated defaults, in the range of hosted models of these sizes (late 2025 list prices):
+# cached input at a quarter of input, output at four times input.
+def default_prices() -> dict[str, Price]:
+    return {"small": Price(input=0.10, cached_input=0.025, output=0.40),
+            "large": Price(input=0.30, cached_input=0.075, output=1.20)}
+
+
+def default_engine() -> EngineConfig:
+    # The small model drafts for the large one: greedy answers are the large model's own.
+    return EngineConfig(models={"small": ModelEntry("qwen2.5-coder-0.5b"),
+                                "large": ModelEntry("qwen2.5-coder-1.5b")}, memory_budget_gb=12.0,
+                        speculative=SpecConfig(target="large", draft="small"))
+
+
+class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    engine: EngineConfig = msgspec.field(default_factory=default_engine)
+    prices: dict[str, Price] = msgspec.field(default_factory=default_prices)
+    # The bounded queue in front of the engine: this many generations run at once (the
+    # engine batches them), this many more wait; past that the gateway answers 503.
+    max_inflight: Positive = 32
+    max_queued: NonNegative = 64
+    # A cheap guard before tokenizing: characters in a question, or in all chat messages.
+    max_input_chars: Positive = 16_000
+    retrieval_k: Positive = 8           # chunks searched for; trimming keeps what fits the budget
+    tenant_reload_interval_s: Annotated[float, msgspec.Meta(ge=0)] = 1.0
+    # WAL with NORMAL survives any crash of the process (a committed row is in the WAL);
+    # FULL also survives power loss, at one fsync per commit (about 5 ms on this disk).
+    ledger_synchronous: Literal["NORMAL", "FULL"] = "NORMAL"
+    max_body_bytes: Positive = 8 * 2**20
+
+    def __post_init__(self) -> None:
+        missing = sorted(set(self.engine.models) - set(self.prices))
+        if missing:
+            raise ValueError(f"field 'prices': no price for model(s) {', '.join(missing)}; "
+                             f"every model under [engine.models] needs one")
+
+
+def load_toml(path: Path, kind: type[T]) -> T:
+    """Read and validate one TOML file into `kind`, or raise ConfigError naming file and field."""
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read: {e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    try:
+        return msgspec.convert(data, kind)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"{path}: {explain(e)[1]}") from None
+
+
+def load_server_config(path: str | Path | None) -> ServerConfig:
+    return ServerConfig() if path is None else load_toml(Path(path), ServerConfig)

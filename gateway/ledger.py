@@ -1,0 +1,189 @@
+"""The usage ledger: SQLite in WAL mode, one row per request that reached the engine.
+
+A request is answered only after its row is committed, so no answered request is missing
+from the ledger, whatever crashes afterwards. One writer thread commits every row waiting
+at that moment in one transaction (group commit): under load one fsync serves many rows.
+Each row also adds its cost to a per-tenant monthly total in the same transaction, which
+is what the spend cap reads (a primary-key lookup, not a sum over the month).
+"""
+from __future__ import annotations
+
+import asyncio
+import queue
+import sqlite3
+import threading
+from dataclasses import astuple, dataclass, fields
+from pathlib import Path
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS requests(
+    id INTEGER PRIMARY KEY,
+    request_id TEXT NOT NULL UNIQUE,
+    ts REAL NOT NULL,                 -- unix seconds when the request ended
+    month TEXT NOT NULL,              -- YYYY-MM (UTC): the month its cost counts against
+    tenant TEXT NOT NULL,
+    endpoint TEXT NOT NULL,           -- ask | chat | cli
+    status TEXT NOT NULL,             -- ok | cancelled (client went away) | error (engine failed)
+    model TEXT NOT NULL,              -- the model that gave the answer
+    models TEXT NOT NULL,             -- every model that ran, comma-separated
+    collection TEXT,
+    prompt_tokens INTEGER NOT NULL,
+    cached_tokens INTEGER NOT NULL,
+    completion_tokens INTEGER NOT NULL,
+    thinking_tokens INTEGER NOT NULL,
+    cost REAL NOT NULL,               -- US dollars
+    retrieval_ms REAL NOT NULL, queue_ms REAL NOT NULL, ttft_ms REAL, total_ms REAL NOT NULL,
+    route_reason TEXT NOT NULL, difficulty TEXT, confidence REAL, escalated INTEGER NOT NULL,
+    finish_reason TEXT);
+CREATE INDEX IF NOT EXISTS requests_by_tenant ON requests(tenant, month);
+CREATE TABLE IF NOT EXISTS spend(
+    tenant TEXT NOT NULL, month TEXT NOT NULL, cost REAL NOT NULL, PRIMARY KEY(tenant, month));
+"""
+
+
+@dataclass(frozen=True)
+class UsageRow:
+    request_id: str
+    ts: float
+    month: str
+    tenant: str
+    endpoint: str
+    status: str
+    model: str
+    models: str
+    collection: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    thinking_tokens: int
+    cost: float
+    retrieval_ms: float
+    queue_ms: float
+    ttft_ms: float | None
+    total_ms: float
+    route_reason: str
+    difficulty: str | None
+    confidence: float | None
+    escalated: bool
+    finish_reason: str | None
+
+
+COLUMNS = [f.name for f in fields(UsageRow)]
+INSERT = f"INSERT INTO requests({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
+ADD_SPEND = ("INSERT INTO spend(tenant, month, cost) VALUES (?, ?, ?) "
+             "ON CONFLICT(tenant, month) DO UPDATE SET cost = cost + excluded.cost")
+
+
+class Ledger:
+    def __init__(self, path: str | Path, synchronous: str = "NORMAL"):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.synchronous = synchronous
+        db = self._connect()
+        db.executescript(f"BEGIN;{SCHEMA}COMMIT;")
+        db.close()
+        self._local = threading.local()          # one reading connection per thread
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._writer: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+
+    def _connect(self) -> sqlite3.Connection:
+        db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=30)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute(f"PRAGMA synchronous={self.synchronous}")
+        return db
+
+    def _reader(self) -> sqlite3.Connection:
+        db = getattr(self._local, "db", None)
+        if db is None:
+            db = self._local.db = self._connect()
+        return db
+
+    # ---- writing ----
+
+    async def record(self, row: UsageRow) -> None:
+        """Returns once the row is committed; raises if it could not be."""
+        self._ensure_writer()
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._queue.put((row, loop, done))
+        await asyncio.shield(done)       # a cancelled caller still gets its row written
+
+    def _ensure_writer(self) -> None:
+        with self._start_lock:
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write_loop, name="sluice-ledger", daemon=True)
+                self._writer.start()
+
+    def _write_loop(self) -> None:
+        db = self._connect()
+        while True:
+            batch = [self._queue.get()]
+            while not self._queue.empty():
+                batch.append(self._queue.get())
+            items = [b for b in batch if b is not None]
+            if items:
+                try:
+                    self._commit(db, items)
+                    errors = [None] * len(items)
+                except sqlite3.Error:        # one bad row must not cost the others theirs
+                    errors = [self._commit_alone(db, item) for item in items]
+                for (_, loop, done), error in zip(items, errors):
+                    try:
+                        loop.call_soon_threadsafe(_settle, done, error)
+                    except RuntimeError:     # that caller's event loop is gone; the row is written
+                        pass
+            if len(items) < len(batch):      # close() asked us to stop
+                db.close()
+                return
+
+    @staticmethod
+    def _commit(db: sqlite3.Connection, items: list) -> None:
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            for row, _, _ in items:
+                db.execute(INSERT, astuple(row))
+                db.execute(ADD_SPEND, (row.tenant, row.month, row.cost))
+            db.execute("COMMIT")
+        except BaseException:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            raise
+
+    def _commit_alone(self, db: sqlite3.Connection, item) -> sqlite3.Error | None:
+        try:
+            self._commit(db, [item])
+        except sqlite3.Error as e:
+            return e
+        return None
+
+    def close(self) -> None:
+        with self._start_lock:
+            if self._writer is not None:
+                self._queue.put(None)
+                self._writer.join()
+                self._writer = None
+
+    # ---- reading ----
+
+    def spent(self, tenant: str, month: str) -> float:
+        row = self._reader().execute("SELECT cost FROM spend WHERE tenant = ? AND month = ?", (tenant, month)).fetchone()
+        return row[0] if row else 0.0
+
+    def usage(self, tenant: str, month: str) -> dict[str, dict]:
+        """Per model: requests, tokens by kind and cost of one tenant in one month."""
+        rows = self._reader().execute(
+            "SELECT model, count(*), sum(prompt_tokens), sum(cached_tokens), sum(completion_tokens), "
+            "sum(thinking_tokens), sum(cost) FROM requests WHERE tenant = ? AND month = ? GROUP BY model",
+            (tenant, month))
+        return {r[0]: {"requests": r[1], "prompt": r[2], "cached": r[3], "completion": r[4], "thinking": r[5],
+                       "cost": r[6]} for r in rows}
+
+    def rows(self, tenant: str | None = None) -> list[UsageRow]:
+        sql = f"SELECT {', '.join(COLUMNS)} FROM requests" + (" WHERE tenant = ?" if tenant else "") + " ORDER BY id"
+        return [UsageRow(*r[:-2], bool(r[-2]), r[-1]) for r in self._reader().execute(sql, (tenant,) if tenant else ())]
+
+
+def _settle(done: asyncio.Future, error: Exception | None) -> None:
+    if not done.done():
+        done.set_exception(error) if error else done.set_result(None)

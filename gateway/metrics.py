@@ -1,0 +1,176 @@
+"""Prometheus metrics in the text exposition format (version 0.0.4), written by hand: a
+counter, a gauge read at scrape time, and a histogram are all this gateway needs."""
+from __future__ import annotations
+
+import bisect
+import math
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# Seconds; from a cache hit on a tiny model to a long CPU answer.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+Labels = tuple[str, ...]
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _labels(names: Labels, values: Labels, extra: str = "") -> str:
+    parts = [f'{n}="{_escape(str(v))}"' for n, v in zip(names, values)]
+    if extra:
+        parts.append(extra)
+    return "{" + ",".join(parts) + "}" if parts else ""
+
+
+def _number(v: float) -> str:
+    if math.isinf(v):
+        return "+Inf" if v > 0 else "-Inf"
+    return repr(float(v)) if v != int(v) else str(int(v))
+
+
+class Metric:
+    kind = "untyped"
+
+    def __init__(self, name: str, help: str, labels: Labels = ()):
+        self.name, self.help, self.label_names = name, help, labels
+
+    def header(self) -> list[str]:
+        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
+
+    def samples(self) -> Iterable[str]:
+        raise NotImplementedError
+
+    def render(self) -> list[str]:
+        return self.header() + list(self.samples())
+
+
+class Counter(Metric):
+    kind = "counter"
+
+    def __init__(self, name, help, labels=()):
+        super().__init__(name, help, labels)
+        self.values: dict[Labels, float] = defaultdict(float)
+
+    def inc(self, *labels: str, amount: float = 1.0) -> None:
+        self.values[labels] += amount
+
+    def samples(self):
+        for labels, v in sorted(self.values.items()):
+            yield f"{self.name}{_labels(self.label_names, labels)} {_number(v)}"
+
+
+class Sampled(Metric):
+    """A gauge or counter whose values are read from elsewhere (the engine, the tenants) at scrape time."""
+
+    def __init__(self, name, help, labels, read: Callable[[], dict[Labels, float]], kind: str = "gauge"):
+        super().__init__(name, help, labels)
+        self.read, self.kind = read, kind
+
+    def samples(self):
+        for labels, v in sorted(self.read().items()):
+            yield f"{self.name}{_labels(self.label_names, labels)} {_number(v)}"
+
+
+class Histogram(Metric):
+    kind = "histogram"
+
+    def __init__(self, name, help, labels=(), buckets=LATENCY_BUCKETS):
+        super().__init__(name, help, labels)
+        self.buckets = tuple(buckets)
+        self.series: dict[Labels, list] = {}     # labels -> [counts per bucket..., sum, count]
+
+    def observe(self, value: float, *labels: str) -> None:
+        s = self.series.get(labels)
+        if s is None:
+            s = self.series[labels] = [0] * len(self.buckets) + [0.0, 0]
+        i = bisect.bisect_left(self.buckets, value)
+        if i < len(self.buckets):
+            s[i] += 1
+        s[-2] += value
+        s[-1] += 1
+
+    def samples(self):
+        for labels, s in sorted(self.series.items()):
+            running = 0
+            for bound, n in zip(self.buckets, s):
+                running += n
+                yield self._bucket(labels, _number(bound), running)
+            yield self._bucket(labels, "+Inf", s[-1])
+            yield f"{self.name}_sum{_labels(self.label_names, labels)} {_number(s[-2])}"
+            yield f"{self.name}_count{_labels(self.label_names, labels)} {s[-1]}"
+
+    def _bucket(self, labels: Labels, le: str, n: int) -> str:
+        bound = f'le="{le}"'
+        return f"{self.name}_bucket{_labels(self.label_names, labels, bound)} {n}"
+
+
+class Registry:
+    def __init__(self):
+        self.metrics: list[Metric] = []
+
+    def add(self, metric: Metric) -> Metric:
+        self.metrics.append(metric)
+        return metric
+
+    def render(self) -> str:
+        return "\n".join(line for m in self.metrics for line in m.render()) + "\n"
+
+
+class GatewayMetrics:
+    """The gateway's metric families. What lives elsewhere (engine queues and cache, the
+    bounded queue, tenant files) is read through callables at scrape time."""
+
+    def __init__(self, engine_stats: Callable[[], dict[str, dict]], queue: Callable[[], tuple[int, int]],
+                 tenant_state: Callable[[], tuple[int, dict[str, str], dict[str, int]]]):
+        r = self.registry = Registry()
+        self.http = r.add(Counter("sluice_http_requests_total", "HTTP requests by route, status code and tenant",
+                                  ("route", "code", "tenant")))
+        self.http_latency = r.add(Histogram("sluice_http_request_duration_seconds",
+                                            "HTTP request latency, to the last byte", ("route",)))
+        self.answers = r.add(Counter("sluice_answers_total", "requests that reached the engine, by outcome",
+                                     ("model", "status")))
+        self.tokens = r.add(Counter("sluice_tokens_total", "tokens by tenant, model and kind "
+                                    "(prompt includes cached)", ("tenant", "model", "kind")))
+        self.cost = r.add(Counter("sluice_cost_usd_total", "spend in US dollars", ("tenant", "model")))
+        self.escalations = r.add(Counter("sluice_escalations_total", "answers escalated to the large model"))
+        r.add(Sampled("sluice_escalation_rate", "escalated answers over all answers", (),
+                      lambda: {(): self.escalations.values.get((), 0.0) / max(1.0, sum(self.answers.values.values()))}))
+        self.latency = r.add(Histogram("sluice_request_seconds", "ask latency, arrival to last token", ("model",)))
+        self.ttft = r.add(Histogram("sluice_ttft_seconds", "arrival to first token", ("model",)))
+        self.queue_wait = r.add(Histogram("sluice_queue_seconds", "wait in the bounded queue", ("model",)))
+        self.retrieval = r.add(Histogram("sluice_retrieval_seconds", "search and trimming", ()))
+        r.add(Sampled("sluice_queue_depth", "requests waiting for an engine slot", (), lambda: {(): queue()[1]}))
+        r.add(Sampled("sluice_inflight", "requests holding an engine slot", (), lambda: {(): queue()[0]}))
+        for key, name, help, kind in [
+                ("running", "sluice_engine_running", "sequences the engine is running", "gauge"),
+                ("waiting", "sluice_engine_waiting", "sequences waiting inside the engine", "gauge"),
+                ("kv_blocks_free", "sluice_kv_blocks_free", "free KV blocks", "gauge"),
+                ("kv_blocks_total", "sluice_kv_blocks_total", "KV blocks", "gauge"),
+                ("prefix_cache_queries", "sluice_prefix_cache_queries_total", "full blocks looked up", "counter"),
+                ("prefix_cache_hits", "sluice_prefix_cache_hits_total", "full blocks found cached", "counter"),
+                ("preemptions", "sluice_preemptions_total", "sequences preempted for KV space", "counter")]:
+            r.add(Sampled(name, help, ("model",), lambda key=key: {(m, ): s[key] for m, s in engine_stats().items()},
+                          kind))
+        r.add(Sampled("sluice_prefix_cache_hit_rate", "prefix cache hits over lookups", ("model",),
+                      lambda: {(m,): s["prefix_cache_hits"] / max(1, s["prefix_cache_queries"])
+                               for m, s in engine_stats().items()}))
+        # Speculative decoding, for the models that verify drafts (the engine reports no others).
+        spec = lambda key: {(m,): s["speculation"][key] for m, s in engine_stats().items()
+                            if s.get("speculation") and s["speculation"][key] is not None}
+        r.add(Sampled("sluice_spec_proposed_tokens_total", "draft tokens proposed for verification", ("model",),
+                      lambda: spec("proposed"), "counter"))
+        r.add(Sampled("sluice_spec_accepted_tokens_total", "draft tokens the target accepted", ("model",),
+                      lambda: spec("accepted"), "counter"))
+        r.add(Sampled("sluice_spec_acceptance_rate", "accepted over proposed draft tokens", ("model",),
+                      lambda: spec("acceptance_rate")))
+        r.add(Sampled("sluice_tenants_loaded", "tenants with a usable file", (), lambda: {(): tenant_state()[0]}))
+        r.add(Sampled("sluice_tenant_file_error", "1 for each tenant file whose current content is refused",
+                      ("file",), lambda: {(f,): 1 for f in tenant_state()[1]}))
+        r.add(Sampled("sluice_tenant_reloads_total", "tenant file reads by result", ("result",),
+                      lambda: {(k,): v for k, v in tenant_state()[2].items()}, "counter"))
+
+    def render(self) -> str:
+        return self.registry.render()

@@ -1,0 +1,286 @@
+"""Every HTTP body, request and response, as a msgspec struct: validated on the way in,
+encoded on the way out, and described in the OpenAPI schema from the same definitions."""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+Mode = Literal["auto", "small", "large"]
+# The rule retrieval's store applies to collection names (retrieval/collection.py, NAME).
+CollectionName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$",
+                                     description="1 to 64 letters, digits, '_', '.' or '-'")]
+Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
+TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+PositiveInt = Annotated[int, Meta(ge=1)]
+
+
+# ---------------------------------------------------------------------------- /v1/ask
+
+class AskRequest(Struct, forbid_unknown_fields=True, kw_only=True):
+    question: Annotated[str, Meta(min_length=1)]
+    collection: CollectionName | None = None
+    stream: bool = False
+    max_output_tokens: PositiveInt | None = None    # default and maximum: the tenant's output budget
+    mode: Mode = "auto"
+    thinking_budget: Annotated[int, Meta(ge=0)] | None = None
+    temperature: Temperature = 0.0                  # 0: greedy
+    top_p: TopP = 1.0
+    seed: int | None = None
+
+
+class Citation(Struct):
+    number: int          # as the model cites it: [1]
+    chunk_id: str
+    doc_id: str
+    title: str
+    score: float
+
+
+class Usage(Struct):
+    prompt: int
+    cached: int          # of the prompt tokens, those served from the prefix cache
+    completion: int
+    thinking: int
+
+
+class Timings(Struct):
+    """Milliseconds. `engine` is the time inside the engine (from submission to the last
+    token); what `total` holds beyond retrieval, queue and engine is the gateway's own."""
+    retrieval: float
+    queue: float
+    ttft: float | None
+    engine: float
+    total: float
+
+
+class Trimmed(Struct):
+    kept: int            # passages in the prompt
+    dropped: int         # retrieved but left out: near-duplicates or over the budget
+    tokens: int          # prompt text tokens counted against the context budget
+    budget: int
+
+
+class Route(Struct):
+    model: str
+    route_reason: str
+    difficulty: str | None
+    confidence: float | None
+    escalated: bool
+
+
+class AskResponse(Struct):
+    id: str
+    answer: str
+    citations: list[Citation]
+    cited: list[int]     # passage numbers the answer refers to
+    model: str
+    escalated: bool
+    difficulty: str | None
+    confidence: float | None
+    route_reason: str
+    usage: Usage
+    cost: float          # US dollars
+    timings: Timings
+    trimmed: Trimmed
+    finish_reason: str
+
+
+# SSE events of a streamed /v1/ask: meta, then token..., then done (or error).
+
+class MetaEvent(Struct):
+    id: str
+    route: Route
+    citations: list[Citation]
+    trimmed: Trimmed
+
+
+class TokenEvent(Struct):
+    text: str
+
+
+class DoneEvent(Struct):
+    id: str
+    usage: Usage
+    cost: float
+    timings: Timings
+    finish_reason: str
+    cited: list[int]
+
+
+# ------------------------------------------------------------- /v1/chat/completions
+
+class TextPart(Struct, forbid_unknown_fields=True):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(Struct):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart]
+
+
+class StreamOptions(Struct):
+    include_usage: bool = False
+
+
+class ChatRequest(Struct, kw_only=True):
+    """OpenAI's request. Fields it has and Sluice does not use (user, presence_penalty,
+    ...) are ignored, as OpenAI-compatible servers do; `collection` is Sluice's own: set it
+    (with the SDK's extra_body) to answer from that collection's passages."""
+    model: str
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: PositiveInt | None = None
+    max_completion_tokens: PositiveInt | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: PositiveInt = 1
+    collection: CollectionName | None = None
+
+
+class AssistantMessage(Struct):
+    content: str
+    role: str = "assistant"
+
+
+class Choice(Struct):
+    index: int
+    message: AssistantMessage
+    finish_reason: str
+    logprobs: None = None
+
+
+class PromptTokensDetails(Struct):
+    cached_tokens: int
+
+
+class ChatUsage(Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class SluiceInfo(Struct):
+    """What /v1/ask reports beyond OpenAI's fields: the route, passages, cost and timings."""
+    route: Route
+    citations: list[Citation]
+    trimmed: Trimmed
+    cost: float | None = None
+    timings: Timings | None = None
+
+
+class ChatCompletion(Struct):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: ChatUsage
+    sluice: SluiceInfo
+    system_fingerprint: str | None = None
+
+
+class Delta(Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChunkChoice(Struct):
+    index: int
+    delta: Delta
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(Struct, omit_defaults=True):
+    """`usage` only in the usage chunk, `sluice` (route, citations, cost, timings) only in
+    the last chunk with a choice."""
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: ChatUsage | None = None
+    sluice: SluiceInfo | None = None
+
+
+class ModelCard(Struct):
+    id: str
+    object: str = "model"
+    created: int = 0
+    owned_by: str = "sluice"
+
+
+class ModelList(Struct):
+    data: list[ModelCard]
+    object: str = "list"
+
+
+# ------------------------------------------------------------------ collections
+
+class DocumentIn(Struct, forbid_unknown_fields=True, kw_only=True):
+    id: Annotated[str, Meta(min_length=1, max_length=512)]
+    text: Annotated[str, Meta(min_length=1)]
+    title: str = ""
+    format: Literal["text", "markdown", "html"] = "text"
+    metadata: dict[str, Any] = {}
+
+
+class IngestRequest(Struct, forbid_unknown_fields=True):
+    documents: Annotated[list[DocumentIn], Meta(min_length=1, max_length=1000)]
+
+
+class IngestResponse(Struct):
+    collection: str
+    documents: int
+    chunks: int          # chunks now stored for these documents
+    removed: int         # chunks they replaced
+    embedded: int        # chunks embedded anew (unchanged chunks keep their vectors)
+
+
+class DeleteResponse(Struct):
+    collection: str
+    document: str
+    deleted_chunks: int
+
+
+class CollectionInfo(Struct):
+    name: str
+    documents: int
+    chunks: int
+
+
+class CollectionList(Struct):
+    collections: list[CollectionInfo]
+
+
+# ------------------------------------------------------------------------ usage
+
+class UsageTotals(Struct):
+    requests: int
+    prompt: int
+    cached: int
+    completion: int
+    thinking: int
+    cost: float
+
+
+class UsageReport(Struct):
+    tenant: str
+    month: str           # YYYY-MM, UTC
+    totals: UsageTotals
+    by_model: dict[str, UsageTotals]
+    spend_cap: float
+    remaining: float
+
+
+class Health(Struct):
+    status: str
+    detail: str | None = None
+    models: list[str] = msgspec.field(default_factory=list)

@@ -1,0 +1,165 @@
+"""Tenants: one TOML file each in a folder, validated into typed structs, re-read on change.
+
+The tenant's id is its file name without `.toml`. The folder is checked at most once per
+`interval` seconds, on request; a file whose mtime, size or inode changed is read again.
+A broken edit keeps the last good version of that tenant (a broken new file adds nothing)
+and is logged and shown in metrics until it is fixed; a removed file removes its tenant.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import re
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+import msgspec
+
+from gateway.config import ConfigError, Dollars, NonNegative, Positive, load_toml
+
+log = logging.getLogger("sluice.tenants")
+
+TENANT_ID = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
+Sha256Hex = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$",
+                                        description="sha256 of the key, 64 lowercase hex digits")]
+
+
+class ThinkingBudgets(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Tokens of thinking allowed per difficulty, once the router and engine support it."""
+    easy: NonNegative = 0
+    medium: NonNegative = 0
+    hard: NonNegative = 0
+
+
+class Limits(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    requests_per_minute: Positive
+    tokens_per_minute: Positive          # prompt plus output tokens
+    monthly_spend_cap_usd: Dollars       # calendar month, UTC
+
+
+class TenantSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """What a tenant file holds. Every field is documented in examples/tenants/demo.toml."""
+    name: str = ""
+    api_key_sha256: Annotated[list[Sha256Hex], msgspec.Meta(min_length=1)]
+    default_model: str
+    allowed_models: Annotated[list[str], msgspec.Meta(min_length=1)]
+    context_budget: Positive             # tokens of system message, passages and question
+    output_budget: Positive              # most output tokens one request may ask for
+    thinking_budget: ThinkingBudgets = ThinkingBudgets()
+    escalation_threshold: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.5
+    prefix_cache_salt: Annotated[str, msgspec.Meta(min_length=8)]
+    limits: Limits
+
+    def __post_init__(self) -> None:
+        if self.default_model not in self.allowed_models:
+            raise ValueError(f"field 'default_model': expected one of allowed_models "
+                             f"({', '.join(self.allowed_models)}), got {self.default_model!r}")
+
+
+@dataclass(frozen=True)
+class Tenant:
+    id: str
+    spec: TenantSpec
+    salt: bytes                 # the engine's prefix-cache salt for this tenant's requests
+    key_digests: tuple[bytes, ...]
+
+
+def load_tenant(path: Path, served_models: set[str]) -> Tenant:
+    """One tenant from its file, or ConfigError naming the file, the field and what was expected."""
+    tenant_id = path.stem
+    if not TENANT_ID.fullmatch(tenant_id):
+        raise ConfigError(f"{path}: the file name is the tenant id and must match {TENANT_ID.pattern} "
+                          f"(lowercase letters, digits, '_' or '-')")
+    spec = load_toml(path, TenantSpec)
+    unknown = [m for m in spec.allowed_models if m not in served_models]
+    if unknown:
+        raise ConfigError(f"{path}: field 'allowed_models': {', '.join(map(repr, unknown))} not served; "
+                          f"expected a subset of {sorted(served_models)}")
+    return Tenant(tenant_id, spec, spec.prefix_cache_salt.encode(),
+                  tuple(bytes.fromhex(h) for h in spec.api_key_sha256))
+
+
+class TenantRegistry:
+    def __init__(self, folder: str | Path, served_models: set[str], interval: float = 1.0):
+        self.folder = Path(folder)
+        if not self.folder.is_dir():
+            raise ConfigError(f"{self.folder}: tenants folder not found")
+        self.served_models = served_models
+        self.interval = interval
+        self.tenants: dict[str, Tenant] = {}
+        self.errors: dict[str, str] = {}           # file name -> why its current content is refused
+        self.reloads = {"ok": 0, "error": 0}
+        self._seen: dict[Path, tuple[int, int, int]] = {}
+        self._keys: list[tuple[bytes, Tenant]] = []
+        self._checked = float("-inf")
+        self._lock = threading.Lock()              # the CLI and tests may refresh from threads
+        self.refresh(force=True)
+
+    def refresh(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._checked < self.interval:
+            return
+        with self._lock:
+            self._checked = now
+            stats = {}
+            for p in sorted(self.folder.glob("*.toml")):
+                try:
+                    st = p.stat()
+                    stats[p] = (st.st_mtime_ns, st.st_size, st.st_ino)
+                except FileNotFoundError:       # removed while we looked
+                    pass
+            changed = [p for p, s in stats.items() if self._seen.get(p) != s]
+            removed = [p for p in self._seen if p not in stats]
+            if not changed and not removed:
+                return
+            for p in removed:
+                self.tenants.pop(p.stem, None)
+                self.errors.pop(p.name, None)
+                log.info("tenant %s removed (%s is gone)", p.stem, p)
+            for p in changed:
+                self._load(p)
+            self._seen = stats
+            self._keys = [(d, t) for t in self.tenants.values() for d in t.key_digests]
+
+    def _load(self, path: Path) -> None:
+        try:
+            tenant = load_tenant(path, self.served_models)
+            clash = {t.id for t in self.tenants.values() if t.id != tenant.id
+                     and set(t.key_digests) & set(tenant.key_digests)}
+            if clash:
+                raise ConfigError(f"{path}: field 'api_key_sha256': a key is already used by tenant "
+                                  f"{', '.join(sorted(clash))}; expected keys unique to this tenant")
+        except ConfigError as e:
+            self.errors[path.name] = str(e)
+            self.reloads["error"] += 1
+            kept = "keeping its last good version" if path.stem in self.tenants else "tenant not loaded"
+            log.error("tenant file refused (%s): %s", kept, e)
+            return
+        self.errors.pop(path.name, None)
+        self.reloads["ok"] += 1
+        self.tenants[tenant.id] = tenant
+
+    def authenticate(self, key: str) -> Tenant | None:
+        """The tenant whose key hashes to the same digest, compared in constant time against
+        every key, so timing tells nothing about which keys exist."""
+        self.refresh()
+        digest = hashlib.sha256(key.encode()).digest()
+        found = None
+        for known, tenant in self._keys:
+            if hmac.compare_digest(known, digest):
+                found = tenant
+        return found
+
+    def get(self, tenant_id: str) -> Tenant | None:
+        self.refresh()
+        return self.tenants.get(tenant_id)
+
+
+def check_folder(folder: str | Path, served_models: set[str]) -> tuple[list[Tenant], dict[str, str]]:
+    """For `sluice tenants check`: every tenant that loads, and every file's error."""
+    registry = TenantRegistry(folder, served_models)
+    return sorted(registry.tenants.values(), key=lambda t: t.id), dict(registry.errors)
