@@ -12,7 +12,7 @@ $(VENV)/.installed: pyproject.toml
 
 .PHONY: run test test-slow bench
 run: $(VENV)/.installed
-	$(VENV)/bin/sluice demo
+	$(VENV)/bin/sluice serve --demo
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q

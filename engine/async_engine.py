@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -12,6 +13,15 @@ from engine.llm_engine import Completion, LLMEngine, StepOutput
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger("sluice.engine")
+
+
+async def _settled(future: asyncio.Future) -> bool:
+    """Wait for a future we stopped awaiting; True if it succeeded."""
+    try:
+        await future
+        return True
+    except Exception:
+        return False
 
 
 class EngineFailure(RuntimeError):
@@ -64,15 +74,31 @@ class AsyncEngine:
             await self._wakeup.wait()
 
     async def stream(self, prompt: str | list[int], params: SamplingParams | None = None, model: str | None = None,
-                     salt: bytes = b"", request_id: str | None = None) -> AsyncIterator[StepOutput]:
+                     salt: bytes = b"", request_id: str | None = None, speculate: bool = True,
+                     draft: list[int] | None = None) -> AsyncIterator[StepOutput]:
         """Yields each step's output for this request. Raises ValueError on bad input before
         anything is queued."""
         await self.start()
         loop = asyncio.get_running_loop()
-        request_id = await loop.run_in_executor(None, self._locked, self.engine.add_request,
-                                                prompt, params, model, salt, request_id)
+        # The queue exists before the request does: the step thread may emit its first tokens
+        # before this coroutine runs again.
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in use")
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
+        adding = loop.run_in_executor(None, self._locked, self.engine.add_request, prompt, params, model, salt,
+                                      request_id, speculate, draft)
+        try:
+            await asyncio.shield(adding)
+        except asyncio.CancelledError:      # cancelled while queueing: the request must not run unread
+            del self._queues[request_id]
+            if await _settled(adding):
+                await loop.run_in_executor(None, self._locked, self.engine.abort, request_id)
+            raise
+        except BaseException:
+            del self._queues[request_id]
+            raise
         self._wakeup.set()
         finished = False
         try:
@@ -88,8 +114,9 @@ class AsyncEngine:
                 await asyncio.shield(loop.run_in_executor(None, self._locked, self.engine.abort, request_id))
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None, model: str | None = None,
-                       salt: bytes = b"", request_id: str | None = None) -> Completion:
-        async for out in self.stream(prompt, params, model, salt, request_id):
+                       salt: bytes = b"", request_id: str | None = None, speculate: bool = True,
+                       draft: list[int] | None = None) -> Completion:
+        async for out in self.stream(prompt, params, model, salt, request_id, speculate, draft):
             if out.completion:
                 return out.completion
         raise EngineFailure("stream ended without a completion")

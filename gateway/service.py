@@ -19,10 +19,11 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import anyio
+import msgspec
 
 from engine.async_engine import AsyncEngine, EngineFailure
 from engine.llm_engine import Completion, LLMEngine
@@ -38,6 +39,8 @@ from gateway.tenants import Tenant, TenantRegistry
 from retrieval import Embedder, RetrievalError, Store, build_prompt, trim
 
 log = logging.getLogger("sluice.gateway")
+# Tokens budget forcing may add after a spent thinking budget (nudge and closing marker), for estimates.
+THINKING_OVERHEAD = 48
 CITE = re.compile(r"\[(\d+)\]")
 
 
@@ -194,8 +197,9 @@ class Gateway:
     async def run(self, tenant: Tenant, query: Query) -> AsyncIterator[Meta | Token | Done]:
         plan = await self._plan(tenant, query)
         params = plan.params
-        est_tokens = len(plan.prompt_ids) + params.max_tokens
-        est_cost = cost_of(self.config.prices[plan.decision.model], len(plan.prompt_ids), 0, params.max_tokens)
+        most_out = params.max_tokens + (params.thinking_budget or 0) + THINKING_OVERHEAD * bool(params.thinking_budget)
+        est_tokens = len(plan.prompt_ids) + most_out
+        est_cost = cost_of(self.config.prices[plan.decision.model], len(plan.prompt_ids), 0, most_out)
         self.rates.take_tokens(tenant, est_tokens)
         try:
             self.spend.reserve(tenant, est_cost)
@@ -259,9 +263,10 @@ class Gateway:
         start = time.monotonic()
         request_id = f"req_{uuid.uuid4().hex[:24]}"
         self._require_ready()
-        if q.thinking_budget:
-            raise GatewayError(422, "thinking budgets are not available yet: send thinking_budget 0 or leave "
-                                    "it out", "thinking_budget", "not_available")
+        most = max(msgspec.structs.astuple(tenant.spec.thinking_budget))
+        if q.thinking_budget > most:
+            raise GatewayError(422, f"thinking_budget is {q.thinking_budget}; tenant {tenant.id!r} allows at most "
+                                    f"{most} thinking tokens", "thinking_budget", "over_thinking_budget")
         chars = len(q.question) if q.messages is None else sum(len(m["content"]) for m in q.messages)
         if chars > self.config.max_input_chars:
             what = "question" if q.messages is None else "messages"
@@ -273,7 +278,7 @@ class Gateway:
             field_name = "max_output_tokens" if q.endpoint != "chat" else "max_tokens"
             raise GatewayError(422, f"{field_name} is {max_tokens}; tenant {tenant.id!r} allows at most {budget} "
                                     f"output tokens", field_name, "over_output_budget")
-        decision = decide(tenant, q.mode, q.mode_field)
+        decision = replace(decide(tenant, q.mode, q.mode_field), thinking_budget=q.thinking_budget)
         # Refuse cheaply what the limits would refuse anyway, before retrieval does any work.
         wait = self.rates.tokens_empty(tenant)
         if wait:
@@ -287,14 +292,16 @@ class Gateway:
         else:                            # embedding the query and counting passages take CPU
             messages, citations, trimmed = await anyio.to_thread.run_sync(self._prompt, tenant, q, tokenizer)
         retrieval_s = time.monotonic() - t
-        prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(messages))
+        thinking = decision.thinking_budget > 0      # 0: answer at once, no span at all
+        prompt_ids = tokenizer.encode(self.llm.chat_prompt(messages, decision.model, thinking=thinking))
         limit = self.llm.worker(decision.model).cfg.max_position
         if len(prompt_ids) >= limit:
             raise GatewayError(422, f"the prompt is {len(prompt_ids)} tokens; model {decision.model!r} reads at "
                                     f"most {limit - 1}", code="prompt_too_long")
         try:
             params = SamplingParams(temperature=q.temperature, top_p=q.top_p, seed=q.seed,
-                                    max_tokens=max_tokens, stop=q.stop)
+                                    max_tokens=max_tokens, stop=q.stop,
+                                    thinking_budget=decision.thinking_budget if thinking else None)
         except ValueError as e:
             raise GatewayError(422, str(e), code="bad_sampling_parameters") from None
         return Plan(request_id, tenant, q, decision, prompt_ids, params, citations, trimmed, start, retrieval_s)
@@ -341,7 +348,8 @@ class Gateway:
         model, completion = plan.decision.model, p.completion
         prompt = len(plan.prompt_ids)
         cached = completion.num_cached_tokens if completion else p.cached
-        produced = len(completion.token_ids) if completion else p.tokens
+        produced = len(completion.token_ids) if completion else p.tokens     # thinking included
+        thinking = completion.num_thinking_tokens if completion else 0
         cost = 0.0 if status == "error" else cost_of(self.config.prices[model], prompt, cached, produced)
         now = time.monotonic()
         ms = lambda seconds: round(seconds * 1000, 3)
@@ -353,12 +361,12 @@ class Gateway:
         d = plan.decision
         await self.ledger.record(UsageRow(
             plan.request_id, time.time(), month_of(time.time()), plan.tenant.id, plan.query.endpoint, status,
-            model, model, plan.query.collection, prompt, cached, produced, 0, cost, timings.retrieval,
+            model, model, plan.query.collection, prompt, cached, produced, thinking, cost, timings.retrieval,
             timings.queue, timings.ttft, timings.total, d.reason, d.difficulty, d.confidence, d.escalated, finish))
         m, t = self.metrics, plan.tenant.id
         m.answers.inc(model, status)
         m.escalations.inc(amount=int(d.escalated))
-        for kind, n in (("prompt", prompt), ("cached", cached), ("completion", produced)):
+        for kind, n in (("prompt", prompt), ("cached", cached), ("completion", produced), ("thinking", thinking)):
             m.tokens.inc(t, model, kind, amount=n)
         m.cost.inc(t, model, amount=cost)
         m.latency.observe(now - plan.start, model)
@@ -367,7 +375,7 @@ class Gateway:
         if p.first_token:
             m.ttft.observe(p.first_token - plan.start, model)
         cited = sorted({int(n) for n in CITE.findall(answer)} & {c.number for c in plan.citations})
-        return Done(plan.request_id, answer, s.Usage(prompt, cached, produced, 0), cost, timings, finish, cited)
+        return Done(plan.request_id, answer, s.Usage(prompt, cached, produced, thinking), cost, timings, finish, cited)
 
     async def ask(self, tenant: Tenant, query: Query) -> tuple[Meta, Done]:
         """The whole answer at once."""

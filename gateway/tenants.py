@@ -29,7 +29,7 @@ Sha256Hex = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$",
 
 
 class ThinkingBudgets(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    """Tokens of thinking allowed per difficulty, once the router and engine support it."""
+    """Tokens of thinking allowed per difficulty; a request may ask for up to the largest."""
     easy: NonNegative = 0
     medium: NonNegative = 0
     hard: NonNegative = 0

@@ -57,6 +57,27 @@ async def test_bad_request_raises_and_others_continue(folder):
     await front.stop()
 
 
+@pytest.mark.anyio
+async def test_cancel_while_the_request_is_being_queued_leaves_nothing_running(folder):
+    import time
+    engine = make_engine(folder)
+    front = AsyncEngine(engine)
+    original = engine.add_request
+
+    def slow_add(*args, **kwargs):
+        time.sleep(0.3)                       # the caller gives up meanwhile
+        return original(*args, **kwargs)
+
+    engine.add_request = slow_add
+    task = asyncio.create_task(front.generate(prompts(1)[0], SamplingParams(max_tokens=400, ignore_eos=True)))
+    await asyncio.sleep(0.1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not engine.requests and not engine.has_work()
+    await front.stop()
+
+
 @pytest.fixture
 def anyio_backend():
     return "asyncio"

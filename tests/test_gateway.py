@@ -105,6 +105,20 @@ def test_not_ready_until_models_load(tmp_path, llm, embedder):
 
 # --------------------------------------------------------------------------- /v1/ask
 
+def test_thinking_budget_is_spent_exactly_and_counted_apart(tmp_path, llm, embedder):
+    gw = make_gateway(tmp_path, llm, embedder, tenants={"alpha": tenant_toml(KEYS["alpha"], thinking=6)})
+    with TestClient(create_app(gw)) as c:
+        wait_ready(c)
+        r = ask(c, question=unique_question(), max_output_tokens=5, thinking_budget=6)
+        assert r.status_code == 200, r.text
+        u = r.json()["usage"]
+        # The tiny model never writes the closing marker: the engine forces it at exactly 6.
+        assert u["thinking"] == 6 and u["completion"] > 6 + 5
+        assert gw.ledger.rows()[0].thinking_tokens == 6
+        over = ask(c, thinking_budget=7)
+        assert over.status_code == 422 and "allows at most 6 thinking tokens" in over.json()["error"]["message"]
+
+
 def test_ask_answers_and_writes_exactly_one_ledger_row(client, gateway):
     r = ask(client, question=unique_question(), max_output_tokens=5)
     assert r.status_code == 200
@@ -402,8 +416,8 @@ def bad_inputs():
          "max_output_tokens is 33; tenant 'alpha' allows at most 32"),
         ("zero output tokens", "POST", ask_url, {**q, "max_output_tokens": 0}, "alpha", 422, "field 'max_output_tokens'"),
         ("negative temperature", "POST", ask_url, {**q, "temperature": -1}, "alpha", 422, "field 'temperature'"),
-        ("thinking budget", "POST", ask_url, {**q, "thinking_budget": 64}, "alpha", 422,
-         "thinking budgets are not available yet"),
+        ("thinking over budget", "POST", ask_url, {**q, "thinking_budget": 64}, "alpha", 422,
+         "thinking_budget is 64; tenant 'alpha' allows at most 0 thinking tokens"),
         ("bad key", "POST", ask_url, q, "Bearer sk-wrong", 401, "unknown API key"),
         ("missing key", "POST", ask_url, q, None, 401, "missing API key"),
         ("not a bearer key", "POST", ask_url, q, "Basic YWxhZGRpbjpvcGVu", 401, "expected 'Bearer <key>'"),
