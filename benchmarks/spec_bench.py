@@ -68,7 +68,7 @@ def decode_rate(e: LLMEngine, prompts: list[str], batch: int, n: int) -> tuple[f
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=4)
-    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--sources", nargs="+", default=list(SOURCES))
     ap.add_argument("--data", type=Path, default=Path(os.environ.get("SLUICE_DATA", ROOT.parent / "shared" / "data")))
     ap.add_argument("--out", type=Path, default=RESULTS / "spec_bench.json")

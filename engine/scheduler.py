@@ -70,6 +70,9 @@ class Scheduler:
                 continue
             while not self.bm.can_append(seq):
                 victim = self.running[-1]
+                for item in decodes:
+                    if item.seq is victim and item.num_draft:       # its draft was already appended
+                        del victim.token_ids[-item.num_draft:]
                 self._preempt(victim)
                 decodes = [s for s in decodes if s.seq is not victim]
                 chunks = [s for s in chunks if s.seq is not victim]
@@ -110,6 +113,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.bm.free_seq(seq)
+        seq.draft, seq.draft_probs = [], None
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1

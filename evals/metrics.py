@@ -1,10 +1,11 @@
 """Answer metrics: SQuAD's exact match and F1 (normalized as in its official evaluation
-script) and GSM8K's exact match of the final number."""
+script), GSM8K's exact match of the final number, and how evals score one answer by kind."""
 from __future__ import annotations
 
 import re
 import string
 from collections import Counter
+from dataclasses import dataclass
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCT = set(string.punctuation)
@@ -48,3 +49,47 @@ def final_number(text: str) -> str | None:
 def gsm8k_match(prediction: str, reference: str) -> float:
     got = final_number(prediction)
     return float(got is not None and got == final_number(reference))
+
+
+# The service's prompt asks for citations like [1]; they are the answer's format, not its
+# content, and would otherwise cost extractive answers their exact match.
+_CITATION = re.compile(r"\[\d+\]")
+# A question counts as answered correctly (for router labels and agreement tables) from here.
+CORRECT_AT = 0.5
+
+
+def strip_citations(text: str) -> str:
+    return _CITATION.sub(" ", text)
+
+
+@dataclass(frozen=True)
+class Score:
+    em: float
+    f1: float | None        # None where it is not defined: a GSM8K number matches or not
+
+    @property
+    def value(self) -> float:
+        """The one quality number of an answer: F1 where defined, else exact match."""
+        return self.em if self.f1 is None else self.f1
+
+    @property
+    def correct(self) -> bool:
+        return self.value >= CORRECT_AT
+
+
+def score(kind: str, prediction: str, answers: list[str]) -> Score:
+    """`kind` "gsm8k": the final number against the reference solution's; anything else
+    (SQuAD, users' question sets): EM and F1 against the gold answers, citations removed."""
+    if kind == "gsm8k":
+        return Score(gsm8k_match(prediction, answers[0]), None)
+    text = strip_citations(prediction)
+    return Score(exact_match(text, answers), f1(text, answers))
+
+
+def same_answer(kind: str, a: str, b: str) -> bool:
+    """Whether two models gave the same answer: the same final number for GSM8K, the same
+    normalized text (citations removed) otherwise."""
+    if kind == "gsm8k":
+        x = final_number(a)
+        return x is not None and x == final_number(b)
+    return normalize_answer(strip_citations(a)) == normalize_answer(strip_citations(b))

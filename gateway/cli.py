@@ -1,5 +1,5 @@
 """The `sluice` command: serve the gateway, ingest documents, ask a question locally through
-the same pipeline as /v1/ask, check tenant files, fetch models.
+the same pipeline as /v1/ask, check tenant files, fetch models, run evals.
 
 Exit codes: 0 done, 2 bad arguments or bad files (the message says which and why).
 """
@@ -206,6 +206,11 @@ def cmd_models_fetch(args, config: ServerConfig) -> int:
     return 0
 
 
+def cmd_eval(args, config: ServerConfig) -> int:
+    from evals.__main__ import main as evals_main
+    return evals_main(args.args, prog="sluice eval")
+
+
 # ------------------------------------------------------------------------ main
 
 def build_parser() -> argparse.ArgumentParser:
@@ -248,11 +253,24 @@ def build_parser() -> argparse.ArgumentParser:
     models = sub.add_parser("models", help="model weights").add_subparsers(dest="action", required=True)
     fetch = models.add_parser("fetch", help="download, verify and convert the configured models")
     fetch.set_defaults(run=cmd_models_fetch)
+
+    # Everything after `eval` is the evals command line (python -m evals), help included.
+    evals = sub.add_parser("eval", add_help=False, help="run evals: quality, cost and latency per mode "
+                                                        "(`sluice eval --help`; docs/evals.md)")
+    evals.add_argument("args", nargs=argparse.REMAINDER)
+    evals.set_defaults(run=cmd_eval)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)     # exits 2 with a message on bad arguments
+    parser = build_parser()
+    # Known args only: argparse hands a leading option after `eval` (`sluice eval --help`) to
+    # the extras, not to eval's remainder; every other command takes none.
+    args, extra = parser.parse_known_args(argv)     # exits 2 with a message on bad arguments
+    if args.command == "eval":
+        args.args = extra + args.args
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.run(args, load_server_config(args.config))
     except (UsageError, ConfigError, StoreError, GatewayError, ValueError) as e:   # RetrievalError is a ValueError

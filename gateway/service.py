@@ -36,7 +36,7 @@ from gateway.ledger import Ledger, UsageRow
 from gateway.limits import Admission, RateLimiter, SpendGuard, month_of
 from gateway.metrics import GatewayMetrics
 from gateway.tenants import Tenant, TenantRegistry
-from retrieval import Embedder, RetrievalError, Store, build_prompt, trim
+from retrieval import Embedder, OverBudget, RetrievalError, Store, rag_context
 
 log = logging.getLogger("sluice.gateway")
 # Tokens budget forcing may add after a spent thinking budget (nudge and closing marker), for estimates.
@@ -308,39 +308,27 @@ class Gateway:
 
     def _prompt(self, tenant: Tenant, q: Query, tokenizer) -> tuple[list[dict], list[s.Citation], s.Trimmed]:
         """Chat messages for the engine: retrieved passages trimmed to the tenant's context
-        budget in the system message, then the question (or the conversation)."""
+        budget in the system message, then the question (or the conversation). The composition
+        itself is retrieval's rag_context, which evals measure too."""
         budget = tenant.spec.context_budget
-        text = q.question if q.messages is None else "\n".join(m["content"] for m in q.messages)
-        if q.collection is None:
-            messages = q.messages or [{"role": "user", "content": q.question}]
-            tokens = len(tokenizer.encode(text))
-            if tokens > budget:
-                raise GatewayError(422, f"the {'question' if q.messages is None else 'conversation'} is {tokens} "
-                                        f"tokens; tenant {tenant.id!r} has a context budget of {budget}",
-                                   code="over_context_budget")
-            return messages, [], s.Trimmed(0, 0, tokens, budget)
+        collection = None
+        if q.collection is not None:
+            try:
+                collection = self.store.collection(tenant.id, q.collection, create=False)
+            except RetrievalError:       # another tenant's collection is as absent as a missing one
+                raise GatewayError(404, f"collection {q.collection!r} not found", "collection",
+                                   "collection_not_found") from None
         try:
-            collection = self.store.collection(tenant.id, q.collection, create=False)
-        except RetrievalError:       # another tenant's collection is as absent as a missing one
-            raise GatewayError(404, f"collection {q.collection!r} not found", "collection",
-                               "collection_not_found") from None
-        try:
-            hits = collection.search(q.question, k=self.config.retrieval_k)
-            result = trim([h.chunk for h in hits], text, budget, tokenizer)
+            ctx = rag_context(collection, q.question, budget, tokenizer, self.config.retrieval_k, q.messages)
+        except OverBudget as e:
+            raise GatewayError(422, f"the {e.what} is {e.tokens} tokens; tenant {tenant.id!r} has a context "
+                                    f"budget of {budget}", code="over_context_budget") from None
         except RetrievalError as e:
             raise GatewayError(422, str(e), code="retrieval_refused") from None
-        prompt = build_prompt(q.question, result.chunks)
-        if q.messages is None:
-            messages = prompt.messages
-        else:   # passages first, so the prefix is shared; then the client's own system message
-            system, rest = prompt.messages[0]["content"], q.messages
-            if rest[0]["role"] == "system":
-                system, rest = f"{system}\n\n{rest[0]['content']}", rest[1:]
-            messages = [{"role": "system", "content": system}, *rest]
-        by_id = {h.chunk.id: h for h in hits}
-        citations = [s.Citation(int(n), cid, by_id[cid].chunk.doc_id, by_id[cid].chunk.title, by_id[cid].score)
-                     for n, cid in prompt.citations.items()]
-        return messages, citations, s.Trimmed(len(result.chunks), len(result.dropped), result.tokens, budget)
+        citations = [s.Citation(c.number, c.hit.chunk.id, c.hit.chunk.doc_id, c.hit.chunk.title, c.hit.score)
+                     for c in ctx.citations]
+        t = ctx.trimmed
+        return ctx.messages, citations, s.Trimmed(len(t.chunks), len(t.dropped), t.tokens, budget)
 
     async def _settle(self, plan: Plan, p: Progress, queued: float, status: str) -> Done:
         """Write the ledger row (the request counts as answered only once it is committed)

@@ -125,3 +125,15 @@ def test_prompt_lookup_and_k_choice():
     assert prompt_lookup([1, 2, 3, 4], 3) == []
     assert best_k(0.9, 0.1, 0.05, 8) >= 4
     assert best_k(0.05, 0.35, 0.05, 8) == 0                     # does not pay: off
+
+
+def test_speculation_under_preemption_keeps_greedy_output(pair):
+    large, small = pair
+    ps = prompts(6, seed=25)
+    plain = [c.token_ids for c in engine(large).generate(ps, GREEDY, model="large")]
+    models = {"large": ModelEntry(str(large)), "small": ModelEntry(str(small))}
+    tight = LLMEngine(EngineConfig(models=models, block_size=4, max_kv_blocks=48, max_num_batched_tokens=64,
+                                   memory_budget_gb=1.0, speculative=SpecConfig(target="large", draft="small")),
+                      progress=False)
+    assert [c.token_ids for c in tight.generate(ps, GREEDY, model="large")] == plain
+    assert tight.stats()["large"]["preemptions"] > 0

@@ -1,0 +1,165 @@
+"""python -m evals (also `sluice eval`): run a dataset through answering modes, and
+regenerate a run's report or router labels.
+
+    python -m evals run squad -n 200 --modes small large
+    python -m evals report RUN_FOLDER
+    python -m evals labels RUN_FOLDER
+
+A run writes into its folder as it goes; the same command again resumes it. Exit codes:
+0 done, 2 bad arguments or files (the message says which), 130 interrupted.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from engine.config import EngineConfig, ModelEntry
+from engine.llm_engine import LLMEngine
+from engine.store import StoreError
+from evals.costs import DEFAULT_PRICES, parse_price
+from evals.datasets import DATASETS, DatasetError, files_for, load
+from evals.labels import LABELS_FILE, write_labels
+from evals.report import write_report
+from evals.runner import (DEFAULT_CONTEXT_BUDGET, DEFAULT_K, DEFAULT_MAX_TOKENS, MODES, RunConfig, RunError,
+                          build_collection, open_run, read_config, run_modes)
+from retrieval import Embedder
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_MODELS = {"small": "qwen2.5-coder-0.5b", "large": "qwen2.5-coder-1.5b"}
+
+
+def _count(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+    return parse
+
+
+def _price(text: str):
+    try:
+        return parse_price(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def build_parser(prog: str = "python -m evals") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="Sluice evals: quality, cost and latency of "
+                                                            "answering modes on a question set")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = sub.add_parser("run", help="answer a dataset with each mode; resumes an interrupted run")
+    run.add_argument("dataset", choices=DATASETS, help="squad: SQuAD v1.1 JSON, through retrieval; gsm8k: GSM8K "
+                     "JSONL; jsonl: your own {question, answers, context?} lines; mixed: SQuAD and GSM8K alternating")
+    run.add_argument("--path", help="the data file (required for jsonl; default: the standard file under --data)")
+    run.add_argument("--data", default=os.environ.get("SLUICE_DATA", str(REPO.parent / "shared" / "data")),
+                     metavar="DIR", help="folder of the standard data files (default: $SLUICE_DATA or %(default)s)")
+    run.add_argument("-n", "--sample", type=_count(1), metavar="N", help="questions to draw (default: all)")
+    run.add_argument("--seed", type=int, default=0, help="seed of the draw (default: %(default)s)")
+    run.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES),
+                     help="answering modes, one after another (default: %(default)s)")
+    run.add_argument("--small", default=DEFAULT_MODELS["small"], metavar="MODEL",
+                     help="the small model: a store name, a Hugging Face folder or a GGUF file (default: %(default)s)")
+    run.add_argument("--large", default=DEFAULT_MODELS["large"], metavar="MODEL",
+                     help="the large model (default: %(default)s)")
+    run.add_argument("--out", metavar="DIR", help="run folder (default: .cache/evals/DATASET-nN-seedS in the repo)")
+    run.add_argument("--context-budget", type=_count(1), default=DEFAULT_CONTEXT_BUDGET, metavar="TOKENS",
+                     help="prompt tokens for instructions, passages and question (default: %(default)s, the demo tenant's)")
+    run.add_argument("--k", type=_count(1), default=DEFAULT_K, help="hits searched for before trimming (default: %(default)s)")
+    run.add_argument("--max-tokens", type=_count(1), default=DEFAULT_MAX_TOKENS,
+                     help="answer tokens per question (default: %(default)s)")
+    run.add_argument("--thinking-budget", type=_count(0), default=0, metavar="TOKENS",
+                     help="thinking tokens per question; 0: no thinking span (default)")
+    run.add_argument("--price", type=_price, action="append", default=[], metavar="MODEL=IN,CACHED,OUT",
+                     help="dollars per million input, cached input and output tokens; repeat per model "
+                          "(default: small=0.1,0.025,0.4 large=0.3,0.075,1.2)")
+    run.add_argument("--concurrency", type=_count(1), default=8,
+                     help="questions in the engine at once (default: %(default)s)")
+    run.add_argument("--memory-gb", type=float, default=12.0, help="engine memory for weights and KV (default: %(default)s)")
+    run.set_defaults(run=cmd_run)
+
+    for name, what in (("report", "rewrite summary.json, report.md and the plots"), ("labels", "rewrite labels.jsonl")):
+        p = sub.add_parser(name, help=f"{what} from a run folder's records")
+        p.add_argument("folder", metavar="RUN")
+        p.set_defaults(run=cmd_report if name == "report" else cmd_labels)
+    return parser
+
+
+def cmd_run(args) -> int:
+    files = files_for(args.dataset, args.path, args.data)
+    prices = dict(DEFAULT_PRICES)
+    for model, price in args.price:
+        if model not in DEFAULT_MODELS:
+            raise RunError(f"--price names model {model!r}; the models are {', '.join(DEFAULT_MODELS)}")
+        prices[model] = price
+    config = RunConfig(args.dataset, [str(f.resolve()) for f in files], args.sample, args.seed,
+                       {"small": args.small, "large": args.large}, prices, args.context_budget, args.k,
+                       args.max_tokens, args.thinking_budget)
+    folder = Path(args.out) if args.out else (
+        REPO / ".cache" / "evals" / f"{args.dataset}-n{args.sample or 'all'}-seed{args.seed}")
+    dataset = load(args.dataset, files, args.sample, args.seed)
+    open_run(folder, config)
+    print(f"{len(dataset.examples)} questions; run folder {folder}", file=sys.stderr)
+    collection = build_collection(folder, dataset, Embedder()) if dataset.documents else None
+    modes = [MODES[m] for m in args.modes]
+    try:
+        run_modes(folder, config, dataset.examples, modes, _engine(config, modes, args.memory_gb), collection,
+                  args.concurrency)
+    finally:
+        if collection is not None:
+            collection.close()
+    return _finish(folder)
+
+
+def _engine(config: RunConfig, modes, memory_gb: float) -> LLMEngine:
+    """The engine with just the models these modes call."""
+    names = sorted({m for mode in modes for m in mode.models})
+    try:
+        return LLMEngine(EngineConfig(models={n: ModelEntry(config.models[n]) for n in names},
+                                      memory_budget_gb=memory_gb))
+    except ValueError as e:           # a model the engine cannot serve, or a budget too small
+        raise RunError(f"cannot load the models: {e}") from None
+
+
+def _finish(folder: Path) -> int:
+    write_report(folder)
+    n = write_labels(folder)
+    print((folder / "report.md").read_text())
+    print(f"report: {folder / 'report.md'}; {n} router labels: {folder / 'labels.jsonl'}", file=sys.stderr)
+    return 0
+
+
+def cmd_report(args) -> int:
+    folder = Path(args.folder)
+    write_report(folder)
+    print((folder / "report.md").read_text())
+    return 0
+
+
+def cmd_labels(args) -> int:
+    folder = Path(args.folder)
+    read_config(folder)            # a run folder, or a clear error
+    print(f"{write_labels(folder)} labels: {folder / LABELS_FILE}")
+    return 0
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m evals") -> int:
+    args = build_parser(prog).parse_args(argv)      # exits 2 with a message on bad arguments
+    try:
+        return args.run(args)
+    except (DatasetError, RunError, StoreError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"\n{prog}: interrupted; run the same command again to resume", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""The run folder's per-question log: one JSON line per question and mode, appended as each
+question finishes and flushed to disk, so a run killed at any moment resumes where it stopped.
+A torn last line (killed mid-write) is cut off when the log is opened; that question is
+simply answered again."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+
+
+@dataclass
+class Call:
+    """One engine request made for a question (a cascade makes two)."""
+    model: str
+    prompt_tokens: int
+    cached_tokens: int       # of the prompt tokens, served by the prefix cache
+    output_tokens: int       # thinking included: what is billed
+    thinking_tokens: int
+    cost: float              # dollars, at the run's prices
+    retrieval_s: float       # composing the context: search, trim, prompt
+    ttft: float              # seconds from arrival at the engine to the first token
+    latency: float           # seconds from arrival at the engine to the last token
+    engine_s: float          # this request's share of the engine's step time
+    finish_reason: str
+    logprobs: list[float]    # of each output token, for confidence features
+
+
+@dataclass
+class Record:
+    mode: str
+    id: str
+    kind: str
+    question: str
+    answer: str
+    em: float
+    f1: float | None
+    score: float             # F1 where defined, else EM: the quality number
+    correct: bool
+    escalated: bool          # more than one call: the question went past its first model
+    passages: int            # in the prompt, after trimming
+    context_tokens: int      # counted against the context budget
+    retrieval_scores: list[float]     # of every hit the search returned, by rank
+    calls: list[Call] = field(default_factory=list)
+    error: str | None = None          # why it could not be answered (scored 0)
+
+    @property
+    def answered_by(self) -> str | None:
+        return self.calls[-1].model if self.calls else None
+
+    @property
+    def cost(self) -> float:
+        return sum(c.cost for c in self.calls)
+
+    def tokens(self, kind: str) -> int:
+        """Sum over calls of "prompt", "cached", "output" or "thinking" tokens."""
+        return sum(getattr(c, f"{kind}_tokens") for c in self.calls)
+
+    @property
+    def engine_s(self) -> float:
+        return sum(c.engine_s for c in self.calls)
+
+    @property
+    def latency(self) -> float | None:
+        """What the user waits for the whole answer: every call, one after another."""
+        return sum(c.retrieval_s + c.latency for c in self.calls) if self.calls else None
+
+    @property
+    def ttft(self) -> float | None:
+        """Until the first token of the answer given: earlier calls are waited out in full."""
+        if not self.calls:
+            return None
+        *before, last = self.calls
+        return sum(c.retrieval_s + c.latency for c in before) + last.retrieval_s + last.ttft
+
+
+class RecordLog:
+    """records.jsonl, keyed by (mode, question id)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.records: dict[tuple[str, str], Record] = {}
+        if path.exists():
+            data = path.read_bytes()
+            whole = data[:data.rfind(b"\n") + 1]
+            if len(whole) < len(data):
+                with path.open("r+b") as f:
+                    f.truncate(len(whole))
+            for line in whole.splitlines():
+                r = msgspec.json.decode(line, type=Record)
+                self.records[r.mode, r.id] = r
+        self._file = None
+
+    def done(self, mode: str, question_id: str) -> bool:
+        return (mode, question_id) in self.records
+
+    def append(self, record: Record) -> None:
+        if self._file is None:
+            self._file = self.path.open("ab")
+        self._file.write(msgspec.json.encode(record) + b"\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self.records[record.mode, record.id] = record
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def of_mode(self, mode: str) -> list[Record]:
+        return [r for (m, _), r in self.records.items() if m == mode]
+
+    def modes(self) -> set[str]:
+        return {m for m, _ in self.records}

@@ -1,0 +1,115 @@
+"""The numbers of a run (summary.json), from its per-question log: quality, tokens, cost,
+engine time, latency and escalation per mode, and how the small and large models compare
+on the questions both answered."""
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+
+from evals.metrics import same_answer
+from evals.records import Record, RecordLog
+from evals.router_metrics import CurvePoint, apgr, cost_at_quality, oracle_scores, threshold_sweep
+from evals.runner import MODES, RunConfig
+
+TOKEN_KINDS = ("prompt", "cached", "output", "thinking")
+TARGET = 0.95     # "cost at 95% of large-only quality"
+
+
+def ordered_modes(modes: set[str]) -> list[str]:
+    return [m for m in MODES if m in modes] + sorted(modes - set(MODES))
+
+
+def percentiles(values: list[float]) -> dict[str, float] | None:
+    if not values:
+        return None
+    p50, p95 = np.percentile(values, [50, 95])
+    return {"p50": round(float(p50), 4), "p95": round(float(p95), 4)}
+
+
+def mode_summary(records: list[Record]) -> dict:
+    n = len(records)
+    by_kind = {}
+    for kind in sorted({r.kind for r in records}):
+        rs = [r for r in records if r.kind == kind]
+        entry = {"questions": len(rs), "em": _mean(r.em for r in rs)}
+        if kind != "gsm8k":
+            entry["f1"] = _mean(r.f1 for r in rs)
+        by_kind[kind] = entry
+    cost = sum(r.cost for r in records)
+    engine = sum(r.engine_s for r in records)
+    answered = {}
+    for r in records:
+        if r.answered_by:
+            answered[r.answered_by] = answered.get(r.answered_by, 0) + 1
+    return {
+        "questions": n,
+        "errors": sum(r.error is not None for r in records),
+        "quality": _mean(r.score for r in records),
+        "accuracy": _mean(float(r.correct) for r in records),
+        "by_kind": by_kind,
+        "cost": {"total": cost, "per_question": cost / n, "per_1k_questions": 1000 * cost / n},
+        "tokens": {k: sum(r.tokens(k) for r in records) for k in TOKEN_KINDS},
+        "tokens_per_question": {k: round(sum(r.tokens(k) for r in records) / n, 2) for k in TOKEN_KINDS},
+        "engine_s": {"total": round(engine, 3), "per_question": round(engine / n, 4)},
+        "ttft_s": percentiles([r.ttft for r in records if r.ttft is not None]),
+        "latency_s": percentiles([r.latency for r in records if r.latency is not None]),
+        "escalation_rate": _mean(float(r.escalated) for r in records),
+        "answered_by": answered,
+    }
+
+
+def paired(log: RecordLog, a: str = "small", b: str = "large") -> tuple[list[Record], list[Record]]:
+    """Records of two modes on the questions both answered, in the same order."""
+    other = {r.id: r for r in log.of_mode(b)}
+    first = [r for r in log.of_mode(a) if r.id in other]
+    return first, [other[r.id] for r in first]
+
+
+def router_curves(small: list[Record], large: list[Record]) -> dict[str, list[CurvePoint]]:
+    """Quality-cost curves of routing between the two: at random (the straight line between
+    them) and by an oracle that knows which questions the large model answers better."""
+    qs, ql = [r.score for r in small], [r.score for r in large]
+    cs, cl = [r.cost for r in small], [r.cost for r in large]
+    return {"random": threshold_sweep(np.zeros(len(qs)), qs, ql, cs, cl),
+            "oracle": threshold_sweep(oracle_scores(qs, ql), qs, ql, cs, cl)}
+
+
+def pair_summary(small: list[Record], large: list[Record]) -> dict | None:
+    if not small:
+        return None
+    n = len(small)
+    both = [(s.correct, l.correct) for s, l in zip(small, large)]
+    q_small, q_large = _mean(r.score for r in small), _mean(r.score for r in large)
+    bounds = {}
+    for name, curve in router_curves(small, large).items():
+        cost = cost_at_quality(curve, TARGET * q_large)
+        bounds[name] = {"apgr": _round(apgr(curve, q_small, q_large)),
+                        "cost_at_95_per_1k_questions": None if cost is None else 1000 * cost / n}
+    return {
+        "questions": n,
+        "quality": {"small": q_small, "large": q_large},
+        "cost_per_1k_questions": {"small": 1000 * sum(r.cost for r in small) / n,
+                                  "large": 1000 * sum(r.cost for r in large) / n},
+        "agreement": _mean(float(same_answer(s.kind, s.answer, l.answer)) for s, l in zip(small, large)
+                           if s.error is None and l.error is None),
+        "correct": {"both": both.count((True, True)), "small_only": both.count((True, False)),
+                    "large_only": both.count((False, True)), "neither": both.count((False, False))},
+        "router_bounds": bounds,
+    }
+
+
+def summarize(config: RunConfig, log: RecordLog) -> dict:
+    modes = ordered_modes(log.modes())
+    out = {"run": msgspec.to_builtins(config), "modes": {m: mode_summary(log.of_mode(m)) for m in modes}}
+    if {"small", "large"} <= set(modes):
+        out["small_vs_large"] = pair_summary(*paired(log))
+    return out
+
+
+def _mean(values) -> float | None:
+    values = list(values)
+    return round(float(np.mean(values)), 4) if values else None
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 4)

@@ -1,0 +1,60 @@
+"""The context of one question, composed as /v1/ask composes it: search the collection, trim
+the hits to the context budget, build the prompt, and put the passages in front of the
+question (or of a chat conversation). The gateway serves with it and evals measure with it,
+so an offline score is the score of what the service would have answered."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .prompt import build_prompt
+from .trim import TrimResult, trim
+from .types import RetrievalError, SearchHit, Tokenizer
+
+
+class OverBudget(RetrievalError):
+    """The question (or conversation) alone, with no passages to give up, exceeds the budget."""
+
+    def __init__(self, tokens: int, budget: int, what: str):
+        super().__init__(f"the {what} is {tokens} tokens; the context budget is {budget}")
+        self.tokens, self.budget, self.what = tokens, budget, what
+
+
+@dataclass(frozen=True)
+class Citation:
+    number: int        # as the prompt numbers the passage, and the answer cites it: [1]
+    hit: SearchHit
+
+
+@dataclass(frozen=True)
+class RagContext:
+    messages: list[dict[str, str]]   # for the chat template
+    citations: list[Citation]        # passages in the prompt, by number
+    hits: list[SearchHit]            # everything the search returned, by rank
+    trimmed: TrimResult              # with no collection: no chunks, the question's own tokens
+
+
+def rag_context(collection, question: str, budget: int, tokenizer: Tokenizer, k: int,
+                messages: list[dict[str, str]] | None = None) -> RagContext:
+    """`collection`: a retrieval Collection, or None to send the question (or `messages`) alone.
+    `question` is what is searched for; the budget counts the whole conversation when
+    `messages` is given. Raises RetrievalError (OverBudget when nothing could be dropped)."""
+    text = question if messages is None else "\n".join(m["content"] for m in messages)
+    if collection is None:
+        tokens = len(tokenizer.encode(text))
+        if tokens > budget:
+            raise OverBudget(tokens, budget, "question" if messages is None else "conversation")
+        return RagContext(messages or [{"role": "user", "content": question}], [], [],
+                          TrimResult([], [], tokens, budget))
+    hits = collection.search(question, k=k)
+    result = trim([h.chunk for h in hits], text, budget, tokenizer)
+    prompt = build_prompt(question, result.chunks)
+    if messages is None:
+        composed = prompt.messages
+    else:   # passages first, so the prefix is shared; then the client's own system message
+        system, rest = prompt.messages[0]["content"], messages
+        if rest[0]["role"] == "system":
+            system, rest = f"{system}\n\n{rest[0]['content']}", rest[1:]
+        composed = [{"role": "system", "content": system}, *rest]
+    by_id = {h.chunk.id: h for h in hits}
+    citations = [Citation(int(n), by_id[cid]) for n, cid in prompt.citations.items()]
+    return RagContext(composed, citations, hits, result)

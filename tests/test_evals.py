@@ -1,0 +1,359 @@
+"""Evals: metric code against hand-computed values, the data formats, and whole runs on a
+small synthetic set with two tiny random models: costs add up per request, and a run
+interrupted midway resumes without redoing a question and ends as an uninterrupted one."""
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+
+from engine.config import EngineConfig, ModelEntry
+from engine.llm_engine import LLMEngine
+from evals.__main__ import main as evals_main
+from evals.costs import DEFAULT_PRICES, Price, parse_price, request_cost
+from evals.datasets import DatasetError, files_for, load
+from evals.labels import write_labels
+from evals.metrics import same_answer, score
+from evals.records import RecordLog
+from evals.report import write_report
+from evals.router_metrics import CurvePoint, apgr, cost_at_quality, oracle_scores, threshold_sweep
+from evals.runner import (DEFAULT_CONTEXT_BUDGET, DEFAULT_K, DEFAULT_MAX_TOKENS, MODES, RECORDS_FILE, RunConfig,
+                          build_collection, open_run, run_modes)
+from retrieval import Collection
+from tests.conftest import make_tiny_model
+from tests.test_gateway_support import embedder  # noqa: F401  (the shared all-MiniLM embedder)
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# ------------------------------------------------------------------ answer scoring
+
+def test_score_by_kind_by_hand():
+    # Citations are removed before scoring; "it is" stays: pred {it, is, denver, broncos},
+    # gold {denver, broncos}: precision 1/2, recall 1 -> F1 2/3, no exact match.
+    s = score("squad", "It is Denver Broncos [1].", ["Denver Broncos"])
+    assert (s.em, s.f1, s.value, s.correct) == (0.0, pytest.approx(2 / 3), pytest.approx(2 / 3), True)
+    assert score("qa", "The Denver Broncos [1][2]", ["Denver Broncos"]).em == 1.0
+    g = score("gsm8k", "3 + 4 = 7, so she has 7 apples.", ["She has 3 + 4 = 7 apples.\n#### 7"])
+    assert (g.em, g.f1, g.value, g.correct) == (1.0, None, 1.0, True)
+    assert not score("gsm8k", "8", ["#### 7"]).correct
+    assert same_answer("gsm8k", "The answer is 1,000.", "it's 1000") and not same_answer("gsm8k", "none", "none")
+    assert same_answer("squad", "The Broncos [1]", "broncos") and not same_answer("squad", "Broncos", "Panthers")
+
+
+# --------------------------------------------------------------- router metrics
+
+def curve(xs, qualities, costs=None) -> list[CurvePoint]:
+    costs = costs or [0.0] * len(xs)
+    return [CurvePoint(0.0, x, q, c) for x, q, c in zip(xs, qualities, costs)]
+
+
+def test_apgr_on_known_curves():
+    # Random routing: quality on the straight line from small to large recovers half the gap.
+    assert apgr(curve([0, 1], [0.4, 0.6]), 0.4, 0.6) == pytest.approx(0.5)
+    # PGR 0, 0.8, 1 at shares 0, 0.5, 1: 0.5 * (0 + 0.8) / 2 + 0.5 * (0.8 + 1) / 2 = 0.65.
+    assert apgr(curve([0, 0.5, 1], [0.4, 0.56, 0.6]), 0.4, 0.6) == pytest.approx(0.65)
+    # Over a part of the range, RouteLLM divides by the span it covers: 0.2 / 0.5.
+    assert apgr(curve([0, 0.5], [0.4, 0.56]), 0.4, 0.6) == pytest.approx(0.4)
+    # PGR(x) = sqrt(x) finely sampled: the integral of sqrt over [0, 1] is 2/3.
+    x = np.linspace(0, 1, 2001)
+    assert apgr(curve(x, 0.2 + 0.5 * np.sqrt(x)), 0.2, 0.7) == pytest.approx(2 / 3, abs=1e-3)
+    assert apgr(curve([0, 1], [0.5, 0.5]), 0.5, 0.5) is None
+
+
+def test_threshold_sweep_by_hand():
+    points = threshold_sweep(scores=[0.9, 0.1, 0.5, 0.5], small_quality=[1, 0, 0, 1], large_quality=[1, 1, 1, 0],
+                             small_cost=[1, 1, 1, 1], large_cost=[3, 3, 3, 3])
+    got = [(p.threshold, p.large_share, p.quality, p.cost) for p in points]
+    assert got == [(0.1, 1.0, 0.75, 12.0),            # everyone to the large model
+                   (0.5, 0.75, 0.5, 10.0),            # questions 0, 2, 3
+                   (0.9, 0.25, 0.5, 6.0),             # question 0
+                   (float("inf"), 0.0, 0.5, 4.0)]     # nobody
+
+
+def test_oracle_routing_bound_by_hand():
+    small, large = [1, 0, 0, 0], [1, 1, 1, 0]        # 0.25 and 0.75
+    points = threshold_sweep(oracle_scores(small, large), small, large, [1] * 4, [3] * 4)
+    # Gains 0, 1, 1, 0: share 0 -> 0.25, share 0.5 -> 0.75 (all the gap), share 1 -> 0.75.
+    assert sorted((p.large_share, p.quality) for p in points) == [(0.0, 0.25), (0.5, 0.75), (1.0, 0.75)]
+    assert apgr(points, 0.25, 0.75) == pytest.approx(0.5 * (0 + 1) / 2 + 0.5 * (1 + 1) / 2)
+    # 95% of 0.75 = 0.7125, reached between cost 4 (q 0.25) and cost 8 (q 0.75):
+    # 4 + (0.7125 - 0.25) / 0.5 * 4 = 7.7.
+    assert cost_at_quality(points, 0.95 * 0.75) == pytest.approx(7.7)
+
+
+def test_cost_at_quality_on_a_known_curve():
+    c = curve([0, 0.25, 1], [0.5, 0.7, 0.8], costs=[4, 6, 12])
+    assert cost_at_quality(c, 0.95 * 0.8) == pytest.approx(6 + 0.06 / 0.1 * 6)     # 9.6
+    assert cost_at_quality(c, 0.5) == 4 and cost_at_quality(c, 0.45) == 4
+    assert cost_at_quality(c, 0.9) is None
+
+
+# ------------------------------------------------------------------------- costs
+
+def test_request_cost_by_hand_and_prices_flag():
+    # 600 fresh prompt tokens, 400 cached, 50 out: (600 * 0.1 + 400 * 0.025 + 50 * 0.4) / 1e6.
+    assert request_cost(Price(0.1, 0.025, 0.4), 1000, 400, 50) == pytest.approx(9e-5)
+    assert parse_price("large=0.15,0.0375,0.6") == ("large", Price(0.15, 0.0375, 0.6))
+    for bad in ("large", "large=1,2", "=1,2,3", "large=a,b,c", "large=1,-2,3"):
+        with pytest.raises(ValueError, match="bad price"):
+            parse_price(bad)
+
+
+def test_defaults_are_the_services():
+    """Evals may not import the gateway; these keep its numbers and theirs the same."""
+    from gateway.config import ServerConfig, default_prices
+    from gateway.service import cost_of
+    assert msgspec.to_builtins(DEFAULT_PRICES) == msgspec.to_builtins(default_prices())
+    for m, p in default_prices().items():
+        assert request_cost(DEFAULT_PRICES[m], 900, 300, 70) == cost_of(p, 900, 300, 70)
+    demo = tomllib.loads((REPO / "examples" / "tenants" / "demo.toml").read_text())
+    assert (DEFAULT_CONTEXT_BUDGET, DEFAULT_MAX_TOKENS) == (demo["context_budget"], demo["output_budget"])
+    assert DEFAULT_K == ServerConfig().retrieval_k
+
+
+# ---------------------------------------------------------------------- datasets
+
+SQUAD = {"data": [
+    {"title": "Solar_System", "paragraphs": [
+        {"context": "t1 t2 t3 t4 t5 t6 t7 t8", "qas": [
+            {"id": "s1", "question": "t1 t2 t3 ?", "answers": [{"text": "t4"}, {"text": "t4 t5"}]},
+            {"id": "s2", "question": "t5 t6 ?", "answers": [{"text": "t7"}]}]},
+        {"context": "t20 t21 t22 t23 t24", "qas": [
+            {"id": "s3", "question": "t20 t21 ?", "answers": [{"text": "t22"}]}]}]},
+    {"title": "Rivers", "paragraphs": [
+        {"context": "t40 t41 t42 t43", "qas": [
+            {"id": "s4", "question": "t40 t43 ?", "answers": [{"text": "t41"}]},
+            {"id": "s5", "question": "t42 ?", "answers": [{"text": "t43"}]}]}]}]}
+GSM8K = [{"question": f"t{i} t{i + 1} plus t{i + 2} ?", "answer": f"t{i} + t{i + 1}\n#### {i}"} for i in range(1, 6)]
+JSONL = [{"question": "t1 t2 ?", "answers": ["t3"], "context": "t1 t2 t3 t4", "id": "a"},
+         {"question": "t5 t6 ?", "answers": ["t7", "t8"], "context": "t5 t6 t7 t8"},
+         {"question": "t9 ?", "answers": ["t10"]},
+         {"question": "t2 t4 ?", "answers": ["t1"], "context": "t1 t2 t3 t4"},
+         {"question": "t11 t12 ?", "answers": ["t13"]},
+         {"question": "t6 t8 ?", "answers": ["t5"], "context": "t5 t6 t7 t8"}]
+
+
+@pytest.fixture
+def data(tmp_path) -> Path:
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "squad-v1.1-dev-part-a.json").write_text(json.dumps(SQUAD))
+    (folder / "gsm8k-train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in GSM8K))
+    (folder / "own.jsonl").write_text("".join(json.dumps(r) + "\n" for r in JSONL))
+    return folder
+
+
+def test_datasets_load_sample_and_mix(data):
+    squad = load("squad", files_for("squad", None, str(data)), None, 0)
+    assert len(squad.documents) == 3 and {d.title for d in squad.documents} == {"Solar System", "Rivers"}
+    assert sorted(e.id for e in squad.examples) == ["s1", "s2", "s3", "s4", "s5"]
+    s1 = next(e for e in squad.examples if e.id == "s1")
+    assert (s1.kind, s1.answers, s1.retrieve) == ("squad", ["t4", "t4 t5"], True)
+
+    three = load("squad", files_for("squad", None, str(data)), 3, seed=7).examples
+    assert three == load("squad", files_for("squad", None, str(data)), 3, seed=7).examples   # reproducible
+    assert len(three) == 3 and three != load("squad", files_for("squad", None, str(data)), 3, seed=8).examples
+
+    gsm = load("gsm8k", files_for("gsm8k", None, str(data)), None, 0)
+    assert not gsm.documents and {e.id for e in gsm.examples} == {f"gsm8k-{i}" for i in range(1, 6)}
+    assert all(e.kind == "gsm8k" and not e.retrieve for e in gsm.examples)
+
+    own = load("jsonl", files_for("jsonl", str(data / "own.jsonl"), str(data)), None, 0)
+    assert len(own.documents) == 2                                 # identical contexts stored once
+    by_id = {e.id: e for e in own.examples}
+    assert set(by_id) == {"a", "line-2", "line-3", "line-4", "line-5", "line-6"}
+    assert by_id["a"].retrieve and not by_id["line-3"].retrieve and by_id["line-2"].answers == ["t7", "t8"]
+
+    mixed = load("mixed", files_for("mixed", None, str(data)), 5, 0)
+    assert [e.kind for e in mixed.examples] == ["squad", "gsm8k", "squad", "gsm8k", "squad"]
+    assert len(mixed.documents) == 3
+
+
+def test_dataset_errors_name_the_file_and_line(data, tmp_path):
+    with pytest.raises(DatasetError, match="no such file"):
+        files_for("squad", None, str(tmp_path / "nowhere"))
+    with pytest.raises(DatasetError, match="jsonl needs --path"):
+        files_for("jsonl", None, str(data))
+    with pytest.raises(DatasetError, match="mixed reads"):
+        files_for("mixed", str(data / "own.jsonl"), str(data))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "q", "answers": ["a"]}\n\n{"question": "q2"}\n')
+    with pytest.raises(DatasetError, match=r"bad.jsonl line 3: .*answers"):
+        load("jsonl", [bad], None, 0)
+    bad.write_text('{"question": "q", "answers": ["a"], "id": "x"}\n{"question": "r", "answers": ["b"], "id": "x"}\n')
+    with pytest.raises(DatasetError, match="ids repeat"):
+        load("jsonl", [bad], None, 0)
+    bad.write_text('{"data": [{"paragraphs": [{}]}]}')
+    with pytest.raises(DatasetError, match="not SQuAD"):
+        load("squad", [bad], None, 0)
+
+
+def test_record_log_cuts_a_torn_last_line(tmp_path):
+    path = tmp_path / RECORDS_FILE
+    whole = {"mode": "small", "id": "q1", "kind": "qa", "question": "q", "answer": "a", "em": 1.0, "f1": 1.0,
+             "score": 1.0, "correct": True, "escalated": False, "passages": 0, "context_tokens": 3,
+             "retrieval_scores": [], "calls": [], "error": None}
+    path.write_text(json.dumps(whole) + "\n" + json.dumps({**whole, "id": "q2"})[:40])
+    log = RecordLog(path)
+    assert log.done("small", "q1") and not log.done("small", "q2")
+    assert path.read_text().endswith("}\n")          # the torn write is gone; appends start clean
+    log.append(msgspec.convert({**whole, "id": "q2"}, type=type(log.records["small", "q1"])))
+    log.close()
+    assert set(RecordLog(path).records) == {("small", "q1"), ("small", "q2")}
+
+
+# -------------------------------------------------------------------- whole runs
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory) -> LLMEngine:
+    small = make_tiny_model(tmp_path_factory.mktemp("eval-small"), "qwen2", seed=1)
+    large = make_tiny_model(tmp_path_factory.mktemp("eval-large"), "qwen2", seed=2)
+    # No prefix caching: cached-token counts (and so costs) then do not depend on which
+    # questions happened to run before, and an interrupted run can equal an uninterrupted one.
+    return LLMEngine(EngineConfig(models={"small": ModelEntry(str(small)), "large": ModelEntry(str(large))},
+                                  memory_budget_gb=1.0, max_kv_blocks=256, prefix_caching=False), progress=False)
+
+
+def config_for(dataset: str, files: list[Path], **kw) -> RunConfig:
+    return RunConfig(dataset, [str(f) for f in files], None, 0, {"small": "tiny-1", "large": "tiny-2"},
+                     dict(DEFAULT_PRICES), **{"context_budget": 160, "k": 4, "max_tokens": 4, **kw})
+
+
+def run(folder: Path, config: RunConfig, engine, embedder, modes=("small", "large"), concurrency=3):
+    """What `python -m evals run` does, with the test's engine and embedder."""
+    dataset = load(config.dataset, [Path(f) for f in config.files], config.n, config.seed)
+    open_run(folder, config)
+    collection = build_collection(folder, dataset, embedder, progress=False) if dataset.documents else None
+    try:
+        run_modes(folder, config, dataset.examples, [MODES[m] for m in modes], engine, collection, concurrency,
+                  progress=False)
+    finally:
+        if collection is not None:
+            collection.close()
+    return dataset
+
+
+def test_run_scores_costs_and_reports(tmp_path, data, engine, embedder):
+    config = config_for("mixed", files_for("mixed", None, str(data)))
+    dataset = run(tmp_path / "run", config, engine, embedder)
+    summary = write_report(tmp_path / "run")
+    assert write_labels(tmp_path / "run") == len(dataset.examples) == 10
+    log = RecordLog(tmp_path / "run" / RECORDS_FILE)
+    gold = {e.id: e for e in dataset.examples}
+    for mode in ("small", "large"):
+        records = log.of_mode(mode)
+        assert sorted(r.id for r in records) == sorted(gold)
+        for r in records:
+            assert r.error is None and len(r.calls) == 1 and r.answered_by == mode and not r.escalated
+            s = score(r.kind, r.answer, gold[r.id].answers)
+            assert (r.em, r.f1, r.score, r.correct) == (s.em, s.f1, s.value, s.correct)
+            assert (r.passages > 0) == (r.kind == "squad") == bool(r.retrieval_scores)
+            c, p = r.calls[0], DEFAULT_PRICES[mode]
+            assert 0 < c.output_tokens <= config.max_tokens and len(c.logprobs) == c.output_tokens
+            assert c.cached_tokens == 0 and c.ttft <= c.latency and c.engine_s > 0
+            # cost == tokens x prices, by hand
+            assert c.cost == pytest.approx((c.prompt_tokens * p.input + c.output_tokens * p.output) / 1e6)
+        m = summary["modes"][mode]
+        # The summary's cost and tokens are the sums of the per-request ones.
+        assert m["cost"]["total"] == pytest.approx(sum(r.cost for r in records), rel=1e-12)
+        assert m["tokens"]["prompt"] == sum(r.calls[0].prompt_tokens for r in records)
+        assert m["tokens"]["output"] == sum(r.calls[0].output_tokens for r in records)
+        assert m["quality"] == pytest.approx(np.mean([r.score for r in records]), abs=1e-4)
+        assert set(m["by_kind"]) == {"squad", "gsm8k"} and "f1" not in m["by_kind"]["gsm8k"]
+        assert m["escalation_rate"] == 0.0 and m["ttft_s"]["p50"] <= m["ttft_s"]["p95"]
+    pair = summary["small_vs_large"]
+    assert pair["questions"] == 10 and sum(pair["correct"].values()) == 10
+    assert set(pair["router_bounds"]) == {"random", "oracle"}
+    for name in ("report.md", "summary.json", "quality_cost.png", "latency.png", "labels.jsonl"):
+        assert (tmp_path / "run" / name).stat().st_size > 0
+    assert "| small | 10 |" in (tmp_path / "run" / "report.md").read_text()
+    label = json.loads((tmp_path / "run" / "labels.jsonl").read_text().splitlines()[0])
+    small = log.records["small", label["id"]]
+    assert label["small_correct"] == small.correct and label["large_correct"] == log.records["large", label["id"]].correct
+    lp = small.calls[0].logprobs
+    assert label["confidence"]["length"] == len(lp) and label["confidence"]["min"] == pytest.approx(min(lp), abs=1e-4)
+    assert label["confidence"]["p50"] == pytest.approx(float(np.median(lp)), abs=1e-4)
+
+
+STABLE = ("mode", "id", "kind", "question", "answer", "em", "f1", "score", "correct", "escalated", "passages",
+          "context_tokens", "retrieval_scores")
+CALL_STABLE = ("model", "prompt_tokens", "cached_tokens", "output_tokens", "thinking_tokens", "cost",
+               "finish_reason", "logprobs")
+
+
+def outcome(folder: Path) -> dict:
+    """A run's records without the timings, which no two runs share."""
+    return {key: ([getattr(r, f) for f in STABLE], [[getattr(c, f) for f in CALL_STABLE] for c in r.calls])
+            for key, r in RecordLog(folder / RECORDS_FILE).records.items()}
+
+
+def test_an_interrupted_run_resumes_without_redoing_a_question(tmp_path, data, engine, embedder, monkeypatch):
+    config = config_for("jsonl", [data / "own.jsonl"])
+    run(tmp_path / "whole", config, engine, embedder)
+
+    class Killed(Exception):
+        pass
+
+    logged = []
+    append = RecordLog.append
+
+    def dies_after_four(self, record):
+        if len(logged) == 4:
+            raise Killed
+        logged.append(record.id)
+        append(self, record)
+
+    monkeypatch.setattr(RecordLog, "append", dies_after_four)
+    with pytest.raises(Killed):
+        run(tmp_path / "cut", config, engine, embedder)
+    monkeypatch.undo()
+    assert not engine.requests                       # the interrupted run took its requests back
+
+    asked, add = [], engine.add_request
+    monkeypatch.setattr(engine, "add_request", lambda *a, **kw: asked.append(1) or add(*a, **kw))
+    ingested, ingest = [], Collection.ingest
+    monkeypatch.setattr(Collection, "ingest", lambda self, docs: ingested.append(len(docs)) or ingest(self, docs))
+    run(tmp_path / "cut", config, engine, embedder)
+    assert len(asked) == 6 + 6 - 4                   # the 4 logged small answers are not asked again
+    assert not ingested                              # nor is the collection embedded again
+    before = outcome(tmp_path / "cut")
+    assert len(before) == 12 and before == outcome(tmp_path / "whole")
+    run(tmp_path / "cut", config, engine, embedder)  # finished: nothing left to do
+    assert len(asked) == 8 and outcome(tmp_path / "cut") == before
+
+
+def test_command_line_refuses_bad_arguments_with_exit_2(tmp_path, data, capsys):
+    def fails(argv, message):
+        with pytest.raises(SystemExit) as e:
+            evals_main(argv)
+        assert e.value.code == 2 and message in capsys.readouterr().err
+
+    fails(["run", "trivia"], "invalid choice: 'trivia'")
+    fails(["run", "squad", "--modes", "small", "cascade"], "invalid choice: 'cascade' (choose from 'small', 'large')")
+    fails(["run", "gsm8k", "--price", "small=1,2"], "bad price")
+    fails(["run", "squad", "-n", "0"], "must be at least 1")
+    assert evals_main(["run", "squad", "--data", str(tmp_path / "none")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    assert evals_main(["run", "jsonl", "--data", str(data)]) == 2
+    assert "jsonl needs --path FILE" in capsys.readouterr().err
+    assert evals_main(["run", "gsm8k", "--data", str(data), "--price", "medium=1,1,1"]) == 2
+    assert "--price names model 'medium'" in capsys.readouterr().err
+    assert evals_main(["labels", str(tmp_path)]) == 2
+    assert "not a run folder" in capsys.readouterr().err
+    # A run folder made with other settings is refused before any model loads.
+    files = files_for("gsm8k", None, str(data))
+    open_run(tmp_path / "run", RunConfig("gsm8k", [str(f.resolve()) for f in files], 3, 0,
+                                         {"small": "qwen2.5-coder-0.5b", "large": "qwen2.5-coder-1.5b"},
+                                         dict(DEFAULT_PRICES)))
+    assert evals_main(["run", "gsm8k", "--data", str(data), "-n", "3", "--max-tokens", "64",
+                       "--out", str(tmp_path / "run")]) == 2
+    assert "max_tokens: 256 there, 64 now" in capsys.readouterr().err
+    # `sluice eval` is the same command line.
+    from gateway.cli import main as sluice_main
+    assert sluice_main(["eval", "run", "jsonl", "--data", str(data)]) == 2
+    assert "sluice eval: error: dataset jsonl needs --path FILE" in capsys.readouterr().err
