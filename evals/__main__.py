@@ -22,9 +22,11 @@ from evals.costs import DEFAULT_PRICES, parse_price
 from evals.datasets import DATASETS, DatasetError, files_for, load
 from evals.labels import LABELS_FILE, write_labels
 from evals.report import write_report
-from evals.runner import (DEFAULT_CONTEXT_BUDGET, DEFAULT_K, DEFAULT_MAX_TOKENS, MODES, RunConfig, RunError,
-                          build_collection, open_run, read_config, run_modes)
+from evals.runner import (DEFAULT_CONTEXT_BUDGET, DEFAULT_K, DEFAULT_MAX_TOKENS, MODES, ROUTED_MODES, RunConfig,
+                          RunError, build_collection, open_run, read_config, routed_modes, run_modes)
 from retrieval import Embedder
+from router.data import RouterError
+from router.model import RouterModel
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODELS = {"small": "qwen2.5-coder-0.5b", "large": "qwen2.5-coder-1.5b"}
@@ -62,8 +64,13 @@ def build_parser(prog: str = "python -m evals") -> argparse.ArgumentParser:
                      metavar="DIR", help="folder of the standard data files (default: $SLUICE_DATA or %(default)s)")
     run.add_argument("-n", "--sample", type=_count(1), metavar="N", help="questions to draw (default: all)")
     run.add_argument("--seed", type=int, default=0, help="seed of the draw (default: %(default)s)")
-    run.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES),
-                     help="answering modes, one after another (default: %(default)s)")
+    run.add_argument("--modes", nargs="+", choices=[*MODES, *ROUTED_MODES], default=list(MODES),
+                     help="answering modes, one after another (default: %(default)s); routed and "
+                          "routed+cascade need --router")
+    run.add_argument("--router", metavar="FILE", help="a trained router (sluice train-router RUN); without it "
+                                                      "cascade uses the default, uncalibrated confidence rule")
+    run.add_argument("--threshold", type=float, default=0.5,
+                     help="escalation threshold of the cascade modes, as a tenant's (default: %(default)s)")
     run.add_argument("--small", default=DEFAULT_MODELS["small"], metavar="MODEL",
                      help="the small model: a store name, a Hugging Face folder or a GGUF file (default: %(default)s)")
     run.add_argument("--large", default=DEFAULT_MODELS["large"], metavar="MODEL",
@@ -92,6 +99,10 @@ def build_parser(prog: str = "python -m evals") -> argparse.ArgumentParser:
 
 
 def cmd_run(args) -> int:
+    needs_router = {"routed", "routed+cascade"} & set(args.modes)
+    if needs_router and not args.router:
+        raise RunError(f"mode {sorted(needs_router)[0]} needs --router FILE (train one: sluice train-router RUN)")
+    router = RouterModel.load(args.router) if args.router else None
     files = files_for(args.dataset, args.path, args.data)
     prices = dict(DEFAULT_PRICES)
     for model, price in args.price:
@@ -106,8 +117,10 @@ def cmd_run(args) -> int:
     dataset = load(args.dataset, files, args.sample, args.seed)
     open_run(folder, config)
     print(f"{len(dataset.examples)} questions; run folder {folder}", file=sys.stderr)
-    collection = build_collection(folder, dataset, Embedder()) if dataset.documents else None
-    modes = [MODES[m] for m in args.modes]
+    embedder = Embedder() if dataset.documents or router else None
+    collection = build_collection(folder, dataset, embedder) if dataset.documents else None
+    routed = routed_modes(router, embedder, collection, config.k, args.threshold)
+    modes = [MODES[m] if m in MODES else routed[m] for m in args.modes]
     try:
         run_modes(folder, config, dataset.examples, modes, _engine(config, modes, args.memory_gb), collection,
                   args.concurrency)
@@ -153,7 +166,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m evals") -> int:
     args = build_parser(prog).parse_args(argv)      # exits 2 with a message on bad arguments
     try:
         return args.run(args)
-    except (DatasetError, RunError, StoreError) as e:
+    except (DatasetError, RunError, StoreError, RouterError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -7,8 +7,11 @@ questions are in the engine at once (continuous batching, like concurrent users)
 and latency are measured under that load.
 
 A mode decides, call by call, which model answers a question: `small` and `large` call one
-model once. Routed and cascade modes (the router's issue) are further `Mode`s: a cascade
-asks for the large model after reading the small model's call (its log-probabilities).
+model once. `Routed` modes decide as the gateway's mode=auto does, with the router's own
+policy and cascade verdict: `routed` picks the model by difficulty, `cascade` starts small
+and asks for the large model after reading the small call's log-probabilities,
+`routed+cascade` does both. (The escalated call gets no draft here: a draft changes the
+large model's speed, never its greedy answer, so quality is measured the same.)
 """
 from __future__ import annotations
 
@@ -28,6 +31,9 @@ from evals.datasets import Dataset, Example
 from evals.metrics import Score, score
 from evals.records import Call, Record, RecordLog
 from retrieval import Collection, RagContext, RetrievalError, Store, rag_context
+from router.cascade import judge
+from router.confidence import ConfidenceModel
+from router.policy import Policy, Route, route
 
 # The service's defaults, so an eval measures what a tenant gets: the demo tenant's context
 # and output budgets (examples/tenants/demo.toml) and the gateway's retrieval_k. A test
@@ -83,6 +89,60 @@ class SingleModel:
 
 
 MODES: dict[str, Mode] = {"small": SingleModel("small", "small"), "large": SingleModel("large", "large")}
+ROUTED_MODES = ("routed", "cascade", "routed+cascade")
+
+
+@dataclass
+class Routed:
+    """mode=auto as the gateway decides it: router.policy.route, then router.cascade.judge."""
+    name: str
+    policy: Policy
+    confidence: ConfidenceModel
+    classifier: object | None = None        # a router DifficultyClassifier; None: the policy's default
+    embedder: object | None = None          # embeds the question for the classifier
+    collection: Collection | None = None    # searched for the classifier's retrieval scores
+    k: int = DEFAULT_K
+    _routes: dict[str, Route] = field(default_factory=dict)
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        return (self.policy.small, self.policy.large)
+
+    def next_model(self, example: Example, calls: list[Call]) -> str | None:
+        if not calls:
+            r = self._routes[example.id] = route(self.policy, self._predict(example))
+            return r.model
+        r = self._routes.pop(example.id, None)
+        if r is not None and len(calls) == 1 and judge(r.escalate_to, self.policy.escalation_threshold,
+                                                       self.confidence, calls[0].logprobs).escalate:
+            return r.escalate_to
+        return None
+
+    def _predict(self, example: Example):
+        if self.classifier is None:
+            return None
+
+        def predict():
+            # The runner searches again when it composes the call: an offline run pays twice for
+            # what the gateway does once, and sees the same scores.
+            hits = self.collection.search(example.question, self.k) if example.retrieve and self.collection else []
+            return self.classifier.predict(example.question, self.embedder.encode([example.question])[0],
+                                           [h.score for h in hits])
+        return predict
+
+
+def routed_modes(router, embedder, collection: Collection | None, k: int = DEFAULT_K,
+                 threshold: float = 0.5) -> dict[str, Routed]:
+    """`routed`, `cascade` and `routed+cascade` with a trained router (router.model.RouterModel,
+    or None: no classifier, the default confidence rule). No time limit on the classifier
+    offline: a run measures the router, not the machine's load."""
+    def policy(classifier: bool, escalation: bool) -> Policy:
+        return Policy("small", "large", "small", ("small", "large"), {"easy": 0, "medium": 0, "hard": 0},
+                      threshold, classifier, escalation, classifier_timeout_s=3600.0)
+    confidence = router.confidence if router else ConfidenceModel()
+    classifier = router.classifier if router else None
+    return {name: Routed(name, policy(c, e), confidence, classifier, embedder, collection, k)
+            for name, c, e in (("routed", True, False), ("cascade", False, True), ("routed+cascade", True, True))}
 
 
 def open_run(folder: Path, config: RunConfig) -> None:

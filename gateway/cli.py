@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import sys
 from pathlib import Path
@@ -106,10 +107,13 @@ async def _ask(args, config: ServerConfig) -> int:
     registry = _registry(args, config)
     tenant = _tenant(registry, args.tenant)
     # Load only the model that will answer (and its draft model): one local question need
-    # not wait for every model the server would load.
+    # not wait for every model the server would load. With the router installed, auto may
+    # pick either model and escalate: then all of them.
     model = decide(tenant, args.mode).model
     spec = config.engine.speculative if config.engine.speculative and config.engine.speculative.target == model else None
     names = {model, *([spec.draft] if spec and spec.draft else [])}
+    if args.mode == "auto" and config.router is not None:
+        names, spec = set(config.engine.models), config.engine.speculative
     engine = LLMEngine(msgspec.structs.replace(config.engine, speculative=spec,
                                                models={n: config.engine.models[n] for n in names}))
     gateway = Gateway(config, registry, _folders(args)[1], engine=engine, embedder=_embedder())
@@ -211,6 +215,18 @@ def cmd_eval(args, config: ServerConfig) -> int:
     return evals_main(args.args, prog="sluice eval")
 
 
+def cmd_train_router(args, config: ServerConfig) -> int:
+    from retrieval import Embedder
+    from router.model import ROUTER_FILE, train
+    run = Path(args.folder)
+    model, report = train(run, Embedder(device="cpu"))
+    out = Path(args.out) if args.out else (run if run.is_dir() else run.parent) / ROUTER_FILE
+    model.save(out)
+    print(json.dumps(report.as_dict(), indent=2))
+    print(f"router: {out}", file=sys.stderr)
+    return 0
+
+
 # ------------------------------------------------------------------------ main
 
 def build_parser() -> argparse.ArgumentParser:
@@ -253,6 +269,12 @@ def build_parser() -> argparse.ArgumentParser:
     models = sub.add_parser("models", help="model weights").add_subparsers(dest="action", required=True)
     fetch = models.add_parser("fetch", help="download, verify and convert the configured models")
     fetch.set_defaults(run=cmd_models_fetch)
+
+    train = sub.add_parser("train-router", help="train the difficulty classifier and the confidence model on a "
+                                                 "run's labels.jsonl; print held-out accuracy, ECE, confusion")
+    train.add_argument("folder", metavar="RUN", help="run folder (or its labels.jsonl)")
+    train.add_argument("--out", help="where to save the router (default: RUN/router.joblib)")
+    train.set_defaults(run=cmd_train_router)
 
     # Everything after `eval` is the evals command line (python -m evals), help included.
     evals = sub.add_parser("eval", add_help=False, help="run evals: quality, cost and latency per mode "

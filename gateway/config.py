@@ -42,6 +42,12 @@ def default_engine() -> EngineConfig:
                         speculative=SpecConfig(target="large", draft="small"))
 
 
+class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """mode=auto through the router. Without `path` no classifier routes (tenant default) and
+    escalation uses the stated uncalibrated confidence rule."""
+    path: str | None = None              # router.joblib from `sluice train-router RUN`
+
+
 class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     engine: EngineConfig = msgspec.field(default_factory=default_engine)
     prices: dict[str, Price] = msgspec.field(default_factory=default_prices)
@@ -51,6 +57,8 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_queued: NonNegative = 64
     # A cheap guard before tokenizing: characters in a question, or in all chat messages.
     max_input_chars: Positive = 16_000
+    # Absent: mode=auto is the tenant's default model, with no escalation (no router installed).
+    router: RouterConfig | None = None
     retrieval_k: Positive = 8           # chunks searched for; trimming keeps what fits the budget
     tenant_reload_interval_s: Annotated[float, msgspec.Meta(ge=0)] = 1.0
     # WAL with NORMAL survives any crash of the process (a committed row is in the WAL);

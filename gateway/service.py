@@ -37,6 +37,10 @@ from gateway.limits import Admission, RateLimiter, SpendGuard, month_of
 from gateway.metrics import GatewayMetrics
 from gateway.tenants import Tenant, TenantRegistry
 from retrieval import Embedder, OverBudget, RetrievalError, Store, rag_context
+from router import cascade
+from router.confidence import ConfidenceModel
+from router.data import RouterError
+from router.model import RouterModel
 
 log = logging.getLogger("sluice.gateway")
 # Tokens budget forcing may add after a spent thinking budget (nudge and closing marker), for estimates.
@@ -97,6 +101,7 @@ class Plan:
     tenant: Tenant
     query: Query
     decision: Decision
+    messages: list[dict]                   # for the escalation model's own prompt
     prompt_ids: list[int]
     params: SamplingParams
     citations: list[s.Citation]
@@ -114,6 +119,7 @@ class Progress:
     first_token: float | None = None
     engine_start: float = 0.0
     completion: Completion | None = None    # the engine's last output carries it
+    earlier: list[Completion] = field(default_factory=list)   # calls the cascade escalated past: billed too
 
 
 def cost_of(price: Price, prompt: int, cached: int, completion: int) -> float:
@@ -137,6 +143,11 @@ class Gateway:
             lambda: (len(tenants.tenants), tenants.errors, tenants.reloads))
         self.llm = engine
         self.embedder = embedder
+        self.router: RouterModel | None = None
+        self.router_error: str | None = None      # a router that failed to load: auto falls back, saying why
+        # The cascade's pair: the cheapest and the dearest model by output price.
+        by_price = sorted(config.engine.models, key=lambda m: config.prices[m].output)
+        self.pair = (by_price[0], by_price[-1]) if config.router is not None else None
         self.engine: AsyncEngine | None = None
         self.store = None
         self.load_error: str | None = None
@@ -176,6 +187,16 @@ class Gateway:
         if self.embedder is None:
             self.embedder = Embedder()
         self.store = Store(self.data_dir / "collections", self.embedder)
+        if self.config.router is not None and self.config.router.path:
+            try:
+                self.router = RouterModel.load(self.config.router.path)
+            except RouterError as e:         # serve anyway: every auto request says it fell back
+                self.router_error = str(e)
+                log.error("router not loaded, mode=auto uses tenant defaults: %s", e)
+
+    @property
+    def confidence(self) -> ConfidenceModel:
+        return self.router.confidence if self.router else ConfidenceModel()
 
     async def stop(self) -> None:
         if self._loading:
@@ -198,8 +219,9 @@ class Gateway:
         plan = await self._plan(tenant, query)
         params = plan.params
         most_out = params.max_tokens + (params.thinking_budget or 0) + THINKING_OVERHEAD * bool(params.thinking_budget)
-        est_tokens = len(plan.prompt_ids) + most_out
-        est_cost = cost_of(self.config.prices[plan.decision.model], len(plan.prompt_ids), 0, most_out)
+        calls = [m for m in (plan.decision.model, plan.decision.escalate_to) if m]   # at most, if it escalates
+        est_tokens = (len(plan.prompt_ids) + most_out) * len(calls)
+        est_cost = sum(cost_of(self.config.prices[m], len(plan.prompt_ids), 0, most_out) for m in calls)
         self.rates.take_tokens(tenant, est_tokens)
         try:
             self.spend.reserve(tenant, est_cost)
@@ -214,26 +236,43 @@ class Gateway:
             if held:
                 held = False
                 self.spend.release(tenant, est_cost)
-                self.rates.settle_tokens(tenant, est_tokens, len(plan.prompt_ids) + progress.tokens)
+                prompts = len(plan.prompt_ids) * (1 + len(progress.earlier))   # an escalation reads it again
+                self.rates.settle_tokens(tenant, est_tokens, prompts + progress.tokens)
 
         try:
             async with self.admission.slot() as queued:
-                yield Meta(plan.request_id, plan.decision, plan.citations, plan.trimmed)
+                # While the answer may yet be escalated, Meta (with the final route) and the
+                # tokens wait for the cascade's verdict: a client never sees a replaced answer.
+                holding = plan.decision.escalate_to is not None
+                if not holding:
+                    yield Meta(plan.request_id, plan.decision, plan.citations, plan.trimmed)
                 try:
                     # aclosing: if our consumer closes us mid-answer, the engine's stream is
                     # closed now (aborting the request), not whenever it is garbage-collected.
                     progress.engine_start = time.monotonic()
-                    async with aclosing(self.engine.stream(plan.prompt_ids, params, plan.decision.model,
-                                                           tenant.salt, plan.request_id)) as outputs:
-                        async for out in outputs:
+                    d = plan.decision
+                    verdict_of = lambda lp: cascade.judge(d.escalate_to, tenant.spec.escalation_threshold,
+                                                          self.confidence, lp)
+                    async with aclosing(cascade.run(self.engine, d.model, d.escalate_to, verdict_of,
+                                                    lambda m: self._prompt_ids(plan, m), params, tenant.salt,
+                                                    plan.request_id)) as events:
+                        async for out in events:
+                            if isinstance(out, cascade.Verdict):
+                                self._verdict(plan, progress, out)
+                                yield Meta(plan.request_id, plan.decision, plan.citations, plan.trimmed)
+                                if not out.escalate and progress.text:
+                                    yield Token(progress.text)
+                                holding = False
+                                continue
                             if progress.first_token is None:
                                 progress.first_token = time.monotonic()
-                                progress.cached = self._cached_so_far(plan.request_id)
+                                progress.cached = self._cached_so_far(out.request_id)
                             progress.tokens += len(out.new_token_ids)
                             progress.completion = out.completion
                             if out.text_delta:
                                 progress.text += out.text_delta
-                                yield Token(out.text_delta)
+                                if not holding:
+                                    yield Token(out.text_delta)
                 except ValueError as e:            # the engine refused the input: nothing ran
                     raise GatewayError(422, f"the engine refused this request: {e}", code="engine_refused") from e
                 except EngineFailure as e:
@@ -249,6 +288,22 @@ class Gateway:
             yield done
         finally:
             release()
+
+    def _verdict(self, plan: Plan, progress: Progress, verdict: cascade.Verdict) -> None:
+        """The cascade's verdict into the route; an escalation starts a new call's progress."""
+        d = plan.decision
+        plan.decision = replace(d, reason=f"{d.reason}; {verdict.reason}", confidence=verdict.confidence,
+                                escalated=verdict.escalate, model=d.escalate_to if verdict.escalate else d.model)
+        if verdict.escalate:
+            progress.earlier.append(progress.completion)
+            progress.text, progress.completion = "", None
+
+    def _prompt_ids(self, plan: Plan, model: str) -> list[int]:
+        """The plan's messages in `model`'s own chat template (the first call's are in the plan)."""
+        if model == plan.decision.model and not plan.decision.escalated:
+            return plan.prompt_ids
+        thinking = plan.params.thinking_budget is not None
+        return self.llm.worker(model).tokenizer.encode(self.llm.chat_prompt(plan.messages, model, thinking=thinking))
 
     def _cached_so_far(self, request_id: str) -> int:
         """Prompt tokens the prefix cache served, for the ledger should the client leave
@@ -278,6 +333,9 @@ class Gateway:
             field_name = "max_output_tokens" if q.endpoint != "chat" else "max_tokens"
             raise GatewayError(422, f"{field_name} is {max_tokens}; tenant {tenant.id!r} allows at most {budget} "
                                     f"output tokens", field_name, "over_output_budget")
+        # With the router installed an auto decision is provisional until retrieval has run:
+        # its model's tokenizer trims the context (the cascade's pair shares one tokenizer).
+        routed = q.mode == "auto" and self.pair is not None
         decision = replace(decide(tenant, q.mode, q.mode_field), thinking_budget=q.thinking_budget)
         # Refuse cheaply what the limits would refuse anyway, before retrieval does any work.
         wait = self.rates.tokens_empty(tenant)
@@ -287,13 +345,18 @@ class Gateway:
         self.spend.check_open(tenant)
         t = time.monotonic()
         tokenizer = self.llm.worker(decision.model).tokenizer
-        if q.collection is None:         # counting a question's tokens: too quick to hand to a thread
-            messages, citations, trimmed = self._prompt(tenant, q, tokenizer)
+        embed = routed and tenant.spec.router.classifier and self.router is not None
+        if q.collection is None and not embed:   # counting a question's tokens: too quick for a thread
+            messages, citations, trimmed, scores, vector = self._prompt(tenant, q, tokenizer, embed)
         else:                            # embedding the query and counting passages take CPU
-            messages, citations, trimmed = await anyio.to_thread.run_sync(self._prompt, tenant, q, tokenizer)
+            messages, citations, trimmed, scores, vector = await anyio.to_thread.run_sync(
+                self._prompt, tenant, q, tokenizer, embed)
         retrieval_s = time.monotonic() - t
+        if routed:                       # the classifier runs under its time limit: off the event loop
+            decision = await anyio.to_thread.run_sync(self._route, tenant, q, scores, vector)
         thinking = decision.thinking_budget > 0      # 0: answer at once, no span at all
-        prompt_ids = tokenizer.encode(self.llm.chat_prompt(messages, decision.model, thinking=thinking))
+        prompt_ids = self.llm.worker(decision.model).tokenizer.encode(
+            self.llm.chat_prompt(messages, decision.model, thinking=thinking))
         limit = self.llm.worker(decision.model).cfg.max_position
         if len(prompt_ids) >= limit:
             raise GatewayError(422, f"the prompt is {len(prompt_ids)} tokens; model {decision.model!r} reads at "
@@ -304,12 +367,28 @@ class Gateway:
                                     thinking_budget=decision.thinking_budget if thinking else None)
         except ValueError as e:
             raise GatewayError(422, str(e), code="bad_sampling_parameters") from None
-        return Plan(request_id, tenant, q, decision, prompt_ids, params, citations, trimmed, start, retrieval_s)
+        return Plan(request_id, tenant, q, decision, messages, prompt_ids, params, citations, trimmed, start,
+                    retrieval_s)
 
-    def _prompt(self, tenant: Tenant, q: Query, tokenizer) -> tuple[list[dict], list[s.Citation], s.Trimmed]:
+    def _route(self, tenant: Tenant, q: Query, scores: list[float], vector) -> Decision:
+        """mode=auto through the router's policy; a router that failed to load counts as a
+        failed classifier, so the decision falls back to the tenant default and says why."""
+        if self.router_error:
+            def predict():
+                raise RouterError(self.router_error)
+        elif vector is not None:
+            predict = lambda: self.router.classifier.predict(q.question, vector[0], scores)
+        else:
+            predict = None
+        d = decide(tenant, "auto", q.mode_field, self.pair, predict)
+        return replace(d, thinking_budget=q.thinking_budget) if q.thinking_budget else d
+
+    def _prompt(self, tenant: Tenant, q: Query, tokenizer, embed: bool = False):
         """Chat messages for the engine: retrieved passages trimmed to the tenant's context
         budget in the system message, then the question (or the conversation). The composition
-        itself is retrieval's rag_context, which evals measure too."""
+        itself is retrieval's rag_context, which evals measure too. Also the search scores and,
+        when `embed`, the question's embedding: the router's features, the search reusing it.
+        Returns (messages, citations, trimmed, scores, vector)."""
         budget = tenant.spec.context_budget
         collection = None
         if q.collection is not None:
@@ -319,7 +398,8 @@ class Gateway:
                 raise GatewayError(404, f"collection {q.collection!r} not found", "collection",
                                    "collection_not_found") from None
         try:
-            ctx = rag_context(collection, q.question, budget, tokenizer, self.config.retrieval_k, q.messages)
+            vector = self.embedder.encode([q.question]) if embed else None
+            ctx = rag_context(collection, q.question, budget, tokenizer, self.config.retrieval_k, q.messages, vector)
         except OverBudget as e:
             raise GatewayError(422, f"the {e.what} is {e.tokens} tokens; tenant {tenant.id!r} has a context "
                                     f"budget of {budget}", code="over_context_budget") from None
@@ -328,17 +408,23 @@ class Gateway:
         citations = [s.Citation(c.number, c.hit.chunk.id, c.hit.chunk.doc_id, c.hit.chunk.title, c.hit.score)
                      for c in ctx.citations]
         t = ctx.trimmed
-        return ctx.messages, citations, s.Trimmed(len(t.chunks), len(t.dropped), t.tokens, budget)
+        return (ctx.messages, citations, s.Trimmed(len(t.chunks), len(t.dropped), t.tokens, budget),
+                [h.score for h in ctx.hits], vector)
 
     async def _settle(self, plan: Plan, p: Progress, queued: float, status: str) -> Done:
         """Write the ledger row (the request counts as answered only once it is committed)
         and the metrics."""
         model, completion = plan.decision.model, p.completion
-        prompt = len(plan.prompt_ids)
+        prompt = len(completion.prompt_token_ids) if completion else len(plan.prompt_ids)
         cached = completion.num_cached_tokens if completion else p.cached
-        produced = len(completion.token_ids) if completion else p.tokens     # thinking included
-        thinking = completion.num_thinking_tokens if completion else 0
-        cost = 0.0 if status == "error" else cost_of(self.config.prices[model], prompt, cached, produced)
+        before = sum(len(c.token_ids) for c in p.earlier)        # p.tokens counts every call's
+        produced = len(completion.token_ids) if completion else p.tokens - before     # thinking included
+        thinking = (completion.num_thinking_tokens if completion else 0) + sum(c.num_thinking_tokens for c in p.earlier)
+        # (model, prompt, cached, produced) per call: an escalated request pays for both.
+        calls = [(c.model, len(c.prompt_token_ids), c.num_cached_tokens, len(c.token_ids)) for c in p.earlier]
+        calls.append((model, prompt, cached, produced))
+        cost = 0.0 if status == "error" else sum(cost_of(self.config.prices[c[0]], *c[1:]) for c in calls)
+        prompt, cached, produced = (sum(c[i] for c in calls) for i in range(1, 4))
         now = time.monotonic()
         ms = lambda seconds: round(seconds * 1000, 3)
         timings = s.Timings(retrieval=ms(plan.retrieval_s), queue=ms(queued),
@@ -349,13 +435,15 @@ class Gateway:
         d = plan.decision
         await self.ledger.record(UsageRow(
             plan.request_id, time.time(), month_of(time.time()), plan.tenant.id, plan.query.endpoint, status,
-            model, model, plan.query.collection, prompt, cached, produced, thinking, cost, timings.retrieval,
+            model, ",".join(c[0] for c in calls), plan.query.collection, prompt, cached, produced, thinking, cost, timings.retrieval,
             timings.queue, timings.ttft, timings.total, d.reason, d.difficulty, d.confidence, d.escalated, finish))
         m, t = self.metrics, plan.tenant.id
         m.answers.inc(model, status)
         m.escalations.inc(amount=int(d.escalated))
-        for kind, n in (("prompt", prompt), ("cached", cached), ("completion", produced), ("thinking", thinking)):
-            m.tokens.inc(t, model, kind, amount=n)
+        for name, *counts in calls:
+            for kind, n in zip(("prompt", "cached", "completion"), counts):
+                m.tokens.inc(t, name, kind, amount=n)
+        m.tokens.inc(t, model, "thinking", amount=thinking)
         m.cost.inc(t, model, amount=cost)
         m.latency.observe(now - plan.start, model)
         m.queue_wait.observe(queued, model)

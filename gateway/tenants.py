@@ -15,7 +15,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -35,6 +35,15 @@ class ThinkingBudgets(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     hard: NonNegative = 0
 
 
+class RouterSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """How mode=auto routes this tenant's questions (docs/gateway.md); every part can be switched off."""
+    classifier: bool = True              # false: the default model answers first, always
+    escalation: bool = True              # false: the first answer stands
+    models: Literal["auto", "never_large", "always_large"] = "auto"
+    max_thinking_budget: NonNegative | None = None      # caps every [thinking_budget] the router picks
+    classifier_timeout_ms: Positive = 50                # slower: tenant default, and the reason says so
+
+
 class Limits(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     requests_per_minute: Positive
     tokens_per_minute: Positive          # prompt plus output tokens
@@ -52,6 +61,7 @@ class TenantSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, froze
     thinking_budget: ThinkingBudgets = ThinkingBudgets()
     escalation_threshold: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.5
     prefix_cache_salt: Annotated[str, msgspec.Meta(min_length=8)]
+    router: RouterSettings = RouterSettings()
     limits: Limits
 
     def __post_init__(self) -> None:

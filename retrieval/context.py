@@ -34,10 +34,11 @@ class RagContext:
 
 
 def rag_context(collection, question: str, budget: int, tokenizer: Tokenizer, k: int,
-                messages: list[dict[str, str]] | None = None) -> RagContext:
+                messages: list[dict[str, str]] | None = None, vector=None) -> RagContext:
     """`collection`: a retrieval Collection, or None to send the question (or `messages`) alone.
     `question` is what is searched for; the budget counts the whole conversation when
-    `messages` is given. Raises RetrievalError (OverBudget when nothing could be dropped)."""
+    `messages` is given; `vector` is the question's embedding when the caller has it already
+    (the gateway's router embeds the question once for both). Raises RetrievalError (OverBudget when nothing could be dropped)."""
     text = question if messages is None else "\n".join(m["content"] for m in messages)
     if collection is None:
         tokens = len(tokenizer.encode(text))
@@ -45,7 +46,7 @@ def rag_context(collection, question: str, budget: int, tokenizer: Tokenizer, k:
             raise OverBudget(tokens, budget, "question" if messages is None else "conversation")
         return RagContext(messages or [{"role": "user", "content": question}], [], [],
                           TrimResult([], [], tokens, budget))
-    hits = collection.search(question, k=k)
+    hits = collection.search(question, k=k, vector=vector)
     result = trim([h.chunk for h in hits], text, budget, tokenizer)
     prompt = build_prompt(question, result.chunks)
     if messages is None:

@@ -334,7 +334,11 @@ def test_command_line_refuses_bad_arguments_with_exit_2(tmp_path, data, capsys):
         assert e.value.code == 2 and message in capsys.readouterr().err
 
     fails(["run", "trivia"], "invalid choice: 'trivia'")
-    fails(["run", "squad", "--modes", "small", "cascade"], "invalid choice: 'cascade' (choose from 'small', 'large')")
+    fails(["run", "squad", "--modes", "small", "oracle"], "invalid choice: 'oracle' (choose from 'small', 'large'")
+    assert evals_main(["run", "gsm8k", "--data", str(data), "--modes", "routed"]) == 2
+    assert "mode routed needs --router FILE" in capsys.readouterr().err
+    assert evals_main(["run", "gsm8k", "--data", str(data), "--modes", "cascade", "--router", str(tmp_path / "x")]) == 2
+    assert "cannot load a router" in capsys.readouterr().err
     fails(["run", "gsm8k", "--price", "small=1,2"], "bad price")
     fails(["run", "squad", "-n", "0"], "must be at least 1")
     assert evals_main(["run", "squad", "--data", str(tmp_path / "none")]) == 2
@@ -357,3 +361,29 @@ def test_command_line_refuses_bad_arguments_with_exit_2(tmp_path, data, capsys):
     from gateway.cli import main as sluice_main
     assert sluice_main(["eval", "run", "jsonl", "--data", str(data)]) == 2
     assert "sluice eval: error: dataset jsonl needs --path FILE" in capsys.readouterr().err
+
+
+def test_routed_and_cascade_modes_run_end_to_end(tmp_path, data, engine, embedder):
+    from evals.runner import routed_modes
+    from router.model import train
+    from tests.test_router import write_labels as synthetic_labels
+    router, _ = train(synthetic_labels(tmp_path / "labels.jsonl"), embedder)
+    config = config_for("mixed", files_for("mixed", None, str(data)))
+    dataset = load(config.dataset, [Path(f) for f in config.files], config.n, config.seed)
+    folder = tmp_path / "run"
+    open_run(folder, config)
+    collection = build_collection(folder, dataset, embedder, progress=False)
+    try:
+        # Threshold 1: every small answer is unsure enough to escalate.
+        modes = routed_modes(router, embedder, collection, config.k, threshold=1.0)
+        run_modes(folder, config, dataset.examples, list(modes.values()), engine, collection, 3, progress=False)
+    finally:
+        collection.close()
+    log = RecordLog(folder / RECORDS_FILE)
+    routed = {r.id: r for r in log.of_mode("routed")}
+    assert len(routed) == len(dataset.examples) and all(len(r.calls) == 1 for r in routed.values())
+    for r in log.of_mode("cascade"):
+        assert [c.model for c in r.calls] == ["small", "large"] and r.escalated and r.answered_by == "large"
+    for r in log.of_mode("routed+cascade"):
+        first = routed[r.id].calls[0].model
+        assert [c.model for c in r.calls] == (["large"] if first == "large" else ["small", "large"])

@@ -1,0 +1,69 @@
+"""The difficulty classifier: easy / medium / hard from a question's features (features.py),
+with calibrated probabilities, so a policy can trust its `confidence`."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from sklearn.metrics import confusion_matrix
+from sklearn.model_selection import train_test_split
+
+from router.calibration import ece, fit_calibrated
+from router.data import DIFFICULTIES, Label, RouterError
+from router.features import feature_vector
+
+
+@dataclass(frozen=True)
+class Difficulty:
+    label: str                  # easy | medium | hard
+    probability: float          # calibrated probability of that label
+
+
+@dataclass(frozen=True)
+class ClassifierReport:
+    n_train: int
+    n_test: int
+    counts: dict[str, int]      # labelled questions per difficulty
+    accuracy: float             # on the held-out part
+    ece: float
+    labels: list[str]           # rows (truth) and columns (prediction) of the confusion matrix
+    confusion: list[list[int]]
+
+
+@dataclass
+class DifficultyClassifier:
+    model: object               # fitted CalibratedClassifierCV
+    embed_dim: int
+
+    def predict(self, question: str, embedding: np.ndarray, scores: list[float]) -> Difficulty:
+        if np.asarray(embedding).size != self.embed_dim:
+            raise RouterError(f"the question embedding has {np.asarray(embedding).size} dimensions; this "
+                              f"router was trained on {self.embed_dim}")
+        probs = self.model.predict_proba(feature_vector(question, embedding, scores)[None])[0]
+        best = int(probs.argmax())
+        return Difficulty(str(self.model.classes_[best]), float(probs[best]))
+
+
+def train_classifier(labels: list[Label], embeddings: np.ndarray, seed: int = 0,
+                     test_size: float = 0.25) -> tuple[DifficultyClassifier, ClassifierReport]:
+    """Fit on a stratified share of the labels and report on the rest; then refit on all of
+    them, so the saved model uses every label and the report is honest about it."""
+    keep = [i for i, l in enumerate(labels) if l.difficulty is not None]
+    if len(keep) < 8:
+        raise RouterError(f"{len(keep)} questions have a difficulty label (the small model right, or the large "
+                          f"one run); need at least 8")
+    x = np.stack([feature_vector(labels[i].question, embeddings[i], labels[i].retrieval_scores) for i in keep])
+    y = np.array([labels[i].difficulty for i in keep])
+    counts = {d: int((y == d).sum()) for d in DIFFICULTIES}
+    try:
+        xa, xb, ya, yb = train_test_split(x, y, test_size=test_size, random_state=seed, stratify=y)
+    except ValueError as e:        # a class too rare to appear on both sides
+        raise RouterError(f"cannot hold out a test share with difficulties {counts}: {e}") from None
+    held = fit_calibrated(xa, ya)
+    probs = held.predict_proba(xb)
+    predicted = held.classes_[probs.argmax(axis=1)]
+    present = [d for d in DIFFICULTIES if counts[d]]
+    report = ClassifierReport(len(ya), len(yb), counts, float((predicted == yb).mean()),
+                              ece(probs, yb, held.classes_), present,
+                              confusion_matrix(yb, predicted, labels=present).tolist())
+    return DifficultyClassifier(fit_calibrated(x, y), int(embeddings.shape[1])), report

@@ -1,0 +1,82 @@
+"""How likely the small model's answer is right, from its own token log-probabilities.
+
+The mean log-probability falls with length even when every token is sure, so it would
+reward short answers; the features lean on quantiles of token probability (p10, p25, p50:
+how unsure the unsure tokens were) and the minimum, with the mean and the length beside
+them so the model can learn how much length matters rather than assume it. A trained model
+is calibrated into P(correct) on the evals labels; without one, a stated rule stands in and
+every decision says that its number is uncalibrated.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from sklearn.model_selection import train_test_split
+
+from router.calibration import fit_calibrated
+from router.data import Label, RouterError
+
+# The untrained rule: the 25th percentile of token probability. Uncalibrated, but length-free.
+DEFAULT_RULE = "p25 token probability (uncalibrated)"
+
+
+@dataclass(frozen=True)
+class Confidence:
+    value: float                # in [0, 1]
+    calibrated: bool
+
+
+@dataclass(frozen=True)
+class ConfidenceReport:
+    n_train: int
+    n_test: int
+    brier: float                # held-out mean squared error of P(correct)
+    base_rate: float            # share of held-out answers that were right: the Brier of always saying it is
+    accuracy: float             # of "right" when P >= 0.5
+
+
+def quantiles(logprobs: list[float]) -> tuple[float, float, float, float, float, int]:
+    """mean, min, p10, p25, p50 of the log-probabilities, and the count: as evals/labels.py
+    writes them, so serving computes what training read."""
+    lp = np.asarray(logprobs, float)
+    p10, p25, p50 = np.percentile(lp, [10, 25, 50])
+    return (round(float(lp.mean()), 4), round(float(lp.min()), 4), round(float(p10), 4),
+            round(float(p25), 4), round(float(p50), 4), len(lp))
+
+
+def _row(mean: float, least: float, p10: float, p25: float, p50: float, length: int) -> list[float]:
+    return [math.exp(p10), math.exp(p25), math.exp(p50), math.exp(least), math.exp(mean), math.log1p(length)]
+
+
+@dataclass
+class ConfidenceModel:
+    model: object | None = None          # fitted CalibratedClassifierCV; None: the default rule
+
+    def __call__(self, logprobs: list[float]) -> Confidence:
+        if not logprobs:                  # nothing produced: nothing to trust
+            return Confidence(0.0, self.model is not None)
+        q = quantiles(logprobs)
+        if self.model is None:
+            return Confidence(math.exp(q[3]), False)
+        proba = self.model.predict_proba(np.array([_row(*q)]))[0]
+        return Confidence(float(proba[list(self.model.classes_).index(True)]), True)
+
+
+def train_confidence(labels: list[Label], seed: int = 0,
+                     test_size: float = 0.25) -> tuple[ConfidenceModel, ConfidenceReport]:
+    rows = [l for l in labels if l.confidence is not None]
+    if len(rows) < 8:
+        raise RouterError(f"{len(rows)} labels carry the small model's log-probabilities; need at least 8")
+    x = np.array([_row(c.mean, c.min, c.p10, c.p25, c.p50, c.length) for c in (l.confidence for l in rows)])
+    y = np.array([l.small_correct for l in rows])
+    try:
+        xa, xb, ya, yb = train_test_split(x, y, test_size=test_size, random_state=seed, stratify=y)
+    except ValueError as e:
+        raise RouterError(f"cannot hold out a test share ({int(y.sum())} right, {int((~y).sum())} wrong): {e}") from None
+    held = fit_calibrated(xa, ya)
+    p = held.predict_proba(xb)[:, list(held.classes_).index(True)]
+    report = ConfidenceReport(len(ya), len(yb), float(np.mean((p - yb) ** 2)), float(yb.mean()),
+                              float(((p >= 0.5) == yb).mean()))
+    return ConfidenceModel(fit_calibrated(x, y)), report

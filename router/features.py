@@ -1,0 +1,44 @@
+"""Difficulty features of one question: its text, its embedding and its retrieval scores.
+
+Training (from labels.jsonl) and serving (in the gateway) build the vector with the same
+function, so a model only ever sees features computed the way it was trained on. Any change
+to what goes in the vector bumps FEATURE_VERSION, which saved routers are checked against.
+"""
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+
+FEATURE_VERSION = 1
+QUESTION_WORDS = ("what", "who", "when", "where", "which", "why", "how")
+NUMBER = re.compile(r"\d+(?:[.,]\d+)?")
+MATH = re.compile(r"[+\-*/=%^]")
+
+
+def text_features(question: str) -> list[float]:
+    """Cheap signals of effort: long, numeric, arithmetic or why/how questions tend to be harder."""
+    words = question.lower().split()
+    first = next((w for w in words if w.strip("\"'(") in QUESTION_WORDS), "")
+    numbers = NUMBER.findall(question)
+    return [math.log1p(len(question)), math.log1p(len(words)), math.log1p(len(numbers)),
+            sum(c.isdigit() for c in question) / max(1, len(question)), math.log1p(len(MATH.findall(question))),
+            float("?" in question), *(float(first.strip("\"'(") == w) for w in QUESTION_WORDS)]
+
+
+def retrieval_features(scores: list[float]) -> list[float]:
+    """A clear winner (high top score, wide gap to the second) suggests the answer is in one
+    passage; flat, low scores suggest it is not there or must be assembled. All zero, with the
+    flag off, when nothing was searched."""
+    if not scores:
+        return [0.0] * 6
+    s = sorted(scores, reverse=True)
+    second = s[1] if len(s) > 1 else s[0]
+    return [1.0, s[0], s[0] - second, s[0] - s[-1], float(np.mean(s)), math.log1p(len(s))]
+
+
+def feature_vector(question: str, embedding: np.ndarray, scores: list[float]) -> np.ndarray:
+    """One row: text features, retrieval features, then the (unit-length) question embedding."""
+    head = text_features(question) + retrieval_features(scores)
+    return np.concatenate([np.asarray(head, np.float32), np.asarray(embedding, np.float32).ravel()])

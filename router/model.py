@@ -1,0 +1,61 @@
+"""A trained router on disk: the difficulty classifier and the confidence model in one
+joblib file, stamped with FEATURE_VERSION so a router trained on other features is refused
+with a clear error instead of routing on garbage."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import joblib
+import numpy as np
+import sklearn
+
+from router.classifier import ClassifierReport, DifficultyClassifier, train_classifier
+from router.confidence import ConfidenceModel, ConfidenceReport, train_confidence
+from router.data import RouterError, read_labels
+from router.features import FEATURE_VERSION
+
+ROUTER_FILE = "router.joblib"
+
+
+@dataclass
+class RouterModel:
+    classifier: DifficultyClassifier
+    confidence: ConfidenceModel
+    feature_version: int = FEATURE_VERSION
+
+    def save(self, path: str | Path) -> None:
+        joblib.dump({"feature_version": self.feature_version, "sklearn": sklearn.__version__,
+                     "classifier": self.classifier, "confidence": self.confidence}, path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> RouterModel:
+        try:
+            saved = joblib.load(path)
+        except Exception as e:        # missing, truncated, or pickled by incompatible code
+            raise RouterError(f"{path}: cannot load a router: {type(e).__name__}: {e}") from None
+        version = saved.get("feature_version") if isinstance(saved, dict) else None
+        if version != FEATURE_VERSION:
+            raise RouterError(f"{path}: router trained on feature version {version}; this code computes version "
+                              f"{FEATURE_VERSION}. Train it again: sluice train-router RUN")
+        return cls(saved["classifier"], saved["confidence"], version)
+
+
+@dataclass(frozen=True)
+class TrainReport:
+    labels: int
+    classifier: ClassifierReport
+    confidence: ConfidenceReport
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def train(labels_path: str | Path, embedder, seed: int = 0) -> tuple[RouterModel, TrainReport]:
+    """Both models from a run's labels.jsonl (or its run folder). `embedder.encode(texts)`
+    embeds the questions, as the gateway embeds them when it searches."""
+    labels = read_labels(labels_path)
+    embeddings = np.asarray(embedder.encode([l.question for l in labels]), np.float32)
+    classifier, c_report = train_classifier(labels, embeddings, seed)
+    confidence, k_report = train_confidence(labels, seed)
+    return RouterModel(classifier, confidence), TrainReport(len(labels), c_report, k_report)

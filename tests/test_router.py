@@ -1,0 +1,254 @@
+"""The router: features, difficulty classifier, confidence, policy and the cascade (tiny
+models, synthetic labels, a hashing embedder: no real model runs here)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+
+import msgspec
+import numpy as np
+import pytest
+from litestar.testing import TestClient
+
+from gateway.app import create_app
+from gateway.config import RouterConfig
+from router.confidence import ConfidenceModel, quantiles
+from router.data import RouterError, read_labels
+from router.features import FEATURE_VERSION, feature_vector
+from router.model import RouterModel, train
+from tests.test_gateway_support import (KEYS, auth, embedder, llm, make_gateway, parse_sse,  # noqa: F401
+                                        tenant_toml, wait_ready)
+
+
+class HashEmbedder:
+    """Deterministic unit vectors from the words, so similar questions land near each other."""
+    dim = 16
+
+    def encode(self, texts):
+        out = np.zeros((len(texts), self.dim), np.float32)
+        for i, t in enumerate(texts):
+            for w in t.lower().split():
+                out[i, int(hashlib.md5(w.encode()).hexdigest(), 16) % self.dim] += 1
+        return out / np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-6)
+
+
+def write_labels(path, n=90, seed=0):
+    """Three kinds of questions whose difficulty follows their text and retrieval scores;
+    the small model's confidence tracks whether it was right."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        kind = i % 3
+        question = ["what is the capital of france", "how many apples if 17 * 23 + 4 = ?",
+                    "why did the empire fall and what followed"][kind] + f" v{i}"
+        small, large = kind == 0, kind == 1 or (kind == 0)
+        sure = -0.05 if small else -2.0
+        lp = [sure + rng.uniform(-0.3, 0.0) for _ in range(rng.randint(3, 30))]
+        m, lo, p10, p25, p50, length = quantiles(lp)
+        rows.append({"id": f"q{i}", "kind": "squad", "question": question, "small_correct": small,
+                     "small_score": float(small), "small_tokens": {"prompt": 9, "cached": 0, "output": 3, "thinking": 0},
+                     "confidence": {"mean": m, "min": lo, "p10": p10, "p25": p25, "p50": p50, "length": length},
+                     "retrieval_scores": [[0.9, 0.3], [0.5, 0.45], [0.2, 0.19]][kind],
+                     "large_correct": large, "large_score": float(large), "large_tokens": None})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    path = write_labels(tmp_path_factory.mktemp("run") / "labels.jsonl")
+    model, report = train(path, HashEmbedder())
+    return path, model, report
+
+
+def test_features_are_fixed_length():
+    e = np.zeros(16, np.float32)
+    assert feature_vector("what?", e, []).shape == feature_vector("why 12 + 3 = 15? " * 20, e, [0.9, 0.1, 0.05]).shape
+
+
+def test_train_reports_held_out_accuracy_ece_and_confusion(trained):
+    _, _, report = trained
+    c = report.classifier
+    assert c.counts == {"easy": 30, "medium": 30, "hard": 30}
+    assert c.accuracy > 0.9 and 0 <= c.ece <= 1
+    assert c.labels == ["easy", "medium", "hard"] and sum(map(sum, c.confusion)) == c.n_test
+    assert report.confidence.brier < 0.1
+
+
+def test_classifier_predicts_calibrated_difficulty(trained):
+    _, model, _ = trained
+    e = HashEmbedder().encode(["why did the empire fall and what followed"])[0]
+    d = model.classifier.predict("why did the empire fall and what followed", e, [0.2, 0.19])
+    assert d.label == "hard" and 0.5 < d.probability <= 1
+
+
+def test_save_load_and_feature_version(trained, tmp_path):
+    _, model, _ = trained
+    model.save(tmp_path / "r.joblib")
+    assert RouterModel.load(tmp_path / "r.joblib").feature_version == FEATURE_VERSION
+    RouterModel(model.classifier, model.confidence, FEATURE_VERSION + 1).save(tmp_path / "old.joblib")
+    with pytest.raises(RouterError, match="feature version"):
+        RouterModel.load(tmp_path / "old.joblib")
+    with pytest.raises(RouterError, match="cannot load"):
+        RouterModel.load(tmp_path / "missing.joblib")
+
+
+def test_confidence_calibrated_and_default_rule(trained):
+    _, model, _ = trained
+    sure, unsure = [-0.05] * 12, [-2.0] * 12
+    hi, lo = model.confidence(sure), model.confidence(unsure)
+    assert hi.calibrated and hi.value > 0.8 > 0.2 > lo.value
+    default = ConfidenceModel()
+    assert not default(sure).calibrated
+    # Length alone does not move the default rule: a long sure answer is as sure as a short one.
+    assert default([-0.05] * 3).value == pytest.approx(default([-0.05] * 300).value)
+    assert default([]).value == 0.0
+
+
+def test_bad_labels_are_refused(tmp_path):
+    with pytest.raises(RouterError, match="no labels file"):
+        read_labels(tmp_path)
+    (tmp_path / "labels.jsonl").write_text('{"id": 1}\n')
+    with pytest.raises(RouterError, match="not a label"):
+        read_labels(tmp_path)
+    write_labels(tmp_path / "labels.jsonl", n=6)
+    with pytest.raises(RouterError, match="need at least 8"):
+        train(tmp_path, HashEmbedder())
+
+
+def test_cli_train_router(trained, tmp_path, monkeypatch, capsys):
+    from gateway import cli
+    import retrieval
+    path, _, _ = trained
+    monkeypatch.setattr(retrieval, "Embedder", lambda device=None: HashEmbedder())
+    assert cli.main(["train-router", str(path), "--out", str(tmp_path / "r.joblib")]) == 0
+    assert json.loads(capsys.readouterr().out)["classifier"]["n_test"] > 0
+    assert RouterModel.load(tmp_path / "r.joblib")
+    assert cli.main(["train-router", str(tmp_path / "nothing")]) == 2
+
+
+# ------------------------------------------------------------------ policy
+
+def _policy(**kw):
+    from router.policy import Policy
+    base = dict(small="small", large="large", default_model="small", allowed=("small", "large"),
+                thinking={"easy": 0, "medium": 64, "hard": 256}, escalation_threshold=0.5)
+    return Policy(**{**base, **kw})
+
+
+def test_policy_maps_difficulty_and_honours_overrides():
+    import time
+    from router.classifier import Difficulty
+    from router.policy import route
+    hard = lambda: Difficulty("hard", 0.9)
+    r = route(_policy(), hard)
+    assert (r.model, r.difficulty, r.thinking_budget, r.escalate_to) == ("large", "hard", 256, None)
+    assert "classifier: hard (p=0.90)" in r.reason
+    easy = route(_policy(), lambda: Difficulty("easy", 0.8))
+    assert (easy.model, easy.thinking_budget, easy.escalate_to) == ("small", 0, "large")
+    never = route(_policy(force="never_large"), hard)
+    assert (never.model, never.escalate_to) == ("small", None) and "not allowed" in never.reason
+    assert route(_policy(force="always_large"), None).model == "large"
+    assert route(_policy(max_thinking=100), hard).thinking_budget == 100
+    assert route(_policy(escalation=False), lambda: Difficulty("easy", 0.8)).escalate_to is None
+    off = route(_policy(classifier=False), hard)
+    assert off.model == "small" and off.reason == "classifier off for this tenant; tenant default"
+
+    def broken():
+        raise RuntimeError("boom")
+    assert route(_policy(), broken).reason == "classifier failed (RuntimeError: boom); tenant default"
+    slow = route(_policy(classifier_timeout_s=0.01), lambda: time.sleep(0.3) or Difficulty("hard", 1.0))
+    assert slow.model == "small" and slow.reason == "classifier slower than 10 ms; tenant default"
+    assert route(_policy(), None).reason == "no classifier trained; tenant default"
+
+
+# ------------------------------------------------------------------ gateway: the cascade under mode=auto
+
+
+
+def _client(tmp_path, llm, embedder, threshold: float, router=RouterConfig(), extra: str = ""):
+    tenants = {"alpha": f"escalation_threshold = {threshold}\n" + tenant_toml(KEYS["alpha"]) + extra}
+    gw = make_gateway(tmp_path, llm, embedder, tenants, router=router)
+    return TestClient(create_app(gw)), gw
+
+
+def _ask(c, **body):
+    r = c.post("/v1/ask", json={"question": "t5 t6 t7", "max_output_tokens": 4, **body}, headers=auth())
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_low_confidence_escalates_to_the_large_model_and_bills_both(tmp_path, llm, embedder):
+    client, gw = _client(tmp_path, llm, embedder, threshold=1.0)
+    with client as c:
+        wait_ready(c)
+        large = _ask(c, mode="large")
+        body = _ask(c)
+    assert (body["model"], body["escalated"]) == ("large", True)
+    assert body["answer"] == large["answer"]             # greedy: the large model's own answer
+    assert 0 < body["confidence"] < 1
+    assert "uncalibrated" in body["route_reason"] and "escalated to large" in body["route_reason"]
+    assert body["usage"]["completion"] == 8              # both calls' tokens are counted and billed
+    assert body["cost"] > large["cost"]
+    row = gw.ledger.rows()[-1]
+    assert (row.model, row.models, row.escalated, row.completion_tokens) == ("large", "small,large", True, 8)
+
+
+def test_confident_answers_stand_and_stream_after_the_verdict(tmp_path, llm, embedder):
+    client, _ = _client(tmp_path, llm, embedder, threshold=1e-9)
+    with client as c:
+        wait_ready(c)
+        small = _ask(c, mode="small")
+        body = _ask(c)
+        r = c.post("/v1/ask", json={"question": "t5 t6 t7", "max_output_tokens": 4, "stream": True}, headers=auth())
+    assert (body["model"], body["escalated"], body["answer"]) == ("small", False, small["answer"])
+    assert body["confidence"] is not None and "kept" in body["route_reason"]
+    frames = parse_sse(r.text)
+    assert frames[0][0] == "meta" and frames[-1][0] == "done"
+    meta = msgspec.json.decode(frames[0][1])
+    assert meta["route"]["confidence"] is not None and meta["route"]["escalated"] is False
+    assert "".join(msgspec.json.decode(d)["text"] for e, d in frames if e == "token") == small["answer"]
+
+
+def test_escalation_offers_the_small_answer_as_a_speculative_draft(tmp_path, tmp_path_factory, embedder):
+    from engine.config import SpecConfig
+    from engine.llm_engine import LLMEngine
+    from tests.test_gateway_support import engine_config
+    config = msgspec.structs.replace(engine_config(tmp_path_factory), speculative=SpecConfig("large", "small"))
+    engine = LLMEngine(config, progress=False)
+    drafts = []
+    add = engine.add_request
+    engine.add_request = lambda *a, **kw: drafts.append(a[-1] if len(a) > 6 else kw.get("draft")) or add(*a, **kw)
+    client, _ = _client(tmp_path, engine, embedder, threshold=1.0)
+    with client as c:
+        wait_ready(c)
+        body = _ask(c)
+        plain = _ask(c, mode="large")
+    assert body["escalated"] and body["answer"] == plain["answer"]
+    assert drafts[0] is None and len(drafts[1]) == 4      # the small call, then the large one with its draft
+
+
+def test_a_broken_router_falls_back_to_the_tenant_default(tmp_path, llm, embedder):
+    (tmp_path / "broken.joblib").write_bytes(b"not a router")
+    client, _ = _client(tmp_path, llm, embedder, threshold=1e-9, router=RouterConfig(str(tmp_path / "broken.joblib")))
+    with client as c:
+        wait_ready(c)
+        body = _ask(c)
+    assert body["model"] == "small" and body["route_reason"].startswith("classifier failed (RouterError:")
+    assert "tenant default" in body["route_reason"]
+
+
+def test_a_trained_router_routes_by_difficulty(tmp_path, llm, embedder):
+    path = write_labels(tmp_path / "labels.jsonl")
+    model, _ = train(path, embedder)
+    model.save(tmp_path / "router.joblib")
+    client, _ = _client(tmp_path, llm, embedder, threshold=1e-9, router=RouterConfig(str(tmp_path / "router.joblib")),
+                        extra="[router]\nclassifier_timeout_ms = 2000\n")
+    with client as c:
+        wait_ready(c)
+        hard = _ask(c, question="why did the empire fall and what followed")
+        easy = _ask(c, question="what is the capital of france")
+    assert (hard["model"], hard["difficulty"], hard["escalated"]) == ("large", "hard", False)
+    assert hard["confidence"] is None                     # the large model's answer stands as it is
+    assert (easy["model"], easy["difficulty"]) == ("small", "easy") and "kept" in easy["route_reason"]
