@@ -42,8 +42,10 @@ def workloads(data: Path, n: int) -> dict[str, list[list[dict]]]:
     return {"rag": rag, "gsm8k": math}
 
 
-def engine(source: str) -> LLMEngine:
-    models = {"large": ModelEntry("qwen2.5-coder-1.5b"), "small": ModelEntry("qwen2.5-coder-0.5b")}
+def engine(source: str, draft_quant: str) -> LLMEngine:
+    # An int8 draft reads a quarter of the float32 bytes: drafting gets that much cheaper
+    # against the float32 target it must agree with.
+    models = {"large": ModelEntry("qwen2.5-coder-1.5b"), "small": ModelEntry("qwen2.5-coder-0.5b", quant=draft_quant)}
     spec = SpecConfig(target="large", **SOURCES[source]) if SOURCES[source] else None
     return LLMEngine(EngineConfig(models=models, max_kv_blocks=1024, speculative=spec), progress=False)
 
@@ -70,13 +72,14 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--sources", nargs="+", default=list(SOURCES))
+    ap.add_argument("--draft-quant", default="int8", choices=["none", "int8", "int4"])
     ap.add_argument("--data", type=Path, default=Path(os.environ.get("SLUICE_DATA", ROOT.parent / "shared" / "data")))
     ap.add_argument("--out", type=Path, default=RESULTS / "spec_bench.json")
     args = ap.parse_args()
     loads = workloads(args.data, args.prompts)
     rows, reference = [], {}
     for source in args.sources:
-        e = engine(source)
+        e = engine(source, args.draft_quant)
         for name, convs in loads.items():
             prompts = [e.chat_prompt(c, model="large") for c in convs]
             for batch in (1, 4):
@@ -90,7 +93,7 @@ def main() -> None:
                              "tokens_per_verify_pass": stats.get("tokens_per_verify_pass")})
                 console.print(rows[-1])
     # Escalation: the small model's answer handed to the large one as an external draft.
-    e = engine("lookup")
+    e = engine("lookup", args.draft_quant)
     escalation = []
     for conv in loads["rag"]:
         prompt = e.chat_prompt(conv, model="large")
@@ -125,7 +128,8 @@ def main() -> None:
                   f"{drafted:.1f}s ({scratch / drafted:.2f}x), outputs identical: "
                   f"{all(x['identical'] for x in escalation)}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": machine(), "rows": rows, "escalation": escalation}, indent=2))
+    args.out.write_text(json.dumps({"machine": machine(), "draft_quant": args.draft_quant, "tokens": args.tokens,
+                                    "prompts": args.prompts, "rows": rows, "escalation": escalation}, indent=2))
 
 
 if __name__ == "__main__":
