@@ -52,6 +52,8 @@ class SpecConfig(msgspec.Struct, forbid_unknown_fields=True):
     max_ngram: int = 4
     # Marginal cost of verifying one more token, relative to a decode step of the target.
     verify_cost: float = 0.05
+    # Cost of one draft-model step relative to a target step; None: measured as it runs.
+    draft_cost: float | None = None
     probe_every: int = 16              # steps a sequence waits with speculation off before trying again
 
 

@@ -117,7 +117,8 @@ class Speculator:
         self.config, self.target, self.draft = config, target, draft
         self.stats = SpecStats()
         self.shadows: dict[int, Sequence] = {}     # target seq_id -> its sequence in the draft model
-        self.draft_cost = 0.35                     # seconds of one draft round / one target step (measured)
+        # Seconds of one draft round over one target step: measured unless configured.
+        self.draft_cost = config.draft_cost if config.draft_cost is not None else 0.35
         self.target_step = None
 
     # ---- proposing ------------------------------------------------------------------
@@ -187,7 +188,7 @@ class Speculator:
             active = still
         elapsed = time.perf_counter() - start
         self.stats.draft_seconds += elapsed
-        if self.target_step and rounds:
+        if self.target_step and rounds and self.config.draft_cost is None:
             self.draft_cost = 0.8 * self.draft_cost + 0.2 * (elapsed / rounds) / self.target_step
 
     def _sync_shadow(self, seq: Sequence, k: int) -> Sequence | None:

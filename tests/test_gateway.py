@@ -269,7 +269,9 @@ def test_usage_reports_the_callers_month(client, gateway):
 
 
 def test_speculative_decoding_reports_its_acceptance_rate(tmp_path, tmp_path_factory, embedder):
-    config = msgspec.structs.replace(engine_config(tmp_path_factory), speculative=SpecConfig("large", "small"))
+    # A fixed draft cost: whether the engine drafts must not depend on this machine's timing.
+    config = msgspec.structs.replace(engine_config(tmp_path_factory),
+                                     speculative=SpecConfig("large", "small", draft_cost=0.1))
     gw = make_gateway(tmp_path, LLMEngine(config, progress=False), embedder)
     with TestClient(create_app(gw)) as c:
         wait_ready(c)

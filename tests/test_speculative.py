@@ -23,7 +23,9 @@ def pair(tmp_path_factory):
 
 def engine(large, small=None, **spec):
     models = {"large": ModelEntry(str(large))} | ({"small": ModelEntry(str(small))} if small else {})
-    sc = SpecConfig(target="large", draft="small" if small else None, **spec) if spec or small else None
+    # A fixed draft cost: which k the engine picks must not depend on this machine's timing.
+    sc = SpecConfig(target="large", draft="small" if small else None, draft_cost=0.1, **spec) \
+        if spec or small else None
     return LLMEngine(EngineConfig(models=models, block_size=4, max_kv_blocks=256, max_num_batched_tokens=64,
                                   memory_budget_gb=1.0, speculative=sc), progress=False)
 
@@ -133,7 +135,8 @@ def test_speculation_under_preemption_keeps_greedy_output(pair):
     plain = [c.token_ids for c in engine(large).generate(ps, GREEDY, model="large")]
     models = {"large": ModelEntry(str(large)), "small": ModelEntry(str(small))}
     tight = LLMEngine(EngineConfig(models=models, block_size=4, max_kv_blocks=48, max_num_batched_tokens=64,
-                                   memory_budget_gb=1.0, speculative=SpecConfig(target="large", draft="small")),
+                                   memory_budget_gb=1.0,
+                                   speculative=SpecConfig(target="large", draft="small", draft_cost=0.1)),
                       progress=False)
     assert [c.token_ids for c in tight.generate(ps, GREEDY, model="large")] == plain
     assert tight.stats()["large"]["preemptions"] > 0
