@@ -50,8 +50,9 @@ class SpecConfig(msgspec.Struct, forbid_unknown_fields=True):
     max_external_k: int = 16           # an external draft is cheap: verify more of it per pass
     min_ngram: int = 2
     max_ngram: int = 4
-    # Marginal cost of verifying one more token, relative to a decode step of the target.
-    verify_cost: float = 0.05
+    # Marginal cost of verifying one more token, relative to a decode step of the target;
+    # None: measured as it runs.
+    verify_cost: float | None = None
     # Cost of one draft-model step relative to a target step; None: measured as it runs.
     draft_cost: float | None = None
     probe_every: int = 16              # steps a sequence waits with speculation off before trying again

@@ -119,7 +119,10 @@ class Speculator:
         self.shadows: dict[int, Sequence] = {}     # target seq_id -> its sequence in the draft model
         # Seconds of one draft round over one target step: measured unless configured.
         self.draft_cost = config.draft_cost if config.draft_cost is not None else 0.35
-        self.target_step = None
+        self.target_step = None                    # seconds of a target step without drafts
+        # What one more verified token adds to a target step, relative to a plain one: measured
+        # unless configured (a k+1-token pass can cost several decode steps on a CPU).
+        self.verify_cost = config.verify_cost if config.verify_cost is not None else 0.05
 
     # ---- proposing ------------------------------------------------------------------
     def propose(self) -> None:
@@ -137,15 +140,17 @@ class Speculator:
                 continue
             options = []
             if cfg.prompt_lookup:
-                k = min(best_k(st.acceptance["lookup"], 0.0, cfg.verify_cost, cfg.max_k), room)
+                k = min(best_k(st.acceptance["lookup"], 0.0, self.verify_cost, cfg.max_k), room)
+                if k == 0 and st.idle_steps >= cfg.probe_every:
+                    k = 1
                 if k and (found := prompt_lookup(seq.token_ids, k, cfg.max_ngram, cfg.min_ngram)):
-                    options.append(("lookup", found, _rate(st.acceptance["lookup"], len(found), cfg.verify_cost)))
+                    options.append(("lookup", found, _rate(st.acceptance["lookup"], len(found), self.verify_cost)))
             if self.draft is not None:
-                k = min(best_k(st.acceptance["model"], self.draft_cost, cfg.verify_cost, cfg.max_k), room)
+                k = min(best_k(st.acceptance["model"], self.draft_cost, self.verify_cost, cfg.max_k), room)
                 if k == 0 and st.idle_steps >= cfg.probe_every:
                     k = 1                  # re-probe now and then: acceptance may have recovered
                 if k:
-                    options.append(("model", k, _rate(st.acceptance["model"], k, self.draft_cost + cfg.verify_cost)))
+                    options.append(("model", k, _rate(st.acceptance["model"], k, self.draft_cost + self.verify_cost)))
             if not options:
                 st.idle_steps += 1
                 continue
@@ -233,8 +238,14 @@ class Speculator:
         s.by_source[st.source][0] += k
         s.by_source[st.source][1] += accepted
 
-    def observe_target_step(self, seconds: float) -> None:
-        self.target_step = seconds if self.target_step is None else 0.8 * self.target_step + 0.2 * seconds
+    def observe_target_step(self, seconds: float, drafted_tokens: int) -> None:
+        """A target step's time, and how many draft tokens it verified: plain steps set the
+        unit of cost, verifying ones what each extra token adds to it."""
+        if not drafted_tokens:
+            self.target_step = seconds if self.target_step is None else 0.8 * self.target_step + 0.2 * seconds
+        elif self.target_step and self.config.verify_cost is None:
+            extra = max(0.0, seconds / self.target_step - 1) / drafted_tokens
+            self.verify_cost = 0.8 * self.verify_cost + 0.2 * extra
 
     def release(self, seq: Sequence) -> None:
         shadow = self.shadows.pop(seq.seq_id, None)

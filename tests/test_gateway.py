@@ -271,7 +271,7 @@ def test_usage_reports_the_callers_month(client, gateway):
 def test_speculative_decoding_reports_its_acceptance_rate(tmp_path, tmp_path_factory, embedder):
     # A fixed draft cost: whether the engine drafts must not depend on this machine's timing.
     config = msgspec.structs.replace(engine_config(tmp_path_factory),
-                                     speculative=SpecConfig("large", "small", draft_cost=0.1))
+                                     speculative=SpecConfig("large", "small", draft_cost=0.1, verify_cost=0.05))
     gw = make_gateway(tmp_path, LLMEngine(config, progress=False), embedder)
     with TestClient(create_app(gw)) as c:
         wait_ready(c)

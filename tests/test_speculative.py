@@ -24,7 +24,7 @@ def pair(tmp_path_factory):
 def engine(large, small=None, **spec):
     models = {"large": ModelEntry(str(large))} | ({"small": ModelEntry(str(small))} if small else {})
     # A fixed draft cost: which k the engine picks must not depend on this machine's timing.
-    sc = SpecConfig(target="large", draft="small" if small else None, draft_cost=0.1, **spec) \
+    sc = SpecConfig(target="large", draft="small" if small else None, draft_cost=0.1, verify_cost=0.05, **spec) \
         if spec or small else None
     return LLMEngine(EngineConfig(models=models, block_size=4, max_kv_blocks=256, max_num_batched_tokens=64,
                                   memory_budget_gb=1.0, speculative=sc), progress=False)
@@ -136,7 +136,18 @@ def test_speculation_under_preemption_keeps_greedy_output(pair):
     models = {"large": ModelEntry(str(large)), "small": ModelEntry(str(small))}
     tight = LLMEngine(EngineConfig(models=models, block_size=4, max_kv_blocks=48, max_num_batched_tokens=64,
                                    memory_budget_gb=1.0,
-                                   speculative=SpecConfig(target="large", draft="small", draft_cost=0.1)),
+                                   speculative=SpecConfig(target="large", draft="small", draft_cost=0.1, verify_cost=0.05)),
                       progress=False)
     assert [c.token_ids for c in tight.generate(ps, GREEDY, model="large")] == plain
     assert tight.stats()["large"]["preemptions"] > 0
+
+
+def test_verification_cost_is_measured_and_switches_speculation_off():
+    from engine.speculative import Speculator
+    spec = Speculator(SpecConfig(target="large"), target=None, draft=None)
+    for _ in range(30):
+        spec.observe_target_step(1.0, 0)           # a plain step
+        spec.observe_target_step(3.0, 4)           # verifying 4 drafts costs two more steps
+    assert spec.verify_cost == pytest.approx(0.5, abs=0.01)
+    # With that cost, a 30% acceptance no longer pays; 80% still does.
+    assert best_k(0.3, 0.0, spec.verify_cost, 8) == 0 and best_k(0.8, 0.0, spec.verify_cost, 8) > 0

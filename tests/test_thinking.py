@@ -14,7 +14,7 @@ def engine(folder, close=CLOSE, speculative=False):
     models = {"tiny": ModelEntry(str(folder), thinking=thinking)}
     if speculative:      # the model drafts for itself: every step appends several tokens at once
         models["draft"] = ModelEntry(str(folder))
-    spec = SpecConfig(target="tiny", draft="draft", prompt_lookup=False, max_k=4, draft_cost=0.1) \
+    spec = SpecConfig(target="tiny", draft="draft", prompt_lookup=False, max_k=4, draft_cost=0.1, verify_cost=0.05) \
         if speculative else None
     return LLMEngine(EngineConfig(models=models, block_size=4, max_kv_blocks=256, memory_budget_gb=1.0,
                                   speculative=spec), progress=False)
