@@ -11,22 +11,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import msgspec
-import numpy as np
 
 from evals.records import Record, RecordLog
 from evals.runner import RECORDS_FILE
+from router.confidence import quantiles
+from router.data import Confidence
 
 LABELS_FILE = "labels.jsonl"
-
-
-@dataclass(frozen=True)
-class Confidence:
-    mean: float
-    min: float
-    p10: float
-    p25: float
-    p50: float
-    length: int
 
 
 @dataclass(frozen=True)
@@ -53,12 +44,8 @@ class Label:
 
 
 def confidence(logprobs: list[float]) -> Confidence | None:
-    if not logprobs:
-        return None
-    lp = np.asarray(logprobs, float)
-    p10, p25, p50 = np.percentile(lp, [10, 25, 50])
-    return Confidence(round(float(lp.mean()), 4), round(float(lp.min()), 4), round(float(p10), 4),
-                      round(float(p25), 4), round(float(p50), 4), len(lp))
+    # The router's own feature code: what it trains on is what it computes when serving.
+    return Confidence(*quantiles(logprobs)) if logprobs else None
 
 
 def _tokens(r: Record) -> Tokens:

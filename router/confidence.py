@@ -38,8 +38,8 @@ class ConfidenceReport:
 
 
 def quantiles(logprobs: list[float]) -> tuple[float, float, float, float, float, int]:
-    """mean, min, p10, p25, p50 of the log-probabilities, and the count: as evals/labels.py
-    writes them, so serving computes what training read."""
+    """mean, min, p10, p25, p50 of the log-probabilities, and the count. evals/labels.py
+    writes its labels with this same function, so serving computes what training read."""
     lp = np.asarray(logprobs, float)
     p10, p25, p50 = np.percentile(lp, [10, 25, 50])
     return (round(float(lp.mean()), 4), round(float(lp.min()), 4), round(float(p10), 4),
