@@ -205,8 +205,7 @@ class LLMEngine:
             start = time.perf_counter()
             sampled = worker.runner.run(scheduled)
             if speculating:
-                if all(i.is_decode or i.num_draft for i in scheduled):   # prefill chunks skew the unit
-                    spec.observe_target_step(time.perf_counter() - start, sum(i.num_draft for i in scheduled))
+                spec.observe_target_step(time.perf_counter() - start, sum(i.num_draft for i in scheduled))
                 for item in scheduled:
                     if item.seq.seq_id in sampled:
                         spec.observe(item, sampled[item.seq.seq_id][0])
