@@ -45,6 +45,38 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache, v_cache, k_scale, v_scale, slot_mapp
 
 
 @triton.jit
+def _kv_tile(q, k_cache, v_cache, k_scale, block_tables, s, stride_bt, block_size, kvh, pos, ctx, d, d_mask,
+             KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, QUANT: tl.constexpr):
+    """One tile of keys through the block table: raw scores q.k^T [rows, BLOCK_N], the
+    values, and each key's slot and validity (both kernels mask on top of these)."""
+    valid = pos < ctx
+    block = tl.load(block_tables + s * stride_bt + pos // block_size, mask=valid, other=0)
+    slot = block.to(tl.int64) * block_size + pos % block_size
+    kv_off = (slot * KV_HEADS + kvh) * HEAD_DIM
+    kv_mask = valid[:, None] & d_mask[None, :]
+    k = tl.load(k_cache + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+    v = tl.load(v_cache + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+    scores = tl.dot(q, tl.trans(k))
+    if QUANT:  # a per-token scale factors out of the dot product
+        scores *= tl.load(k_scale + slot * KV_HEADS + kvh, mask=valid, other=0.0)[None, :]
+    return scores, v, slot, valid
+
+
+@triton.jit
+def _online_softmax(scores, v, q, slot, valid, v_scale, kvh, m_i, l_i, acc,
+                    KV_HEADS: tl.constexpr, QUANT: tl.constexpr):
+    """Fold a tile of masked, scaled scores into the running max, sum and output."""
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if QUANT:
+        p *= tl.load(v_scale + slot * KV_HEADS + kvh, mask=valid, other=0.0)[None, :]
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, out_ptr,
                    qk_scale, block_size, stride_qs, stride_qh, stride_bt, stride_os, stride_oh,
                    KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -68,27 +100,11 @@ def _decode_kernel(q_ptr, k_cache, v_cache, k_scale, v_scale, block_tables, cont
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for start in range(0, ctx, BLOCK_N):
-        pos = start + n
-        valid = pos < ctx
-        block = tl.load(block_tables + s * stride_bt + pos // block_size, mask=valid, other=0)
-        slot = block.to(tl.int64) * block_size + pos % block_size
-        kv_off = (slot * KV_HEADS + kvh) * HEAD_DIM
-        kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(k_cache + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        v = tl.load(v_cache + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        scores = tl.dot(q, tl.trans(k))                               # [BLOCK_G, BLOCK_N]
-        if QUANT:  # a per-token scale factors out of the dot product
-            scores *= tl.load(k_scale + slot * KV_HEADS + kvh, mask=valid, other=0.0)[None, :]
+        scores, v, slot, valid = _kv_tile(q, k_cache, v_cache, k_scale, block_tables, s, stride_bt, block_size,
+                                          kvh, start + n, ctx, d, d_mask, KV_HEADS, HEAD_DIM, QUANT)
+        # Every tile holds at least one valid key (start < ctx), so the running max is finite.
         scores = tl.where(valid[None, :], scores * qk_scale, float("-inf"))
-        # Every tile holds at least one valid key (start < ctx), so m_new is finite.
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if QUANT:
-            p *= tl.load(v_scale + slot * KV_HEADS + kvh, mask=valid, other=0.0)[None, :]
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax(scores, v, q, slot, valid, v_scale, kvh, m_i, l_i, acc, KV_HEADS, QUANT)
     out = acc / l_i[:, None]
     tl.store(out_ptr + s * stride_os + heads[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=g_mask[:, None] & d_mask[None, :])
@@ -126,27 +142,12 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, k_scale, v_scale, block_tables, con
     end = tl.minimum(ctx, ctx - q_len + (tile + 1) * BLOCK_M)
     for start in range(0, end, BLOCK_N):
         pos = start + n
-        valid = pos < ctx
-        block = tl.load(block_tables + s * stride_bt + pos // block_size, mask=valid, other=0)
-        slot = block.to(tl.int64) * block_size + pos % block_size
-        kv_off = (slot * KV_HEADS + kvh) * HEAD_DIM
-        kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(k_cache + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        v = tl.load(v_cache + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        scores = tl.dot(q, tl.trans(k))                               # [BLOCK_M, BLOCK_N]
-        if QUANT:
-            scores *= tl.load(k_scale + slot * KV_HEADS + kvh, mask=valid, other=0.0)[None, :]
+        scores, v, slot, valid = _kv_tile(q, k_cache, v_cache, k_scale, block_tables, s, stride_bt, block_size,
+                                          kvh, pos, ctx, d, d_mask, KV_HEADS, HEAD_DIM, QUANT)
+        # Key 0 is in the first tile and every row sees it, so the running max is finite.
         seen = valid[None, :] & (pos[None, :] <= q_pos[:, None])
         scores = tl.where(seen, scores * qk_scale, float("-inf"))
-        # Key 0 is in the first tile and every row sees it, so m_i is finite from then on.
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if QUANT:
-            p *= tl.load(v_scale + slot * KV_HEADS + kvh, mask=valid, other=0.0)[None, :]
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax(scores, v, q, slot, valid, v_scale, kvh, m_i, l_i, acc, KV_HEADS, QUANT)
     out = acc / l_i[:, None]
     tl.store(out_ptr + (q_start + m)[:, None] * stride_ot + h * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
