@@ -166,7 +166,7 @@ class Speculator:
 
     def _draft_with_model(self, wanted: list[tuple[Sequence, int]]) -> None:
         start = time.perf_counter()
-        bm, runner = self.draft.block_manager, self.draft.runner
+        runner = self.draft.runner
         active: list[tuple[Sequence, Sequence, int]] = []
         for seq, k in wanted:
             shadow = self._sync_shadow(seq, k)
@@ -222,7 +222,7 @@ class Speculator:
 
     # ---- after verification ---------------------------------------------------------
     def observe(self, item: ScheduledSeq, tokens: list[int]) -> None:
-        seq, st = item.seq, item.seq.spec
+        st = item.seq.spec
         k = item.num_draft
         if not k or st is None or st.source is None:
             return
