@@ -87,9 +87,10 @@ class LLMEngine:
         for name, entry in config.models.items():
             folder = resolve(entry.source, progress=progress)
             cfg = ModelConfig.from_folder(folder)
-            model = load_model(folder, cfg)
+            cache = derived_path(folder, f"{entry.quant}-g{entry.group_size}.safetensors")
+            quantized = entry.quant != "none" and cache.exists()    # no float weights to read
+            model = load_model(folder, cfg, linear_weights=not quantized)
             if entry.quant != "none":
-                cache = derived_path(folder, f"{entry.quant}-g{entry.group_size}.safetensors")
                 model = apply_quantization(model, entry.quant, entry.group_size, cache)
             loaded[name] = (cfg, model, Tokenizer(folder))
         self.workers = self._size_kv(config, loaded)

@@ -183,8 +183,10 @@ def _fused_rows(cfg: ModelConfig) -> dict[str, tuple[str, int, int]]:
             "gate_proj": ("gate_up_proj", 0, inter), "up_proj": ("gate_up_proj", inter, inter)}
 
 
-def load_model(folder: Path, cfg: ModelConfig | None = None) -> CausalLM:
-    """Build the model from a Hugging Face safetensors folder (float32)."""
+def load_model(folder: Path, cfg: ModelConfig | None = None, linear_weights: bool = True) -> CausalLM:
+    """Build the model from a Hugging Face safetensors folder (float32). Without
+    `linear_weights` the Linears' weights are neither read nor filled: for a caller that swaps
+    them for cached quantized ones, which makes a quantized model start several times faster."""
     cfg = cfg or ModelConfig.from_folder(folder)
     with torch.device("meta"):
         model = CausalLM(cfg)
@@ -210,17 +212,21 @@ def load_model(folder: Path, cfg: ModelConfig | None = None) -> CausalLM:
             for hf_name in f.keys():
                 if hf_name.endswith("rotary_emb.inv_freq") or (hf_name == "lm_head.weight" and cfg.tie_embeddings):
                     continue
-                tensor = f.get_tensor(hf_name).float()
                 name = hf_name.removeprefix("model.")
                 parts = name.split(".")
+                linear = name.endswith(".weight") and (parts[-2] in fused or f"{name[:-7]}.weight_t" in params)
+                if linear and not linear_weights:
+                    continue
+                tensor = f.get_tensor(hf_name).float()
                 if len(parts) >= 2 and parts[-2] in fused:
                     fused_name, first, _ = fused[parts[-2]]
                     put(".".join(parts[:-2] + [fused_name, parts[-1]]), tensor, first)
                     continue
                 put(name, tensor)
-                if name == "embed_tokens.weight" and cfg.tie_embeddings:
+                if name == "embed_tokens.weight" and cfg.tie_embeddings and linear_weights:
                     put("lm_head.weight", tensor)
-    missing = [n for n, p in params.items() if filled[n] != p.shape[1 if n.endswith("weight_t") else 0]]
+    missing = [n for n, p in params.items() if filled[n] != p.shape[1 if n.endswith("weight_t") else 0]
+               and (linear_weights or not n.endswith("weight_t"))]
     if missing:
         raise ValueError(f"{folder}: weights missing or incomplete for {missing[:5]}")
     return model.eval().requires_grad_(False)

@@ -19,11 +19,12 @@ from engine.config import EngineConfig, ModelEntry
 from engine.llm_engine import LLMEngine
 from engine.store import StoreError
 from evals.costs import DEFAULT_PRICES, parse_price
-from evals.datasets import DATASETS, DatasetError, files_for, load
+from engine.quantize import MODES as QUANT_MODES
+from evals.datasets import DATASETS, SPLITS, DatasetError, files_for, parse_mix
 from evals.labels import LABELS_FILE, write_labels
 from evals.report import write_report
 from evals.runner import (DEFAULT_CONTEXT_BUDGET, DEFAULT_K, DEFAULT_MAX_TOKENS, MODES, ROUTED_MODES, RunConfig,
-                          RunError, build_collection, open_run, read_config, routed_modes, run_modes)
+                          RunError, build_collection, load_dataset, open_run, read_config, routed_modes, run_modes)
 from retrieval import Embedder
 from router.data import RouterError
 from router.model import RouterModel
@@ -64,6 +65,11 @@ def build_parser(prog: str = "python -m evals") -> argparse.ArgumentParser:
                      metavar="DIR", help="folder of the standard data files (default: $SLUICE_DATA or %(default)s)")
     run.add_argument("-n", "--sample", type=_count(1), metavar="N", help="questions to draw (default: all)")
     run.add_argument("--seed", type=int, default=0, help="seed of the draw (default: %(default)s)")
+    run.add_argument("--split", choices=SPLITS, default="all",
+                     help="draw from the train or test half only, a fixed split by question id, so a router "
+                          "trained on one is measured on the other (default: %(default)s)")
+    run.add_argument("--mix", default="1:1", metavar="SQUAD:GSM8K",
+                     help="mixed only: SQuAD questions to GSM8K problems (default: %(default)s)")
     run.add_argument("--modes", nargs="+", choices=[*MODES, *ROUTED_MODES], default=list(MODES),
                      help="answering modes, one after another (default: %(default)s); routed and "
                           "routed+cascade need --router")
@@ -75,6 +81,8 @@ def build_parser(prog: str = "python -m evals") -> argparse.ArgumentParser:
                      help="the small model: a store name, a Hugging Face folder or a GGUF file (default: %(default)s)")
     run.add_argument("--large", default=DEFAULT_MODELS["large"], metavar="MODEL",
                      help="the large model (default: %(default)s)")
+    run.add_argument("--quant", choices=QUANT_MODES, default="none",
+                     help="both models' weights: none (float32), int8 or int4 (default: %(default)s)")
     run.add_argument("--out", metavar="DIR", help="run folder (default: .cache/evals/DATASET-nN-seedS in the repo)")
     run.add_argument("--context-budget", type=_count(1), default=DEFAULT_CONTEXT_BUDGET, metavar="TOKENS",
                      help="prompt tokens for instructions, passages and question (default: %(default)s, the demo tenant's)")
@@ -94,6 +102,9 @@ def build_parser(prog: str = "python -m evals") -> argparse.ArgumentParser:
     for name, what in (("report", "rewrite summary.json, report.md and the plots"), ("labels", "rewrite labels.jsonl")):
         p = sub.add_parser(name, help=f"{what} from a run folder's records")
         p.add_argument("folder", metavar="RUN")
+        if name == "report":
+            p.add_argument("--router", metavar="FILE", help="also draw this trained router's curves, on the "
+                                                            "run's questions it was not trained on")
         p.set_defaults(run=cmd_report if name == "report" else cmd_labels)
     return parser
 
@@ -111,10 +122,11 @@ def cmd_run(args) -> int:
         prices[model] = price
     config = RunConfig(args.dataset, [str(f.resolve()) for f in files], args.sample, args.seed,
                        {"small": args.small, "large": args.large}, prices, args.context_budget, args.k,
-                       args.max_tokens, args.thinking_budget)
+                       args.max_tokens, args.thinking_budget, args.quant, args.split,
+                       parse_mix(args.mix) if args.dataset == "mixed" else (1, 1))
     folder = Path(args.out) if args.out else (
         REPO / ".cache" / "evals" / f"{args.dataset}-n{args.sample or 'all'}-seed{args.seed}")
-    dataset = load(args.dataset, files, args.sample, args.seed)
+    dataset = load_dataset(config)
     open_run(folder, config)
     print(f"{len(dataset.examples)} questions; run folder {folder}", file=sys.stderr)
     embedder = Embedder() if dataset.documents or router else None
@@ -127,21 +139,21 @@ def cmd_run(args) -> int:
     finally:
         if collection is not None:
             collection.close()
-    return _finish(folder)
+    return _finish(folder, router, embedder)
 
 
 def _engine(config: RunConfig, modes, memory_gb: float) -> LLMEngine:
     """The engine with just the models these modes call."""
     names = sorted({m for mode in modes for m in mode.models})
     try:
-        return LLMEngine(EngineConfig(models={n: ModelEntry(config.models[n]) for n in names},
+        return LLMEngine(EngineConfig(models={n: ModelEntry(config.models[n], quant=config.quant) for n in names},
                                       memory_budget_gb=memory_gb))
     except ValueError as e:           # a model the engine cannot serve, or a budget too small
         raise RunError(f"cannot load the models: {e}") from None
 
 
-def _finish(folder: Path) -> int:
-    write_report(folder)
+def _finish(folder: Path, router=None, embedder=None) -> int:
+    write_report(folder, router, embedder)
     n = write_labels(folder)
     print((folder / "report.md").read_text())
     print(f"report: {folder / 'report.md'}; {n} router labels: {folder / 'labels.jsonl'}", file=sys.stderr)
@@ -150,7 +162,8 @@ def _finish(folder: Path) -> int:
 
 def cmd_report(args) -> int:
     folder = Path(args.folder)
-    write_report(folder)
+    router = RouterModel.load(args.router) if args.router else None
+    write_report(folder, router, Embedder() if router else None)
     print((folder / "report.md").read_text())
     return 0
 

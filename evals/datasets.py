@@ -6,6 +6,7 @@ run folder, outside the repository, holds what is derived from them.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from retrieval import Document
 SQUAD_FILE = "squad-v1.1-dev-part-a.json"
 GSM8K_FILE = "gsm8k-train.jsonl"
 DATASETS = ("squad", "gsm8k", "jsonl", "mixed")
+SPLITS = ("all", "train", "test")
 
 
 class DatasetError(ValueError):
@@ -106,9 +108,30 @@ def sample(examples: list[Example], n: int | None, seed: int) -> list[Example]:
     return rng.sample(examples, len(examples) if n is None else min(n, len(examples)))
 
 
-def interleave(a: list[Example], b: list[Example]) -> list[Example]:
-    """a[0], b[0], a[1], b[1], ...; the longer list's rest at the end."""
-    return [x for x in chain.from_iterable(zip_longest(a, b)) if x is not None]
+def in_split(example: Example, split: str) -> bool:
+    """A fixed half of every dataset is `train`, the other `test`, decided by the question's id
+    alone: a router trained on a train run never sees a test run's questions, whatever their
+    sizes and seeds."""
+    if split == "all":
+        return True
+    return ("train", "test")[hashlib.blake2b(example.id.encode(), digest_size=1).digest()[0] & 1] == split
+
+
+def interleave(a: list[Example], b: list[Example], ratio: tuple[int, int] = (1, 1)) -> list[Example]:
+    """ratio[0] of a, then ratio[1] of b, and again; the longer list's rest at the end."""
+    chunks = lambda xs, r: [xs[i:i + r] for i in range(0, len(xs), r)] if r else []
+    return [x for pair in zip_longest(chunks(a, ratio[0]), chunks(b, ratio[1]), fillvalue=[]) for x in chain(*pair)]
+
+
+def parse_mix(text: str) -> tuple[int, int]:
+    """'2:1' -> (2, 1): SQuAD questions to GSM8K problems in a mixed workload."""
+    try:
+        a, b = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise DatasetError(f"mix {text!r}: expected SQUAD:GSM8K, two whole numbers such as 2:1") from None
+    if a < 0 or b < 0 or a + b == 0:
+        raise DatasetError(f"mix {text!r}: the parts must be non-negative and not both 0")
+    return a, b
 
 
 def files_for(name: str, path: str | None, data: str) -> list[Path]:
@@ -129,22 +152,28 @@ def files_for(name: str, path: str | None, data: str) -> list[Path]:
     return files
 
 
-def load(name: str, files: list[Path], n: int | None, seed: int) -> Dataset:
-    """The dataset's sample: the same (files, n, seed) always give the same questions in the
-    same order, which is what lets an interrupted run resume."""
+def load(name: str, files: list[Path], n: int | None, seed: int, split: str = "all",
+         mix: tuple[int, int] = (1, 1)) -> Dataset:
+    """The dataset's sample: the same arguments always give the same questions in the same
+    order, which is what lets an interrupted run resume. The collection holds every document
+    of the file whatever the split: retrieval must find a question's passage among all."""
+    if split not in SPLITS:
+        raise DatasetError(f"unknown split {split!r}; choose from {', '.join(SPLITS)}")
+    part = lambda examples: [e for e in examples if in_split(e, split)]
     if name == "squad":
         examples, docs = load_squad(files[0])
-        return Dataset(name, sample(examples, n, seed), docs)
+        return Dataset(name, sample(part(examples), n, seed), docs)
     if name == "gsm8k":
-        return Dataset(name, sample(load_gsm8k(files[0]), n, seed))
+        return Dataset(name, sample(part(load_gsm8k(files[0])), n, seed))
     if name == "jsonl":
         examples, docs = load_jsonl(files[0])
-        return Dataset(name, sample(examples, n, seed), docs)
-    squad, docs = load_squad(files[0])     # mixed: half SQuAD, half GSM8K, alternating
+        return Dataset(name, sample(part(examples), n, seed), docs)
+    squad, docs = load_squad(files[0])     # mixed: SQuAD and GSM8K interleaved by `mix`
     gsm8k = load_gsm8k(files[1])
-    n_squad = None if n is None else (n + 1) // 2
-    n_gsm8k = None if n is None else n // 2
-    return Dataset(name, interleave(sample(squad, n_squad, seed), sample(gsm8k, n_gsm8k, seed)), docs)
+    squad, gsm8k = part(squad) if mix[0] else [], part(gsm8k) if mix[1] else []
+    n_squad = None if n is None else -(-n * mix[0] // sum(mix))
+    n_gsm8k = None if n is None else n - n_squad
+    return Dataset(name, interleave(sample(squad, n_squad, seed), sample(gsm8k, n_gsm8k, seed), mix), docs)
 
 
 def _read(path: Path) -> str:

@@ -13,18 +13,19 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from evals.records import RecordLog  # noqa: E402
 from evals.runner import RECORDS_FILE, read_config  # noqa: E402
-from evals.summary import ordered_modes, paired, router_curves, summarize  # noqa: E402
+from evals.summary import ordered_modes, paired, router_curves, summarize, trained_curves  # noqa: E402
 
 PLOTS = ("quality_cost.png", "latency.png")
 
 
-def write_report(folder: Path) -> dict:
-    """(Re)write summary.json, report.md and the plots from the run folder's log."""
+def write_report(folder: Path, router=None, embedder=None) -> dict:
+    """(Re)write summary.json, report.md and the plots from the run folder's log; with a
+    trained router, also its curves on the questions it was not trained on."""
     config = read_config(folder)
     log = RecordLog(folder / RECORDS_FILE)
-    summary = summarize(config, log)
+    summary = summarize(config, log, router, embedder)
     (folder / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    _plot_quality_cost(folder / PLOTS[0], summary, log)
+    _plot_quality_cost(folder / PLOTS[0], summary, log, router, embedder)
     _plot_latency(folder / PLOTS[1], log)
     (folder / "report.md").write_text(markdown(summary))
     return summary
@@ -68,11 +69,29 @@ def markdown(summary: dict) -> str:
             "| routing | APGR | $ / 1k questions at 95% of large-only quality |", "|---|---|---|",
             *(f"| {name} | {_f(x['apgr'])} | {_money(x['cost_at_95_per_1k_questions'])} |" for name, x in b.items()),
         ]
+    trained = summary.get("trained_router")
+    if trained:
+        lines += [
+            "", f"## The trained router on {trained['questions']} questions it was not trained on", "",
+            f"({trained['left_out_as_trained_on']} questions of this run were in its training labels and are left "
+            "out.) Each curve sweeps the router's threshold over the small and large modes' answers: greedy "
+            "answers are deterministic, so an escalated question gets exactly the large mode's answer, and a "
+            "cascade pays for both calls (the escalated call's external draft would make it cheaper). "
+            "\"At 95%\": the cheapest threshold reaching 95% of large-only quality, with its cost as a share of "
+            "large-only cost in dollars and in engine seconds.", "",
+            "| router | APGR | $ / 1k questions at 95% | threshold | quality | to large | $ vs large "
+            "| engine s vs large |", "|---|---|---|---|---|---|---|---|",
+        ]
+        for name, x in trained["curves"].items():
+            p = x["at_95"] or {}
+            lines.append(f"| {name} | {_f(x['apgr'])} | {_money(x['cost_at_95_per_1k_questions'])} "
+                         f"| {_f(x['threshold_at_95'])} | {_f(p.get('quality'))} | {_f(p.get('large_share'))} "
+                         f"| {_f(p.get('cost_vs_large'))} | {_f(p.get('engine_s_vs_large'))} |")
     lines += ["", "![quality against cost](quality_cost.png)", "", "![latency](latency.png)", ""]
     return "\n".join(lines)
 
 
-def _plot_quality_cost(path: Path, summary: dict, log: RecordLog) -> None:
+def _plot_quality_cost(path: Path, summary: dict, log: RecordLog, router=None, embedder=None) -> None:
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     if "small_vs_large" in summary:
         small, large = paired(log)
@@ -81,6 +100,12 @@ def _plot_quality_cost(path: Path, summary: dict, log: RecordLog) -> None:
             pts = sorted(curve, key=lambda p: p.cost)
             ax.plot([1000 * p.cost / n for p in pts], [p.quality for p in pts], style, color="grey",
                     label=f"{name} routing (small/large)")
+        if "trained_router" in summary:
+            keep = [i for i, r in enumerate(small) if r.id not in router.trained_on]
+            small, large = [small[i] for i in keep], [large[i] for i in keep]
+            for name, curve in trained_curves(small, large, router, embedder).items():
+                pts = sorted(curve, key=lambda p: p.cost)
+                ax.plot([1000 * p.cost / len(small) for p in pts], [p.quality for p in pts], "-", lw=1.2, label=name)
     for m, s in summary["modes"].items():
         ax.scatter([s["cost"]["per_1k_questions"]], [s["quality"]], s=60, zorder=3, label=m)
         ax.annotate(m, (s["cost"]["per_1k_questions"], s["quality"]), textcoords="offset points", xytext=(6, 4))

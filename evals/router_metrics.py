@@ -49,6 +49,26 @@ def threshold_sweep(scores, small_quality, large_quality, small_cost, large_cost
     return points
 
 
+def cascade_sweep(first_large, confidence, small_quality, large_quality, small_cost, large_cost) -> list[CurvePoint]:
+    """The cascade at every escalation threshold (a tenant's escalation_threshold: escalate
+    when confidence < threshold). Questions with `first_large` go to the large model at once (a
+    classifier's route); the others are answered by the small model and escalated below the
+    threshold, paying for both calls. Greedy answers are deterministic, so an escalated
+    question gets exactly the large mode's answer: this is what a cascaded run would score at
+    each threshold. The curve runs from no escalation to escalating every small answer."""
+    first = np.asarray(first_large, bool)
+    conf = np.asarray(confidence, float)
+    qs, ql = np.asarray(small_quality, float), np.asarray(large_quality, float)
+    cs, cl = np.asarray(small_cost, float), np.asarray(large_cost, float)
+    points = []
+    for t in sorted(set(conf[~first].tolist()) | {float(np.nextafter(1.0, 2.0))}):
+        escalate = ~first & (conf < t)
+        large = first | escalate
+        points.append(CurvePoint(t, float(large.mean()), float(np.where(large, ql, qs).mean()),
+                                 float(np.where(first, cl, np.where(escalate, cs + cl, cs)).sum())))
+    return points
+
+
 def oracle_scores(small_quality, large_quality) -> np.ndarray:
     """What a router that knew the answers would score: the large model's gain."""
     return np.asarray(large_quality, float) - np.asarray(small_quality, float)

@@ -27,7 +27,7 @@ from tqdm import tqdm
 from engine.llm_engine import Completion, LLMEngine
 from engine.sampling_params import SamplingParams
 from evals.costs import Price, request_cost
-from evals.datasets import Dataset, Example
+from evals.datasets import Dataset, Example, load
 from evals.metrics import Score, score
 from evals.records import Call, Record, RecordLog
 from retrieval import Collection, RagContext, RetrievalError, Store, rag_context
@@ -64,6 +64,9 @@ class RunConfig(msgspec.Struct, forbid_unknown_fields=True):
     k: int = DEFAULT_K
     max_tokens: int = DEFAULT_MAX_TOKENS
     thinking_budget: int = 0          # 0: no thinking span, as /v1/ask without one
+    quant: str = "none"               # both models' weights: none, int8 or int4 (engine.quantize)
+    split: str = "all"                # all, or the train or test half (evals.datasets.in_split)
+    mix: tuple[int, int] = (1, 1)     # mixed: SQuAD questions to GSM8K problems
 
 
 class Mode(Protocol):
@@ -165,6 +168,11 @@ def read_config(folder: Path) -> RunConfig:
     if not path.exists():
         raise RunError(f"{folder}: not a run folder (no {CONFIG_FILE})")
     return msgspec.json.decode(path.read_bytes(), type=RunConfig)
+
+
+def load_dataset(config: RunConfig) -> Dataset:
+    """The run's questions, the same ones every time the run is resumed."""
+    return load(config.dataset, [Path(f) for f in config.files], config.n, config.seed, config.split, config.mix)
 
 
 def build_collection(folder: Path, dataset: Dataset, embedder, progress: bool = True) -> Collection:

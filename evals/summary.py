@@ -8,7 +8,7 @@ import numpy as np
 
 from evals.metrics import same_answer
 from evals.records import Record, RecordLog
-from evals.router_metrics import CurvePoint, apgr, cost_at_quality, oracle_scores, threshold_sweep
+from evals.router_metrics import CurvePoint, apgr, cascade_sweep, cost_at_quality, oracle_scores, threshold_sweep
 from evals.runner import MODES, RunConfig
 
 TOKEN_KINDS = ("prompt", "cached", "output", "thinking")
@@ -74,6 +74,54 @@ def router_curves(small: list[Record], large: list[Record]) -> dict[str, list[Cu
             "oracle": threshold_sweep(oracle_scores(qs, ql), qs, ql, cs, cl)}
 
 
+def trained_curves(small: list[Record], large: list[Record], router, embedder,
+                   cost: str = "cost") -> dict[str, list[CurvePoint]]:
+    """Quality-cost curves of a trained router (router.model.RouterModel) on these questions,
+    swept over its threshold: the difficulty classifier alone (1 - P(easy) as the score),
+    the cascade alone (the small model's calibrated confidence) and routed+cascade (the
+    classifier's route, then the cascade on what it sent to the small model). `cost` is
+    "cost" (dollars) or "engine_s". Run it on questions the router was not trained on."""
+    qs, ql = [r.score for r in small], [r.score for r in large]
+    cs, cl = [getattr(r, cost) for r in small], [getattr(r, cost) for r in large]
+    vectors = embedder.encode([r.question for r in small])
+    probs = [router.classifier.probabilities(r.question, v, r.retrieval_scores) for r, v in zip(small, vectors)]
+    not_easy = np.array([1.0 - p.get("easy", 0.0) for p in probs])
+    first_large = np.array([max(p, key=p.get) != "easy" for p in probs])
+    conf = [router.confidence([x for c in r.calls for x in c.logprobs]).value for r in small]
+    return {"router: classifier": threshold_sweep(not_easy, qs, ql, cs, cl),
+            "router: cascade": cascade_sweep(np.zeros(len(qs), bool), conf, qs, ql, cs, cl),
+            "router: routed+cascade": cascade_sweep(first_large, conf, qs, ql, cs, cl)}
+
+
+def _cheapest_at(curve: list[CurvePoint], target: float) -> CurvePoint | None:
+    """The cheapest point of the curve at or above `target` quality: a threshold to set."""
+    ok = [p for p in curve if p.quality >= target]
+    return min(ok, key=lambda p: p.cost) if ok else None
+
+
+def router_summary(small: list[Record], large: list[Record], router, embedder) -> dict:
+    """Per trained-router curve: APGR, and the cheapest threshold reaching 95% of large-only
+    quality with its share of large-only cost, in dollars and in engine seconds."""
+    n = len(small)
+    q_small, q_large = _mean(r.score for r in small), _mean(r.score for r in large)
+    totals = {"cost": sum(r.cost for r in large), "engine_s": sum(r.engine_s for r in large)}
+    curves = {unit: trained_curves(small, large, router, embedder, unit) for unit in totals}
+    out = {}
+    for name, curve in curves["cost"].items():
+        best = _cheapest_at(curve, TARGET * q_large)
+        twin = None if best is None else next(p for p in curves["engine_s"][name] if p.threshold == best.threshold)
+        out[name] = {
+            "apgr": _round(apgr(curve, q_small, q_large)),
+            "cost_at_95_per_1k_questions": _scaled(cost_at_quality(curve, TARGET * q_large), 1000 / n),
+            "threshold_at_95": None if best is None else _round(best.threshold),
+            "at_95": None if best is None else {
+                "quality": _round(best.quality), "large_share": _round(best.large_share),
+                "cost_vs_large": _round(best.cost / totals["cost"]),
+                "engine_s_vs_large": _round(twin.cost / totals["engine_s"])},
+        }
+    return out
+
+
 def pair_summary(small: list[Record], large: list[Record]) -> dict | None:
     if not small:
         return None
@@ -82,9 +130,8 @@ def pair_summary(small: list[Record], large: list[Record]) -> dict | None:
     q_small, q_large = _mean(r.score for r in small), _mean(r.score for r in large)
     bounds = {}
     for name, curve in router_curves(small, large).items():
-        cost = cost_at_quality(curve, TARGET * q_large)
         bounds[name] = {"apgr": _round(apgr(curve, q_small, q_large)),
-                        "cost_at_95_per_1k_questions": None if cost is None else 1000 * cost / n}
+                        "cost_at_95_per_1k_questions": _scaled(cost_at_quality(curve, TARGET * q_large), 1000 / n)}
     return {
         "questions": n,
         "quality": {"small": q_small, "large": q_large},
@@ -98,17 +145,31 @@ def pair_summary(small: list[Record], large: list[Record]) -> dict | None:
     }
 
 
-def summarize(config: RunConfig, log: RecordLog) -> dict:
+def summarize(config: RunConfig, log: RecordLog, router=None, embedder=None) -> dict:
+    """With a trained router (and the embedder it reads questions with), also its curves on
+    this run's questions: give it a run the router was not trained on."""
     modes = ordered_modes(log.modes())
     out = {"run": msgspec.to_builtins(config), "modes": {m: mode_summary(log.of_mode(m)) for m in modes}}
     if {"small", "large"} <= set(modes):
         out["small_vs_large"] = pair_summary(*paired(log))
+        if router is not None:
+            # Only questions the router never saw in training count.
+            small, large = paired(log)
+            unseen = [i for i, r in enumerate(small) if r.id not in router.trained_on]
+            if unseen:
+                out["trained_router"] = {"questions": len(unseen), "left_out_as_trained_on": len(small) - len(unseen),
+                                         "curves": router_summary([small[i] for i in unseen],
+                                                                  [large[i] for i in unseen], router, embedder)}
     return out
 
 
 def _mean(values) -> float | None:
     values = list(values)
     return round(float(np.mean(values)), 4) if values else None
+
+
+def _scaled(x: float | None, factor: float) -> float | None:
+    return None if x is None else x * factor
 
 
 def _round(x: float | None) -> float | None:

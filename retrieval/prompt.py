@@ -13,9 +13,13 @@ from typing import Sequence
 
 from .types import Chunk
 
+# Asking for the short phrase first matters: told only to cite, Qwen 0.5B and 1.5B answered
+# many SQuAD questions with a bare "[2]" (an eval run scored F1 0.16 / 0.14); with this text
+# the 1.5B scored F1 0.54 on the same first 16 questions.
 DEFAULT_INSTRUCTIONS = (
-    "Answer the question using only the numbered passages below. Cite the passages you use "
-    "by number, like [1]. If the passages do not hold the answer, say that you do not know.")
+    "Answer the question from the numbered passages below with a short phrase, a few words copied from "
+    "the passage, not a full sentence; then cite the passage number in brackets, like [2]. If the "
+    "passages do not hold the answer, say that you do not know.")
 
 
 @dataclass(frozen=True)

@@ -35,13 +35,18 @@ class DifficultyClassifier:
     model: object               # fitted CalibratedClassifierCV
     embed_dim: int
 
-    def predict(self, question: str, embedding: np.ndarray, scores: list[float]) -> Difficulty:
+    def probabilities(self, question: str, embedding: np.ndarray, scores: list[float]) -> dict[str, float]:
+        """Calibrated probability of each difficulty the classifier was trained on."""
         if np.asarray(embedding).size != self.embed_dim:
             raise RouterError(f"the question embedding has {np.asarray(embedding).size} dimensions; this "
                               f"router was trained on {self.embed_dim}")
         probs = self.model.predict_proba(feature_vector(question, embedding, scores)[None])[0]
-        best = int(probs.argmax())
-        return Difficulty(str(self.model.classes_[best]), float(probs[best]))
+        return {str(c): float(p) for c, p in zip(self.model.classes_, probs)}
+
+    def predict(self, question: str, embedding: np.ndarray, scores: list[float]) -> Difficulty:
+        probs = self.probabilities(question, embedding, scores)
+        best = max(probs, key=probs.get)
+        return Difficulty(best, probs[best])
 
 
 def train_classifier(labels: list[Label], embeddings: np.ndarray, seed: int = 0,

@@ -3,7 +3,7 @@ joblib file, stamped with FEATURE_VERSION so a router trained on other features 
 with a clear error instead of routing on garbage."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import joblib
@@ -23,10 +23,12 @@ class RouterModel:
     classifier: DifficultyClassifier
     confidence: ConfidenceModel
     feature_version: int = FEATURE_VERSION
+    trained_on: frozenset[str] = field(default_factory=frozenset)   # question ids: evals keep them out
 
     def save(self, path: str | Path) -> None:
         joblib.dump({"feature_version": self.feature_version, "sklearn": sklearn.__version__,
-                     "classifier": self.classifier, "confidence": self.confidence}, path)
+                     "classifier": self.classifier, "confidence": self.confidence,
+                     "trained_on": sorted(self.trained_on)}, path)
 
     @classmethod
     def load(cls, path: str | Path) -> RouterModel:
@@ -38,7 +40,7 @@ class RouterModel:
         if version != FEATURE_VERSION:
             raise RouterError(f"{path}: router trained on feature version {version}; this code computes version "
                               f"{FEATURE_VERSION}. Train it again: sluice train-router RUN")
-        return cls(saved["classifier"], saved["confidence"], version)
+        return cls(saved["classifier"], saved["confidence"], version, frozenset(saved.get("trained_on", ())))
 
 
 @dataclass(frozen=True)
@@ -58,4 +60,5 @@ def train(labels_path: str | Path, embedder, seed: int = 0) -> tuple[RouterModel
     embeddings = np.asarray(embedder.encode([l.question for l in labels]), np.float32)
     classifier, c_report = train_classifier(labels, embeddings, seed)
     confidence, k_report = train_confidence(labels, seed)
-    return RouterModel(classifier, confidence), TrainReport(len(labels), c_report, k_report)
+    return (RouterModel(classifier, confidence, trained_on=frozenset(l.id for l in labels)),
+            TrainReport(len(labels), c_report, k_report))

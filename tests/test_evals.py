@@ -15,14 +15,14 @@ from engine.config import EngineConfig, ModelEntry
 from engine.llm_engine import LLMEngine
 from evals.__main__ import main as evals_main
 from evals.costs import DEFAULT_PRICES, Price, parse_price, request_cost
-from evals.datasets import DatasetError, files_for, load
+from evals.datasets import DatasetError, files_for, load, parse_mix
 from evals.labels import write_labels
 from evals.metrics import same_answer, score
 from evals.records import RecordLog
 from evals.report import write_report
-from evals.router_metrics import CurvePoint, apgr, cost_at_quality, oracle_scores, threshold_sweep
+from evals.router_metrics import CurvePoint, apgr, cascade_sweep, cost_at_quality, oracle_scores, threshold_sweep
 from evals.runner import (DEFAULT_CONTEXT_BUDGET, DEFAULT_K, DEFAULT_MAX_TOKENS, MODES, RECORDS_FILE, RunConfig,
-                          build_collection, open_run, run_modes)
+                          build_collection, load_dataset, open_run, run_modes)
 from retrieval import Collection
 from tests.conftest import make_tiny_model
 from tests.test_gateway_support import embedder  # noqa: F401  (the shared all-MiniLM embedder)
@@ -73,6 +73,18 @@ def test_threshold_sweep_by_hand():
                    (0.5, 0.75, 0.5, 10.0),            # questions 0, 2, 3
                    (0.9, 0.25, 0.5, 6.0),             # question 0
                    (float("inf"), 0.0, 0.5, 4.0)]     # nobody
+
+
+def test_cascade_sweep_by_hand():
+    # Question 0 is routed to the large model at once; 1-3 start small, confidences 0.9, 0.2, 0.6.
+    points = cascade_sweep(first_large=[True, False, False, False], confidence=[0.0, 0.9, 0.2, 0.6],
+                           small_quality=[0, 1, 0, 1], large_quality=[1, 1, 1, 0],
+                           small_cost=[1, 1, 1, 1], large_cost=[3, 3, 3, 3])
+    got = [(round(p.threshold, 6), p.large_share, p.quality, p.cost) for p in points]
+    assert got == [(0.2, 0.25, 0.75, 3 + 1 + 1 + 1),   # nothing below 0.2: no escalation
+                   (0.6, 0.5, 1.0, 3 + 1 + 4 + 1),     # question 2 escalated, both its calls paid
+                   (0.9, 0.75, 0.75, 3 + 1 + 4 + 4),   # 2 and 3 (whose large answer is wrong)
+                   (1.0, 1.0, 0.75, 3 + 4 + 4 + 4)]    # every small answer escalated
 
 
 def test_oracle_routing_bound_by_hand():
@@ -172,6 +184,14 @@ def test_datasets_load_sample_and_mix(data):
     mixed = load("mixed", files_for("mixed", None, str(data)), 5, 0)
     assert [e.kind for e in mixed.examples] == ["squad", "gsm8k", "squad", "gsm8k", "squad"]
     assert len(mixed.documents) == 3
+    two_to_one = load("mixed", files_for("mixed", None, str(data)), 6, 0, mix=(2, 1)).examples
+    assert [e.kind for e in two_to_one] == ["squad", "squad", "gsm8k", "squad", "squad", "gsm8k"]
+
+    # train and test halves are disjoint and together the whole set, whatever n and seed
+    train = {e.id for e in load("gsm8k", files_for("gsm8k", None, str(data)), None, 1, split="train").examples}
+    test = {e.id for e in load("gsm8k", files_for("gsm8k", None, str(data)), None, 2, split="test").examples}
+    assert not train & test and train | test == {e.id for e in gsm.examples}
+    assert train == {e.id for e in load("gsm8k", files_for("gsm8k", None, str(data)), None, 3, split="train").examples}
 
 
 def test_dataset_errors_name_the_file_and_line(data, tmp_path):
@@ -179,6 +199,10 @@ def test_dataset_errors_name_the_file_and_line(data, tmp_path):
         files_for("squad", None, str(tmp_path / "nowhere"))
     with pytest.raises(DatasetError, match="jsonl needs --path"):
         files_for("jsonl", None, str(data))
+    with pytest.raises(DatasetError, match="SQUAD:GSM8K"):
+        parse_mix("2-1")
+    with pytest.raises(DatasetError, match="not both 0"):
+        parse_mix("0:0")
     with pytest.raises(DatasetError, match="mixed reads"):
         files_for("mixed", str(data / "own.jsonl"), str(data))
     bad = tmp_path / "bad.jsonl"
@@ -226,7 +250,7 @@ def config_for(dataset: str, files: list[Path], **kw) -> RunConfig:
 
 def run(folder: Path, config: RunConfig, engine, embedder, modes=("small", "large"), concurrency=3):
     """What `python -m evals run` does, with the test's engine and embedder."""
-    dataset = load(config.dataset, [Path(f) for f in config.files], config.n, config.seed)
+    dataset = load_dataset(config)
     open_run(folder, config)
     collection = build_collection(folder, dataset, embedder, progress=False) if dataset.documents else None
     try:
@@ -369,7 +393,7 @@ def test_routed_and_cascade_modes_run_end_to_end(tmp_path, data, engine, embedde
     from tests.test_router import write_labels as synthetic_labels
     router, _ = train(synthetic_labels(tmp_path / "labels.jsonl"), embedder)
     config = config_for("mixed", files_for("mixed", None, str(data)))
-    dataset = load(config.dataset, [Path(f) for f in config.files], config.n, config.seed)
+    dataset = load_dataset(config)
     folder = tmp_path / "run"
     open_run(folder, config)
     collection = build_collection(folder, dataset, embedder, progress=False)
@@ -387,3 +411,14 @@ def test_routed_and_cascade_modes_run_end_to_end(tmp_path, data, engine, embedde
     for r in log.of_mode("routed+cascade"):
         first = routed[r.id].calls[0].model
         assert [c.model for c in r.calls] == (["large"] if first == "large" else ["small", "large"])
+
+    # The trained router's curves count only questions it was not trained on.
+    run_modes(folder, config, dataset.examples, [MODES["small"], MODES["large"]], engine, None, 3, progress=False)
+    seen = dataset.examples[0].id
+    router.trained_on = frozenset({seen})
+    summary = write_report(folder, router, embedder)
+    trained = summary["trained_router"]
+    assert (trained["questions"], trained["left_out_as_trained_on"]) == (len(dataset.examples) - 1, 1)
+    assert set(trained["curves"]) == {"router: classifier", "router: cascade", "router: routed+cascade"}
+    assert all(c["apgr"] is None or 0 <= c["apgr"] <= 1.5 for c in trained["curves"].values())
+    assert "not trained on" in (folder / "report.md").read_text()
