@@ -84,7 +84,10 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 class Rotary(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        freqs = torch.outer(torch.arange(cfg.max_position, dtype=torch.float32), rope_inv_freq(cfg))
+        # On the CPU even while load_model builds the model on "meta": the first math op on
+        # meta costs seconds of one-time setup at every start.
+        with torch.device("cpu"):
+            freqs = torch.outer(torch.arange(cfg.max_position, dtype=torch.float32), rope_inv_freq(cfg))
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
@@ -157,7 +160,10 @@ class CausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.rotary = Rotary(cfg)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Uninitialized: load_model fills it, and a random init on the meta device costs
+        # seconds of one-time setup at every start.
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # Tied models keep a transposed copy for the head: lookups want [vocab, hidden] rows,
