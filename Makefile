@@ -10,7 +10,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[dev,triton]'
 	touch $@
 
-.PHONY: run test test-slow bench
+.PHONY: run test test-slow bench router eval-report
 run: $(VENV)/.installed
 	$(VENV)/bin/sluice serve --demo
 
@@ -22,3 +22,18 @@ test-slow: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/engine_bench.py
+
+# The router for the default models and the checked-in eval report (docs/eval-report/):
+# labels from the train half of SQuAD + GSM8K, then both models on 300 questions of the test
+# half. About an hour on 2 cores; `make eval-report` does both.
+EVALS := .cache/evals
+EVAL_SET := mixed --mix 2:1 --quant int8 --context-budget 512
+router: $(VENV)/.installed
+	$(VENV)/bin/sluice eval run $(EVAL_SET) -n 210 --split train --out $(EVALS)/train-mixed
+	$(VENV)/bin/sluice train-router $(EVALS)/train-mixed
+
+eval-report: router
+	$(VENV)/bin/sluice eval run $(EVAL_SET) -n 300 --split test --router $(EVALS)/train-mixed/router.joblib \
+		--out $(EVALS)/report-mixed-test
+	mkdir -p docs/eval-report
+	cd $(EVALS)/report-mixed-test && cp report.md summary.json quality_cost.png latency.png $(CURDIR)/docs/eval-report/

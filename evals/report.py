@@ -79,12 +79,15 @@ def markdown(summary: dict) -> str:
             "cascade pays for both calls (the escalated call's external draft would make it cheaper). "
             "\"At 95%\": the cheapest threshold reaching 95% of large-only quality, with its cost as a share of "
             "large-only cost in dollars and in engine seconds.", "",
-            "| router | APGR | $ / 1k questions at 95% | threshold | quality | to large | $ vs large "
-            "| engine s vs large |", "|---|---|---|---|---|---|---|---|",
+            "APGR averages over the shares of questions sent to the large model that the curve spans "
+            "(\"to large, span\"); over a narrow span it says little.", "",
+            "| router | to large, span | APGR | $ / 1k questions at 95% | threshold | quality | to large "
+            "| $ vs large | engine s vs large |", "|---|---|---|---|---|---|---|---|---|",
         ]
         for name, x in trained["curves"].items():
             p = x["at_95"] or {}
-            lines.append(f"| {name} | {_f(x['apgr'])} | {_money(x['cost_at_95_per_1k_questions'])} "
+            lo, hi = x["large_share_range"]
+            lines.append(f"| {name} | {lo:.2f}–{hi:.2f} | {_f(x['apgr'])} | {_money(x['cost_at_95_per_1k_questions'])} "
                          f"| {_f(x['threshold_at_95'])} | {_f(p.get('quality'))} | {_f(p.get('large_share'))} "
                          f"| {_f(p.get('cost_vs_large'))} | {_f(p.get('engine_s_vs_large'))} |")
     lines += ["", "![quality against cost](quality_cost.png)", "", "![latency](latency.png)", ""]

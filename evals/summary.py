@@ -111,6 +111,9 @@ def router_summary(small: list[Record], large: list[Record], router, embedder) -
         best = _cheapest_at(curve, TARGET * q_large)
         twin = None if best is None else next(p for p in curves["engine_s"][name] if p.threshold == best.threshold)
         out[name] = {
+            # APGR averages over the span of large-model shares the curve covers: a router that
+            # sends almost everything to the large model covers a sliver, and its APGR says little.
+            "large_share_range": [_round(min(p.large_share for p in curve)), _round(max(p.large_share for p in curve))],
             "apgr": _round(apgr(curve, q_small, q_large)),
             "cost_at_95_per_1k_questions": _scaled(cost_at_quality(curve, TARGET * q_large), 1000 / n),
             "threshold_at_95": None if best is None else _round(best.threshold),
