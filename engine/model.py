@@ -192,7 +192,7 @@ def _fused_rows(cfg: ModelConfig) -> dict[str, tuple[str, int, int]]:
 def load_model(folder: Path, cfg: ModelConfig | None = None, linear_weights: bool = True) -> CausalLM:
     """Build the model from a Hugging Face safetensors folder (float32). Without
     `linear_weights` the Linears' weights are neither read nor filled: for a caller that swaps
-    them for cached quantized ones, which makes a quantized model start several times faster."""
+    them for cached quantized ones, so a quantized model never reads its float weights."""
     cfg = cfg or ModelConfig.from_folder(folder)
     with torch.device("meta"):
         model = CausalLM(cfg)
