@@ -38,7 +38,9 @@ def markdown(summary: dict) -> str:
         f"# Eval: {run['dataset']}, {'all' if run['n'] is None else run['n']} questions (seed {run['seed']})", "",
         f"Models: {', '.join(f'{k} = `{v}`' for k, v in run['models'].items())}. Context budget "
         f"{run['context_budget']} tokens, top {run['k']} hits, at most {run['max_tokens']} output tokens, thinking "
-        f"budget {run['thinking_budget']}. Greedy decoding.", "",
+        f"budget {run['thinking_budget']}, {run['quant'] if run['quant'] != 'none' else 'float32'} weights, questions "
+        f"from the {run['split']} split{' (SQuAD:GSM8K ' + ':'.join(map(str, run['mix'])) + ')' if run['dataset'] == 'mixed' else ''}. "
+        "Greedy decoding.", "",
         f"Prices per million input / cached input / output tokens (illustrative): {prices}.", "",
         "Quality is the mean of F1 (SQuAD, JSONL sets) or exact match of the final number (GSM8K). "
         "Tokens are means per question; TTFT and latency are in seconds, under the run's concurrency.", "",
