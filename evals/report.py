@@ -13,7 +13,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from evals.records import RecordLog  # noqa: E402
 from evals.runner import RECORDS_FILE, read_config  # noqa: E402
-from evals.summary import ordered_modes, paired, router_curves, summarize, trained_curves  # noqa: E402
+from evals.summary import ordered_modes, paired, router_curves, summarize, trained_router  # noqa: E402
 
 PLOTS = ("quality_cost.png", "latency.png")
 
@@ -23,9 +23,10 @@ def write_report(folder: Path, router=None, embedder=None) -> dict:
     trained router, also its curves on the questions it was not trained on."""
     config = read_config(folder)
     log = RecordLog(folder / RECORDS_FILE)
-    summary = summarize(config, log, router, embedder)
+    trained = trained_router(log, router, embedder) if router is not None else None
+    summary = summarize(config, log, trained)
     (folder / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    _plot_quality_cost(folder / PLOTS[0], summary, log, router, embedder)
+    _plot_quality_cost(folder / PLOTS[0], summary, log, trained)
     _plot_latency(folder / PLOTS[1], log)
     (folder / "report.md").write_text(markdown(summary))
     return summary
@@ -96,7 +97,7 @@ def markdown(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def _plot_quality_cost(path: Path, summary: dict, log: RecordLog, router=None, embedder=None) -> None:
+def _plot_quality_cost(path: Path, summary: dict, log: RecordLog, trained=None) -> None:
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     if "small_vs_large" in summary:
         small, large = paired(log)
@@ -105,12 +106,11 @@ def _plot_quality_cost(path: Path, summary: dict, log: RecordLog, router=None, e
             pts = sorted(curve, key=lambda p: p.cost)
             ax.plot([1000 * p.cost / n for p in pts], [p.quality for p in pts], style, color="grey",
                     label=f"{name} routing (small/large)")
-        if "trained_router" in summary:
-            keep = [i for i, r in enumerate(small) if r.id not in router.trained_on]
-            small, large = [small[i] for i in keep], [large[i] for i in keep]
-            for name, curve in trained_curves(small, large, router, embedder).items():
-                pts = sorted(curve, key=lambda p: p.cost)
-                ax.plot([1000 * p.cost / len(small) for p in pts], [p.quality for p in pts], "-", lw=1.2, label=name)
+    if trained is not None:
+        for name, curve in trained.curves().items():
+            pts = sorted(curve, key=lambda p: p.cost)
+            ax.plot([1000 * p.cost / len(trained.small) for p in pts], [p.quality for p in pts], "-", lw=1.2,
+                    label=name)
     for m, s in summary["modes"].items():
         ax.scatter([s["cost"]["per_1k_questions"]], [s["quality"]], s=60, zorder=3, label=m)
         ax.annotate(m, (s["cost"]["per_1k_questions"], s["quality"]), textcoords="offset points", xytext=(6, 4))

@@ -3,6 +3,8 @@ engine time, latency and escalation per mode, and how the small and large models
 on the questions both answered."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import msgspec
 import numpy as np
 
@@ -74,23 +76,43 @@ def router_curves(small: list[Record], large: list[Record]) -> dict[str, list[Cu
             "oracle": threshold_sweep(oracle_scores(qs, ql), qs, ql, cs, cl)}
 
 
-def trained_curves(small: list[Record], large: list[Record], router, embedder,
-                   cost: str = "cost") -> dict[str, list[CurvePoint]]:
-    """Quality-cost curves of a trained router (router.model.RouterModel) on these questions,
-    swept over its threshold: the difficulty classifier alone (1 - P(easy) as the score),
-    the cascade alone (the small model's calibrated confidence) and routed+cascade (the
-    classifier's route, then the cascade on what it sent to the small model). `cost` is
-    "cost" (dollars) or "engine_s". Run it on questions the router was not trained on."""
-    qs, ql = [r.score for r in small], [r.score for r in large]
-    cs, cl = [getattr(r, cost) for r in small], [getattr(r, cost) for r in large]
+@dataclass
+class TrainedRouter:
+    """A trained router's view of a run, computed once: the small and large records of the
+    questions it was not trained on, and its scores of each (the classifier's probabilities
+    need the question embedded, which is the slow part)."""
+    small: list[Record]
+    large: list[Record]
+    left_out: int                   # questions of the run that were in its training labels
+    not_easy: np.ndarray            # 1 - P(easy): the classifier's routing score
+    first_large: np.ndarray         # the classifier's route (its most likely difficulty is not easy)
+    confidence: np.ndarray          # the small answer's calibrated confidence
+
+    def curves(self, cost: str = "cost") -> dict[str, list[CurvePoint]]:
+        """Quality-cost curves swept over the router's thresholds: the classifier alone, the
+        cascade alone, and routed+cascade (the classifier's route, then the cascade on what it
+        sent to the small model). `cost` is "cost" (dollars) or "engine_s"."""
+        qs, ql = [r.score for r in self.small], [r.score for r in self.large]
+        cs, cl = [getattr(r, cost) for r in self.small], [getattr(r, cost) for r in self.large]
+        return {"router: classifier": threshold_sweep(self.not_easy, qs, ql, cs, cl),
+                "router: cascade": cascade_sweep(np.zeros(len(qs), bool), self.confidence, qs, ql, cs, cl),
+                "router: routed+cascade": cascade_sweep(self.first_large, self.confidence, qs, ql, cs, cl)}
+
+
+def trained_router(log: RecordLog, router, embedder) -> TrainedRouter | None:
+    """A trained router (router.model.RouterModel) on the run's small and large answers to the
+    questions it never saw in training; None when the run has no such pairs."""
+    every, large = paired(log)
+    keep = [i for i, r in enumerate(every) if r.id not in router.trained_on]
+    if not keep:
+        return None
+    small, large = [every[i] for i in keep], [large[i] for i in keep]
     vectors = embedder.encode([r.question for r in small])
     probs = [router.classifier.probabilities(r.question, v, r.retrieval_scores) for r, v in zip(small, vectors)]
-    not_easy = np.array([1.0 - p.get("easy", 0.0) for p in probs])
-    first_large = np.array([max(p, key=p.get) != "easy" for p in probs])
-    conf = [router.confidence([x for c in r.calls for x in c.logprobs]).value for r in small]
-    return {"router: classifier": threshold_sweep(not_easy, qs, ql, cs, cl),
-            "router: cascade": cascade_sweep(np.zeros(len(qs), bool), conf, qs, ql, cs, cl),
-            "router: routed+cascade": cascade_sweep(first_large, conf, qs, ql, cs, cl)}
+    return TrainedRouter(small, large, len(every) - len(keep),
+                         np.array([1.0 - p.get("easy", 0.0) for p in probs]),
+                         np.array([max(p, key=p.get) != "easy" for p in probs]),
+                         np.array([router.confidence([x for c in r.calls for x in c.logprobs]).value for r in small]))
 
 
 def _cheapest_at(curve: list[CurvePoint], target: float) -> CurvePoint | None:
@@ -99,13 +121,13 @@ def _cheapest_at(curve: list[CurvePoint], target: float) -> CurvePoint | None:
     return min(ok, key=lambda p: p.cost) if ok else None
 
 
-def router_summary(small: list[Record], large: list[Record], router, embedder) -> dict:
+def router_summary(t: TrainedRouter) -> dict:
     """Per trained-router curve: APGR, and the cheapest threshold reaching 95% of large-only
     quality with its share of large-only cost, in dollars and in engine seconds."""
-    n = len(small)
-    q_small, q_large = _mean(r.score for r in small), _mean(r.score for r in large)
-    totals = {"cost": sum(r.cost for r in large), "engine_s": sum(r.engine_s for r in large)}
-    curves = {unit: trained_curves(small, large, router, embedder, unit) for unit in totals}
+    n = len(t.small)
+    q_small, q_large = _mean(r.score for r in t.small), _mean(r.score for r in t.large)
+    totals = {"cost": sum(r.cost for r in t.large), "engine_s": sum(r.engine_s for r in t.large)}
+    curves = {unit: t.curves(unit) for unit in totals}
     out = {}
     for name, curve in curves["cost"].items():
         best = _cheapest_at(curve, TARGET * q_large)
@@ -122,7 +144,7 @@ def router_summary(small: list[Record], large: list[Record], router, embedder) -
                 "cost_vs_large": _round(best.cost / totals["cost"]),
                 "engine_s_vs_large": _round(twin.cost / totals["engine_s"])},
         }
-    return out
+    return {"questions": n, "left_out_as_trained_on": t.left_out, "curves": out}
 
 
 def pair_summary(small: list[Record], large: list[Record]) -> dict | None:
@@ -148,21 +170,14 @@ def pair_summary(small: list[Record], large: list[Record]) -> dict | None:
     }
 
 
-def summarize(config: RunConfig, log: RecordLog, router=None, embedder=None) -> dict:
-    """With a trained router (and the embedder it reads questions with), also its curves on
-    this run's questions: give it a run the router was not trained on."""
+def summarize(config: RunConfig, log: RecordLog, trained: TrainedRouter | None = None) -> dict:
+    """With `trained` (trained_router), also the trained router's curves on this run."""
     modes = ordered_modes(log.modes())
     out = {"run": msgspec.to_builtins(config), "modes": {m: mode_summary(log.of_mode(m)) for m in modes}}
     if {"small", "large"} <= set(modes):
         out["small_vs_large"] = pair_summary(*paired(log))
-        if router is not None:
-            # Only questions the router never saw in training count.
-            small, large = paired(log)
-            unseen = [i for i, r in enumerate(small) if r.id not in router.trained_on]
-            if unseen:
-                out["trained_router"] = {"questions": len(unseen), "left_out_as_trained_on": len(small) - len(unseen),
-                                         "curves": router_summary([small[i] for i in unseen],
-                                                                  [large[i] for i in unseen], router, embedder)}
+    if trained is not None:
+        out["trained_router"] = router_summary(trained)
     return out
 
 
