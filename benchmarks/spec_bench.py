@@ -42,10 +42,12 @@ def workloads(data: Path, n: int) -> dict[str, list[list[dict]]]:
     return {"rag": rag, "gsm8k": math}
 
 
-def engine(source: str, draft_quant: str) -> LLMEngine:
-    # An int8 draft reads a quarter of the float32 bytes: drafting gets that much cheaper
-    # against the float32 target it must agree with.
-    models = {"large": ModelEntry("qwen2.5-coder-1.5b"), "small": ModelEntry("qwen2.5-coder-0.5b", quant=draft_quant)}
+def engine(source: str, target_quant: str, draft_quant: str) -> LLMEngine:
+    # int8 weights read a quarter of float32's bytes; on this CPU an int8 pass over k+1 tokens
+    # also costs little more than over one (benchmarks/gemm_bench.py), which is what verifying
+    # a draft needs.
+    models = {"large": ModelEntry("qwen2.5-coder-1.5b", quant=target_quant),
+              "small": ModelEntry("qwen2.5-coder-0.5b", quant=draft_quant)}
     spec = SpecConfig(target="large", **SOURCES[source]) if SOURCES[source] else None
     return LLMEngine(EngineConfig(models=models, max_kv_blocks=1024, speculative=spec), progress=False)
 
@@ -72,6 +74,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--sources", nargs="+", default=list(SOURCES))
+    ap.add_argument("--target-quant", default="int8", choices=["none", "int8", "int4"])
     ap.add_argument("--draft-quant", default="int8", choices=["none", "int8", "int4"])
     ap.add_argument("--data", type=Path, default=Path(os.environ.get("SLUICE_DATA", ROOT.parent / "shared" / "data")))
     ap.add_argument("--out", type=Path, default=RESULTS / "spec_bench.json")
@@ -79,7 +82,7 @@ def main() -> None:
     loads = workloads(args.data, args.prompts)
     rows, reference = [], {}
     for source in args.sources:
-        e = engine(source, args.draft_quant)
+        e = engine(source, args.target_quant, args.draft_quant)
         for name, convs in loads.items():
             prompts = [e.chat_prompt(c, model="large") for c in convs]
             for batch in (1, 4):
@@ -93,7 +96,7 @@ def main() -> None:
                              "tokens_per_verify_pass": stats.get("tokens_per_verify_pass")})
                 console.print(rows[-1])
     # Escalation: the small model's answer handed to the large one as an external draft.
-    e = engine("lookup", args.draft_quant)
+    e = engine("lookup", args.target_quant, args.draft_quant)
     escalation = []
     for conv in loads["rag"]:
         prompt = e.chat_prompt(conv, model="large")
@@ -109,7 +112,8 @@ def main() -> None:
         escalation.append({"scratch_s": t1 - t0, "with_draft_s": t2 - t1, "identical": done.token_ids == scratch.token_ids,
                            "small_agrees": small.token_ids == scratch.token_ids})
         console.print(escalation[-1])
-    table = Table(title=f"Speculative decoding, Qwen2.5-Coder 1.5B target ({args.tokens} greedy tokens, "
+    table = Table(title=f"Speculative decoding, Qwen2.5-Coder 1.5B {args.target_quant} target, 0.5B "
+                        f"{args.draft_quant} draft ({args.tokens} greedy tokens, "
                         f"{args.prompts} prompts per workload)")
     for col in ("workload", "batch", "source", "tok/s", "speedup", "acceptance", "tokens/pass", "identical"):
         table.add_column(col)
@@ -128,8 +132,8 @@ def main() -> None:
                   f"{drafted:.1f}s ({scratch / drafted:.2f}x), outputs identical: "
                   f"{all(x['identical'] for x in escalation)}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": machine(), "draft_quant": args.draft_quant, "tokens": args.tokens,
-                                    "prompts": args.prompts, "rows": rows, "escalation": escalation}, indent=2))
+    args.out.write_text(json.dumps({"machine": machine(), "target_quant": args.target_quant,
+                                    "draft_quant": args.draft_quant, "tokens": args.tokens, "prompts": args.prompts, "rows": rows, "escalation": escalation}, indent=2))
 
 
 if __name__ == "__main__":

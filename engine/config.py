@@ -56,6 +56,9 @@ class SpecConfig(msgspec.Struct, forbid_unknown_fields=True):
     # Cost of one draft-model step relative to a target step; None: measured as it runs.
     draft_cost: float | None = None
     probe_every: int = 16              # steps a sequence waits with speculation off before trying again
+    # Measure decoding with and without drafts (model and lookup) side by side and keep the
+    # faster, per batch size: the off switch when the cost model is wrong on this machine.
+    govern: bool = True
 
 
 class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):

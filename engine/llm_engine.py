@@ -206,7 +206,7 @@ class LLMEngine:
             start = time.perf_counter()
             sampled = worker.runner.run(scheduled)
             if speculating:
-                spec.observe_target_step(time.perf_counter() - start, sum(i.num_draft for i in scheduled))
+                spec.observe_target_step(time.perf_counter() - start, scheduled, sampled)
                 for item in scheduled:
                     if item.seq.seq_id in sampled:
                         spec.observe(item, sampled[item.seq.seq_id][0])
@@ -305,5 +305,7 @@ class LLMEngine:
                 "preemptions": w.scheduler.num_preemptions,
             }
         if self.speculator:
-            out[self.speculator.target.name]["speculation"] = self.speculator.stats.as_dict()
+            spec = self.speculator
+            out[spec.target.name]["speculation"] = spec.stats.as_dict() | {
+                "governor": spec.governor.as_dict() if spec.governor else None}
         return out

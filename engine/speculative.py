@@ -35,7 +35,7 @@ SOURCES = ("external", "lookup", "model")
 
 @dataclass
 class SpecState:
-    """Per sequence: the external draft still unverified, and acceptance per source."""
+    """Per sequence: the external draft (a continuation of the prompt), and acceptance per source."""
     external: list[int] = field(default_factory=list)
     acceptance: dict[str, float] = field(default_factory=lambda: {"external": 0.9, "lookup": 0.5, "model": 0.7})
     source: str | None = None       # the source of the draft now being verified
@@ -57,6 +57,52 @@ class SpecStats:
                 "tokens_per_verify_pass": self.tokens_from_verify / self.verify_passes if self.verify_passes else None,
                 "draft_seconds": self.draft_seconds,
                 "by_source": {s: {"proposed": p, "accepted": a} for s, (p, a) in self.by_source.items()}}
+
+
+class Governor:
+    """Whether drafting (model and prompt lookup) pays, measured rather than predicted: the
+    target's decoding goodput (tokens its sequences gain per second of drafting plus the
+    target step) with drafts and without, per batch-size bucket, each an average of recent
+    decode-only steps. Every `period` steps the arm not in use runs for `probe` steps, so a
+    change (longer contexts, other batch sizes, a busy machine) is noticed. The cost model
+    (best_k) still picks k inside the "on" arm; this guards against it being wrong."""
+
+    def __init__(self, period: int = 32, probe: int = 4, margin: float = 1.05):
+        self.period, self.probe, self.margin = period, probe, margin
+        self.rates: dict[tuple[int, bool], float] = {}      # (bucket, drafting) -> tokens/s
+        self.steps: dict[int, int] = {}
+        self.choice: dict[int, bool] = {}                   # bucket -> drafting, outside probes
+
+    @staticmethod
+    def bucket(decoding: int) -> int:
+        return min(decoding, 16).bit_length()               # 1, 2-3, 4-7, 8-15, 16+
+
+    def drafting(self, decoding: int) -> bool:
+        """Draft this step? Counts the step for the bucket's probing schedule."""
+        b = self.bucket(decoding)
+        n = self.steps[b] = self.steps.get(b, 0) + 1
+        best = self.choice.get(b, True)
+        return (not best) if n % self.period >= self.period - self.probe else best
+
+    def record(self, decoding: int, drafted: bool, tokens: int, seconds: float) -> None:
+        if seconds <= 0 or tokens <= 0:
+            return
+        b, rate = self.bucket(decoding), tokens / seconds
+        old = self.rates.get((b, drafted))
+        self.rates[(b, drafted)] = rate if old is None else 0.7 * old + 0.3 * rate
+        on, off = self.rates.get((b, True)), self.rates.get((b, False))
+        if on is not None and off is not None:
+            self.choice[b] = on >= off * self.margin if not self.choice.get(b, True) else on * self.margin >= off
+
+    def as_dict(self) -> dict:
+        return {f"{2 ** (b - 1)}+ seqs": {"drafting": self.choice.get(b, True),
+                                          "tok_s_drafting": _round(self.rates.get((b, True))),
+                                          "tok_s_plain": _round(self.rates.get((b, False)))}
+                for b in sorted(self.steps)}
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 2)
 
 
 def verify(logits: torch.Tensor, draft: list[int], draft_probs: torch.Tensor | None, params: SamplingParams,
@@ -116,6 +162,9 @@ class Speculator:
     def __init__(self, config: SpecConfig, target: Worker, draft: Worker | None):
         self.config, self.target, self.draft = config, target, draft
         self.stats = SpecStats()
+        self.governor = Governor() if config.govern else None
+        self.step_drafting = True                  # the governor's call for this step
+        self.step_draft_seconds = 0.0
         self.shadows: dict[int, Sequence] = {}     # target seq_id -> its sequence in the draft model
         # Seconds of one draft round over one target step: measured unless configured.
         self.draft_cost = config.draft_cost if config.draft_cost is not None else 0.35
@@ -129,14 +178,25 @@ class Speculator:
         """Give decode-ready sequences of the target a draft for this step (or none)."""
         cfg = self.config
         by_model: list[tuple[Sequence, int]] = []
-        for seq in self.target.scheduler.running:
-            if seq.status is not Status.RUNNING or seq.in_prefill or seq.spec is None:
+        decoding = [s for s in self.target.scheduler.running if s.status is Status.RUNNING and not s.in_prefill]
+        self.step_draft_seconds = 0.0
+        self.step_drafting = self.governor.drafting(len(decoding)) if self.governor and decoding else True
+        for seq in decoding:
+            if seq.spec is None:
                 continue
             st, seq.draft, seq.draft_probs, st.source = seq.spec, [], None, None
             if (room := _room(seq, self.target.scheduler.max_model_len)) <= 0:
                 continue
             if st.external:
-                seq.draft, st.source = st.external[:min(room, cfg.max_external_k)], "external"
+                # The external draft continues the prompt; it stays in use while the output so
+                # far is its prefix (the prefill's token, accepted drafts, corrections). It
+                # costs no drafting, so the governor does not hold it back.
+                made = len(seq) - seq.num_prompt_tokens
+                if st.external[:made] == seq.output_ids and len(st.external) > made:
+                    seq.draft, st.source = st.external[made:made + min(room, cfg.max_external_k)], "external"
+                    continue
+                st.external = []
+            if not self.step_drafting:
                 continue
             options = []
             if cfg.prompt_lookup:
@@ -193,6 +253,7 @@ class Speculator:
             active = still
         elapsed = time.perf_counter() - start
         self.stats.draft_seconds += elapsed
+        self.step_draft_seconds += elapsed
         if self.target_step and rounds and self.config.draft_cost is None:
             self.draft_cost = 0.8 * self.draft_cost + 0.2 * (elapsed / rounds) / self.target_step
 
@@ -227,8 +288,6 @@ class Speculator:
         if not k or st is None or st.source is None:
             return
         accepted = len(tokens) - 1
-        if st.source == "external":
-            st.external = st.external[accepted + 1:] if tokens == st.external[:accepted + 1] else []
         st.acceptance[st.source] = 0.7 * st.acceptance[st.source] + 0.3 * (accepted / k)
         s = self.stats
         s.proposed += k
@@ -238,9 +297,16 @@ class Speculator:
         s.by_source[st.source][0] += k
         s.by_source[st.source][1] += accepted
 
-    def observe_target_step(self, seconds: float, drafted_tokens: int) -> None:
-        """A target step's time, and how many draft tokens it verified: plain steps set the
-        unit of cost, verifying ones what each extra token adds to it."""
+    def observe_target_step(self, seconds: float, scheduled: list[ScheduledSeq], sampled: dict) -> None:
+        """A target step's time and what it ran: plain steps set the unit of cost, verifying
+        ones what each extra token adds to it; decode-only steps feed the governor."""
+        drafted_tokens = sum(i.num_draft for i in scheduled)
+        decode_only = all(i.num_tokens == 1 + i.num_draft for i in scheduled)
+        external = any(i.seq.spec is not None and i.seq.spec.source == "external" for i in scheduled if i.num_draft)
+        if self.governor and decode_only and not external:
+            tokens = sum(len(sampled[i.seq.seq_id][0]) for i in scheduled if i.seq.seq_id in sampled)
+            # Judged by what the step did: an "on" step whose sequences all chose k = 0 was plain.
+            self.governor.record(len(scheduled), drafted_tokens > 0, tokens, seconds + self.step_draft_seconds)
         if not drafted_tokens:
             self.target_step = seconds if self.target_step is None else 0.8 * self.target_step + 0.2 * seconds
         elif self.target_step and self.config.verify_cost is None:

@@ -4,6 +4,7 @@ regenerate a run's report or router labels.
     python -m evals run squad -n 200 --modes small large
     python -m evals report RUN_FOLDER
     python -m evals labels RUN_FOLDER
+    python -m evals budgets RUN_FOLDER... --out DIR
 
 A run writes into its folder as it goes; the same command again resumes it. Exit codes:
 0 done, 2 bad arguments or files (the message says which), 130 interrupted.
@@ -18,6 +19,7 @@ from pathlib import Path
 from engine.config import EngineConfig, ModelEntry
 from engine.llm_engine import LLMEngine
 from engine.store import StoreError
+from evals.budgets import write_budget_table
 from evals.costs import DEFAULT_PRICES, parse_price
 from engine.quantize import MODES as QUANT_MODES
 from evals.datasets import DATASETS, SPLITS, DatasetError, files_for, parse_mix
@@ -106,6 +108,12 @@ def build_parser(prog: str = "python -m evals") -> argparse.ArgumentParser:
             p.add_argument("--router", metavar="FILE", help="also draw this trained router's curves, on the "
                                                             "run's questions it was not trained on")
         p.set_defaults(run=cmd_report if name == "report" else cmd_labels)
+
+    p = sub.add_parser("budgets", help="exact match by thinking budget, from runs that differ in their budget")
+    p.add_argument("folders", nargs="+", metavar="RUN", help="run folders over the same questions")
+    p.add_argument("--kind", default="gsm8k", help="the kind of question to tabulate (default: %(default)s)")
+    p.add_argument("--out", required=True, metavar="DIR", help="where budgets.md, .json and .png go")
+    p.set_defaults(run=cmd_budgets)
     return parser
 
 
@@ -172,6 +180,11 @@ def cmd_labels(args) -> int:
     folder = Path(args.folder)
     read_config(folder)            # a run folder, or a clear error
     print(f"{write_labels(folder)} labels: {folder / LABELS_FILE}")
+    return 0
+
+
+def cmd_budgets(args) -> int:
+    print(write_budget_table([Path(f) for f in args.folders], Path(args.out), args.kind))
     return 0
 
 

@@ -23,7 +23,7 @@ def write_report(folder: Path, router=None, embedder=None) -> dict:
     trained router, also its curves on the questions it was not trained on."""
     config = read_config(folder)
     log = RecordLog(folder / RECORDS_FILE)
-    trained = trained_router(log, router, embedder) if router is not None else None
+    trained = trained_router(log, router, embedder, config.thinking_budget) if router is not None else None
     summary = summarize(config, log, trained)
     (folder / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     _plot_quality_cost(folder / PLOTS[0], summary, log, trained)

@@ -12,6 +12,7 @@ from evals.metrics import same_answer
 from evals.records import Record, RecordLog
 from evals.router_metrics import CurvePoint, apgr, cascade_sweep, cost_at_quality, oracle_scores, threshold_sweep
 from evals.runner import MODES, RunConfig
+from router.policy import goes_large
 
 TOKEN_KINDS = ("prompt", "cached", "output", "thinking")
 TARGET = 0.95     # "cost at 95% of large-only quality"
@@ -84,8 +85,8 @@ class TrainedRouter:
     small: list[Record]
     large: list[Record]
     left_out: int                   # questions of the run that were in its training labels
-    not_easy: np.ndarray            # 1 - P(easy): the classifier's routing score
-    first_large: np.ndarray         # the classifier's route (its most likely difficulty is not easy)
+    large_need: np.ndarray          # P(the large model is worth it): the classifier's routing score
+    first_large: np.ndarray         # the classifier's route (router.policy.goes_large of its verdict)
     confidence: np.ndarray          # the small answer's calibrated confidence
 
     def curves(self, cost: str = "cost") -> dict[str, list[CurvePoint]]:
@@ -94,14 +95,15 @@ class TrainedRouter:
         sent to the small model). `cost` is "cost" (dollars) or "engine_s"."""
         qs, ql = [r.score for r in self.small], [r.score for r in self.large]
         cs, cl = [getattr(r, cost) for r in self.small], [getattr(r, cost) for r in self.large]
-        return {"router: classifier": threshold_sweep(self.not_easy, qs, ql, cs, cl),
+        return {"router: classifier": threshold_sweep(self.large_need, qs, ql, cs, cl),
                 "router: cascade": cascade_sweep(np.zeros(len(qs), bool), self.confidence, qs, ql, cs, cl),
                 "router: routed+cascade": cascade_sweep(self.first_large, self.confidence, qs, ql, cs, cl)}
 
 
-def trained_router(log: RecordLog, router, embedder) -> TrainedRouter | None:
+def trained_router(log: RecordLog, router, embedder, hard_thinking: int = 0) -> TrainedRouter | None:
     """A trained router (router.model.RouterModel) on the run's small and large answers to the
-    questions it never saw in training; None when the run has no such pairs."""
+    questions it never saw in training; None when the run has no such pairs. `hard_thinking`:
+    the thinking budget of hard questions, which decides whether they are worth the large model."""
     every, large = paired(log)
     keep = [i for i, r in enumerate(every) if r.id not in router.trained_on]
     if not keep:
@@ -110,8 +112,8 @@ def trained_router(log: RecordLog, router, embedder) -> TrainedRouter | None:
     vectors = embedder.encode([r.question for r in small])
     probs = [router.classifier.probabilities(r.question, v, r.retrieval_scores) for r, v in zip(small, vectors)]
     return TrainedRouter(small, large, len(every) - len(keep),
-                         np.array([1.0 - p.get("easy", 0.0) for p in probs]),
-                         np.array([max(p, key=p.get) != "easy" for p in probs]),
+                         np.array([sum(v for d, v in p.items() if goes_large(d, hard_thinking)) for p in probs]),
+                         np.array([goes_large(max(p, key=p.get), hard_thinking) for p in probs]),
                          np.array([router.confidence([x for c in r.calls for x in c.logprobs]).value for r in small]))
 
 

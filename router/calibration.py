@@ -21,10 +21,14 @@ def fit_calibrated(x: np.ndarray, y: np.ndarray, method: str = "sigmoid"):
     if folds < 2:
         rare = ", ".join(f"{v!r}" for v, c in zip(values, counts) if c < 2)
         raise RouterError(f"too few labels of {rare} (need at least 2 of each class) to calibrate")
-    base = make_pipeline(StandardScaler(), LogisticRegression(max_iter=2000, C=0.5))
     # ensemble=False: one model (calibrated on cross-validated predictions), not one per fold,
     # so a request pays for one predict instead of three.
-    return CalibratedClassifierCV(base, method=method, cv=folds, ensemble=False).fit(x, y)
+    return CalibratedClassifierCV(make_base(), method=method, cv=folds, ensemble=False).fit(x, y)
+
+
+def make_base():
+    """The uncalibrated model: scaled, regularized logistic regression."""
+    return make_pipeline(StandardScaler(), LogisticRegression(max_iter=2000, C=0.5))
 
 
 def ece(probs: np.ndarray, y: np.ndarray, classes: np.ndarray, bins: int = 10) -> float:

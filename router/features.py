@@ -11,7 +11,7 @@ import re
 
 import numpy as np
 
-FEATURE_VERSION = 1
+FEATURE_VERSION = 2
 QUESTION_WORDS = ("what", "who", "when", "where", "which", "why", "how")
 NUMBER = re.compile(r"\d+(?:[.,]\d+)?")
 MATH = re.compile(r"[+\-*/=%^]")
@@ -38,7 +38,9 @@ def retrieval_features(scores: list[float]) -> list[float]:
     return [1.0, s[0], s[0] - second, s[0] - s[-1], float(np.mean(s)), math.log1p(len(s))]
 
 
-def feature_vector(question: str, embedding: np.ndarray, scores: list[float]) -> np.ndarray:
-    """One row: text features, retrieval features, then the (unit-length) question embedding."""
-    head = text_features(question) + retrieval_features(scores)
-    return np.concatenate([np.asarray(head, np.float32), np.asarray(embedding, np.float32).ravel()])
+def feature_vector(question: str, embedding: np.ndarray, scores: list[float], with_embedding: bool = True) -> np.ndarray:
+    """One row: text features, retrieval features, then (with_embedding) the unit-length
+    question embedding. Training decides whether the embedding earns its place: a few hundred
+    labels cannot fit its hundreds of dimensions without overfitting."""
+    head = np.asarray(text_features(question) + retrieval_features(scores), np.float32)
+    return np.concatenate([head, np.asarray(embedding, np.float32).ravel()]) if with_embedding else head

@@ -13,9 +13,6 @@ from dataclasses import dataclass
 
 from router.classifier import Difficulty
 
-# Difficulty -> which model answers first. Medium and hard both need the large model (by
-# the labels' definition the small one got them wrong); hard also gets the most thinking.
-TARGET = {"easy": "small", "medium": "large", "hard": "large"}
 # Two workers: one classifier stuck past its time limit must not hold up the next request's.
 _pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="router")
 
@@ -45,6 +42,14 @@ class Route:
     escalate_to: str | None = None      # the model a low-confidence answer goes to; None: it stands
 
 
+def goes_large(difficulty: str, hard_thinking: int) -> bool:
+    """Whether a question of this difficulty is worth the large model. By the labels'
+    definition the large model answers medium questions the small one gets wrong, and hard
+    ones neither answers without thinking: those go large only when the tenant gives them
+    thinking tokens, else the large model's price buys nothing."""
+    return difficulty == "medium" or (difficulty == "hard" and hard_thinking > 0)
+
+
 def classify(predict: Callable[[], Difficulty] | None, timeout_s: float) -> tuple[Difficulty | None, str | None]:
     """The classifier's answer within its time limit, or None and why not."""
     if predict is None:
@@ -65,11 +70,14 @@ def route(policy: Policy, predict: Callable[[], Difficulty] | None) -> Route:
     difficulty, failure = (None, "classifier off for this tenant") if not p.classifier else \
         classify(predict, p.classifier_timeout_s)
     large_ok = p.large in p.allowed and p.force != "never_large"
+    cap = lambda budget: budget if p.max_thinking is None else min(budget, p.max_thinking)
     if p.force == "always_large" and p.large in p.allowed:
         model, why = p.large, "tenant policy: always large"
     elif difficulty is not None:
-        model = p.large if TARGET[difficulty.label] == "large" else p.small
+        model = p.large if goes_large(difficulty.label, cap(p.thinking["hard"])) else p.small
         why = f"classifier: {difficulty.label} (p={difficulty.probability:.2f})"
+        if difficulty.label == "hard" and model == p.small:
+            why = f"{why}; no thinking for hard questions, so the large model would not do better"
         if model == p.large and not large_ok:
             model, why = p.small, f"{why}; large model not allowed for this tenant"
     else:

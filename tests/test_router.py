@@ -76,6 +76,33 @@ def test_train_reports_held_out_accuracy_ece_and_confusion(trained):
     assert report.confidence.brier < 0.1
 
 
+class NoiseEmbedder:
+    """Random unit vectors: an embedding that carries no signal."""
+    dim = 64
+
+    def encode(self, texts):
+        out = np.random.default_rng(len(texts)).normal(size=(len(texts), self.dim)).astype(np.float32)
+        return out / np.linalg.norm(out, axis=1, keepdims=True)
+
+
+def test_the_embedding_is_used_only_when_it_predicts_better(tmp_path):
+    path = write_labels(tmp_path / "labels.jsonl")
+    # Noise for an embedding, the signal in the text and retrieval scores: leave it out.
+    _, report = train(path, NoiseEmbedder())
+    assert report.classifier.with_embedding is False
+    assert report.classifier.cv_log_loss["without"] < report.classifier.cv_log_loss["with_embedding"]
+    # Questions alike in every text and retrieval feature, told apart only by their words.
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    words = ["alpha beta gamma", "delta kappa omega", "sigma theta zeta"]
+    for r in rows:
+        r["question"], r["retrieval_scores"] = words[int(r["id"][1:]) % 3] + " what", [0.5, 0.4]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    model, report = train(path, HashEmbedder())
+    assert report.classifier.with_embedding is True and report.classifier.accuracy > 0.9
+    e = HashEmbedder().encode([words[2] + " what"])[0]
+    assert model.classifier.predict(words[2] + " what", e, [0.5, 0.4]).label == "hard"
+
+
 def test_classifier_predicts_calibrated_difficulty(trained):
     _, model, _ = trained
     e = HashEmbedder().encode(["why did the empire fall and what followed"])[0]
@@ -147,6 +174,12 @@ def test_policy_maps_difficulty_and_honours_overrides():
     assert "classifier: hard (p=0.90)" in r.reason
     easy = route(_policy(), lambda: Difficulty("easy", 0.8))
     assert (easy.model, easy.thinking_budget, easy.escalate_to) == ("small", 0, "large")
+    medium = route(_policy(thinking={"easy": 0, "medium": 0, "hard": 0}), lambda: Difficulty("medium", 0.6))
+    assert (medium.model, medium.escalate_to) == ("large", None)
+    for unthinking in (_policy(thinking={"easy": 0, "medium": 64, "hard": 0}), _policy(max_thinking=0)):
+        r = route(unthinking, hard)     # neither model answers hard questions without thinking
+        assert (r.model, r.thinking_budget, r.escalate_to) == ("small", 0, "large")
+        assert "no thinking for hard questions" in r.reason
     never = route(_policy(force="never_large"), hard)
     assert (never.model, never.escalate_to) == ("small", None) and "not allowed" in never.reason
     assert route(_policy(force="always_large"), None).model == "large"
@@ -249,6 +282,7 @@ def test_a_trained_router_routes_by_difficulty(tmp_path, llm, embedder):
         wait_ready(c)
         hard = _ask(c, question="why did the empire fall and what followed")
         easy = _ask(c, question="what is the capital of france")
-    assert (hard["model"], hard["difficulty"], hard["escalated"]) == ("large", "hard", False)
-    assert hard["confidence"] is None                     # the large model's answer stands as it is
+    # This tenant gives hard questions no thinking, so the large model would not do better.
+    assert (hard["model"], hard["difficulty"], hard["escalated"]) == ("small", "hard", False)
+    assert "no thinking for hard questions" in hard["route_reason"]
     assert (easy["model"], easy["difficulty"]) == ("small", "easy") and "kept" in easy["route_reason"]
