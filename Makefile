@@ -10,7 +10,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[dev,triton]'
 	touch $@
 
-.PHONY: run test test-slow bench router eval-report
+.PHONY: run test test-slow bench router eval-report thinking-table
 run: $(VENV)/.installed
 	$(VENV)/bin/sluice serve --demo
 
@@ -37,3 +37,11 @@ eval-report: router
 		--out $(EVALS)/report-mixed-test
 	mkdir -p docs/eval-report
 	cd $(EVALS)/report-mixed-test && cp report.md summary.json quality_cost.png latency.png $(CURDIR)/docs/eval-report/
+
+# GSM8K exact match by thinking budget (docs/thinking-budgets/): the report's 100 GSM8K
+# problems at budgets 64, 256 and 1024; budget 0 is the report's own run. Hours on 2 cores.
+THINK_RUNS := $(foreach b,64 256 1024,$(EVALS)/gsm8k-test-think$(b))
+thinking-table: eval-report
+	for b in 64 256 1024; do $(VENV)/bin/sluice eval run gsm8k -n 100 --split test --quant int8 \
+		--thinking-budget $$b --concurrency 16 --out $(EVALS)/gsm8k-test-think$$b || exit 1; done
+	$(VENV)/bin/sluice eval budgets $(EVALS)/report-mixed-test $(THINK_RUNS) --out docs/thinking-budgets
