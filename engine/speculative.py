@@ -92,7 +92,11 @@ class Governor:
         self.rates[(b, drafted)] = rate if old is None else 0.7 * old + 0.3 * rate
         on, off = self.rates.get((b, True)), self.rates.get((b, False))
         if on is not None and off is not None:
-            self.choice[b] = on >= off * self.margin if not self.choice.get(b, True) else on * self.margin >= off
+            # Hysteresis: the arm in use keeps its place unless the other beats it by the margin.
+            if self.choice.get(b, True):
+                self.choice[b] = on * self.margin >= off
+            else:
+                self.choice[b] = on >= off * self.margin
 
     def as_dict(self) -> dict:
         return {f"{2 ** (b - 1)}+ seqs": {"drafting": self.choice.get(b, True),
