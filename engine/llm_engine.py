@@ -18,7 +18,7 @@ from engine.quantize import apply_quantization
 from engine.sequence import Sequence
 from engine.speculative import SpecState, Speculator
 from engine.store import derived_path, resolve
-from engine.thinking import advance, open_span
+from engine.thinking import advance, answer_bans, open_span
 from engine.tokenizer import Tokenizer
 
 
@@ -126,7 +126,11 @@ class LLMEngine:
             eos = set(cfg.eos_token_ids) | {i for i in (tok.token_id(t) for t in (tok.eos_token,) if t) if i is not None}
             sched = Scheduler(bm, cfg.max_position, config.max_num_batched_tokens, config.max_num_seqs,
                               config.max_wait_steps, tuple(sorted(eos)))
-            runner = ModelRunner(model, cfg, blocks, config.block_size, kv_int8)
+            thinking = config.models[name].thinking
+
+            def bans(seq: Sequence, i: int, sched=sched, thinking=thinking, tok=tok) -> list[int]:
+                return answer_bans(seq.token_ids, i, seq.thinking, sorted(sched.stop_ids(seq)), thinking, tok)
+            runner = ModelRunner(model, cfg, blocks, config.block_size, kv_int8, bans)
             workers[name] = Worker(name, cfg, model, tok, bm, sched, runner, config.models[name].thinking)
         return workers
 
@@ -216,9 +220,13 @@ class LLMEngine:
                 seq = item.seq
                 if seq.seq_id in sampled:
                     if seq.thinking and seq.thinking.end is None and not seq.is_finished:
-                        keep, forced = advance(seq.token_ids, seq.thinking, worker.thinking, worker.tokenizer)
-                        if forced:
-                            worker.scheduler.replace_tail(seq, keep, forced)
+                        act = advance(seq.token_ids, seq.thinking, worker.thinking, worker.tokenizer,
+                                      worker.scheduler.stop_ids(seq))
+                        if act.forced:
+                            worker.scheduler.replace_tail(seq, act.keep, act.forced)
+                        elif act.stop:
+                            del seq.token_ids[act.keep:]
+                            worker.scheduler.finish(seq, "stop")
                     new = seq.token_ids[lengths[seq.seq_id]:]        # after any finish or forcing
                     seq.logprobs.extend(sampled[seq.seq_id][1][:len(new)])
                     seq.first_token_time = seq.first_token_time or now

@@ -2,6 +2,8 @@
 positions, slot mapping, block tables, context lengths), one forward pass, then sample."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from engine.config import ModelConfig
@@ -9,6 +11,7 @@ from engine.model import CausalLM, StepBatch
 from engine.sampler import probs as sampling_probs
 from engine.sampler import sample
 from engine.scheduler import ScheduledSeq
+from engine.sequence import Sequence
 from engine.speculative import verify
 
 
@@ -18,8 +21,10 @@ def _padded(rows: list[list[int]]) -> torch.Tensor:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, cfg: ModelConfig, num_blocks: int, block_size: int, kv_int8: bool = False):
-        self.model, self.cfg, self.block_size = model, cfg, block_size
+    def __init__(self, model: CausalLM, cfg: ModelConfig, num_blocks: int, block_size: int, kv_int8: bool = False,
+                 bans: Callable[[Sequence, int], list[int]] | None = None):
+        """bans(seq, i): token ids the model may not write at index i of seq (see thinking.py)."""
+        self.model, self.cfg, self.block_size, self.bans = model, cfg, block_size, bans
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         dtype = torch.int8 if kv_int8 else torch.float32
 
@@ -73,6 +78,15 @@ class ModelRunner:
         input_ids, positions, batch, _ = self.prepare([item])
         return torch.log_softmax(self.model.logits(self.model(input_ids, positions, batch)), dim=-1)
 
+    def _ban(self, logits: torch.Tensor, seq: Sequence, first: int) -> None:
+        """Row j of logits predicts the token at index first + j."""
+        if self.bans is None or seq.thinking is None:
+            return
+        for j in range(logits.shape[0]):
+            banned = self.bans(seq, first + j)
+            if banned:
+                logits[j, banned] = float("-inf")
+
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledSeq], return_probs: bool = False):
         """seq_id -> (new tokens, their log-probabilities) for every item that reaches its
@@ -88,6 +102,8 @@ class ModelRunner:
         if plain:
             logits = self.model.logits(hidden[[r for _, r in plain]])
             seqs = [item.seq for item, _ in plain]
+            for i, seq in enumerate(seqs):
+                self._ban(logits[i:i + 1], seq, len(seq))
             tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
             for i, (seq, t, lp) in enumerate(zip(seqs, tokens, logprobs)):
                 out[seq.seq_id] = ([t], [lp])
@@ -96,6 +112,7 @@ class ModelRunner:
         for item, row in verifying:
             seq = item.seq
             logits = self.model.logits(hidden[row:row + item.num_tokens])
+            self._ban(logits, seq, len(seq) - item.num_draft)
             tokens = verify(logits, seq.draft[:item.num_draft], seq.draft_probs, seq.params, seq.generator)
             lp = torch.log_softmax(logits[:len(tokens)], -1).gather(1, torch.tensor(tokens)[:, None])
             out[seq.seq_id] = (tokens, lp.squeeze(1).tolist())

@@ -50,6 +50,42 @@ def test_natural_close_within_budget_is_kept(folder):
     assert len(c.token_ids) == first + 1 + 5
 
 
+@pytest.mark.parametrize("speculative", [False, True])
+def test_a_closed_span_is_never_followed_by_an_empty_answer(folder, speculative):
+    free = engine(folder).generate(prompts(1, seed=32), SamplingParams(max_tokens=12, ignore_eos=True,
+                                                                       thinking_budget=50))[0]
+    marker = free.token_ids[3]
+    after = next(t for t in free.token_ids[free.token_ids.index(marker) + 1:] if t != marker)
+    e = engine(folder, close=marker, speculative=speculative)
+    # `after` is what the model writes once the span closes: as a stop token it would end the
+    # turn with nothing answered, so it is banned there; once the answer has begun it stops.
+    params = SamplingParams(max_tokens=40, ignore_eos=True, thinking_budget=50, stop_token_ids=[after])
+    c = e.generate(prompts(1, seed=32), params)[0]
+    end = c.token_ids.index(marker) + 1
+    assert c.num_thinking_tokens == end and c.token_ids[:end] == free.token_ids[:end]
+    assert c.token_ids[end] != after and c.text.strip()
+    assert c.finish_reason == "length" or c.token_ids[-1] == after
+    # Without a thinking span nothing is banned: the same stop token ends the answer at once.
+    plain = e.generate([c.prompt_token_ids + c.token_ids[:end]], SamplingParams(max_tokens=5, ignore_eos=True,
+                                                                                stop_token_ids=[after]))[0]
+    assert plain.token_ids == [after]
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_a_stop_token_inside_the_span_closes_it_and_the_answer_follows(folder, speculative):
+    free = engine(folder).generate(prompts(1, seed=33), SamplingParams(max_tokens=12, ignore_eos=True,
+                                                                       thinking_budget=50))[0]
+    stop = free.token_ids[3]
+    first = free.token_ids.index(stop)
+    c = engine(folder, speculative=speculative).generate(
+        prompts(1, seed=33), SamplingParams(max_tokens=8, ignore_eos=True, thinking_budget=50, stop_token_ids=[stop]))[0]
+    assert c.num_thinking_tokens == first and c.token_ids[:first] == free.token_ids[:first]
+    assert c.token_ids[first] == CLOSE and NUDGE not in c.token_ids     # closed in the stop's place, no nudge
+    answer = c.token_ids[first + 1:]
+    assert answer and answer[0] != stop and c.text.strip()
+    assert len(answer) == 8 or (answer[-1] == stop and c.finish_reason == "stop")
+
+
 def test_budget_zero_closes_the_span_in_the_prompt(folder):
     c = engine(folder).generate(prompts(1), SamplingParams(max_tokens=4, ignore_eos=True, thinking_budget=0))[0]
     assert c.prompt_token_ids[-2:] == [OPEN, CLOSE]
