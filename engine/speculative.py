@@ -98,8 +98,10 @@ class Governor:
             else:
                 self.choice[b] = on >= off * self.margin
 
+    BUCKETS = {1: "1", 2: "2-3", 3: "4-7", 4: "8-15", 5: "16+"}     # sequences decoding in the step
+
     def as_dict(self) -> dict:
-        return {f"{2 ** (b - 1)}+ seqs": {"drafting": self.choice.get(b, True),
+        return {self.BUCKETS[b]: {"drafting": self.choice.get(b, True),
                                           "tok_s_drafting": _round(self.rates.get((b, True))),
                                           "tok_s_plain": _round(self.rates.get((b, False)))}
                 for b in sorted(self.steps)}

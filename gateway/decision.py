@@ -26,6 +26,7 @@ class Decision:
     confidence: float | None = None     # calibrated chance the answer is right, after generation
     escalated: bool = False
     escalate_to: str | None = None      # where a low-confidence answer goes; None: it stands
+    source: str = "client"              # what chose the model: client | no_router | classifier | policy | fallback
 
 
 def policy_of(tenant: Tenant, small: str, large: str) -> Policy:
@@ -42,9 +43,9 @@ def decide(tenant: Tenant, mode: str, field: str = "mode", models: tuple[str, st
     field that carried the mode."""
     if mode == "auto":
         if models is None:
-            return Decision(tenant.spec.default_model, "router not installed; tenant default")
+            return Decision(tenant.spec.default_model, "router not installed; tenant default", source="no_router")
         r = route(policy_of(tenant, *models), predict)
-        return Decision(r.model, r.reason, r.difficulty, r.thinking_budget, escalate_to=r.escalate_to)
+        return Decision(r.model, r.reason, r.difficulty, r.thinking_budget, escalate_to=r.escalate_to, source=r.source)
     if mode not in tenant.spec.allowed_models:
         raise GatewayError(403, f"tenant {tenant.id!r} may not use model {mode!r}; allowed: "
                                 f"{', '.join(['auto', *tenant.spec.allowed_models])}", field, "model_not_allowed")

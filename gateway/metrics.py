@@ -136,6 +136,9 @@ class GatewayMetrics:
                                     "(prompt includes cached)", ("tenant", "model", "kind")))
         self.cost = r.add(Counter("sluice_cost_usd_total", "spend in US dollars", ("tenant", "model")))
         self.escalations = r.add(Counter("sluice_escalations_total", "answers escalated to the large model"))
+        self.routes = r.add(Counter("sluice_route_decisions_total", "first-call routes by tenant, model, difficulty and "
+                                    "what chose them (client, no_router, classifier, policy, fallback)",
+                                    ("tenant", "model", "difficulty", "source")))
         r.add(Sampled("sluice_escalation_rate", "escalated answers over all answers", (),
                       lambda: {(): self.escalations.values.get((), 0.0) / max(1.0, sum(self.answers.values.values()))}))
         self.latency = r.add(Histogram("sluice_request_seconds", "ask latency, arrival to last token", ("model",)))
@@ -166,6 +169,19 @@ class GatewayMetrics:
                       lambda: spec("accepted"), "counter"))
         r.add(Sampled("sluice_spec_acceptance_rate", "accepted over proposed draft tokens", ("model",),
                       lambda: spec("acceptance_rate")))
+        r.add(Sampled("sluice_spec_draft_seconds_total", "seconds spent drafting (draft model and prompt lookup)",
+                      ("model",), lambda: spec("draft_seconds"), "counter"))
+        r.add(Sampled("sluice_spec_tokens_per_verify_pass", "tokens a verification pass gains, accepted plus one",
+                      ("model",), lambda: spec("tokens_per_verify_pass")))
+        governor = lambda: {m: s["speculation"]["governor"] for m, s in engine_stats().items()
+                            if s.get("speculation") and s["speculation"].get("governor")}
+        r.add(Sampled("sluice_spec_governor_drafting", "1 where the governor keeps drafting on, by batch-size bucket",
+                      ("model", "batch"), lambda: {(m, b): int(v["drafting"]) for m, g in governor().items()
+                                                   for b, v in g.items()}))
+        r.add(Sampled("sluice_spec_governor_goodput", "decode tokens per second the governor measured, drafting or "
+                      "plain", ("model", "batch", "arm"),
+                      lambda: {(m, b, arm): v[f"tok_s_{arm}"] for m, g in governor().items() for b, v in g.items()
+                               for arm in ("drafting", "plain") if v[f"tok_s_{arm}"] is not None}))
         r.add(Sampled("sluice_tenants_loaded", "tenants with a usable file", (), lambda: {(): tenant_state()[0]}))
         r.add(Sampled("sluice_tenant_file_error", "1 for each tenant file whose current content is refused",
                       ("file",), lambda: {(f,): 1 for f in tenant_state()[1]}))

@@ -440,6 +440,7 @@ class Gateway:
         m, t = self.metrics, plan.tenant.id
         m.answers.inc(model, status)
         m.escalations.inc(amount=int(d.escalated))
+        m.routes.inc(t, calls[0][0], d.difficulty or "none", d.source)     # the first call's model
         for name, *counts in calls:
             for kind, n in zip(("prompt", "cached", "completion"), counts):
                 m.tokens.inc(t, name, kind, amount=n)

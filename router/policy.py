@@ -40,6 +40,7 @@ class Route:
     probability: float | None = None    # the classifier's calibrated probability of `difficulty`
     thinking_budget: int = 0
     escalate_to: str | None = None      # the model a low-confidence answer goes to; None: it stands
+    source: str = "classifier"          # what chose the model: classifier | policy | fallback
 
 
 def goes_large(difficulty: str, hard_thinking: int) -> bool:
@@ -71,8 +72,9 @@ def route(policy: Policy, predict: Callable[[], Difficulty] | None) -> Route:
         classify(predict, p.classifier_timeout_s)
     large_ok = p.large in p.allowed and p.force != "never_large"
     cap = lambda budget: budget if p.max_thinking is None else min(budget, p.max_thinking)
+    source = "classifier" if difficulty is not None else "fallback"
     if p.force == "always_large" and p.large in p.allowed:
-        model, why = p.large, "tenant policy: always large"
+        model, why, source = p.large, "tenant policy: always large", "policy"
     elif difficulty is not None:
         model = p.large if goes_large(difficulty.label, cap(p.thinking["hard"])) else p.small
         why = f"classifier: {difficulty.label} (p={difficulty.probability:.2f})"
@@ -92,4 +94,4 @@ def route(policy: Policy, predict: Callable[[], Difficulty] | None) -> Route:
     escalate = p.large if (p.escalation and large_ok and model == p.small != p.large
                            and p.escalation_threshold > 0) else None
     return Route(model, why, difficulty.label if difficulty else None,
-                 difficulty.probability if difficulty else None, thinking, escalate)
+                 difficulty.probability if difficulty else None, thinking, escalate, source)

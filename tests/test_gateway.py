@@ -84,6 +84,7 @@ def test_health_ready_openapi_and_metrics(client):
     assert 'sluice_http_requests_total{route="/v1/ask",code="200",tenant="alpha"} 1' in text
     assert 'sluice_answers_total{model="small",status="ok"} 1' in text
     assert 'sluice_tokens_total{tenant="alpha",model="small",kind="completion"} 4' in text
+    assert 'sluice_route_decisions_total{tenant="alpha",model="small",difficulty="none",source="no_router"} 1' in text
 
 
 def test_not_ready_until_models_load(tmp_path, llm, embedder):
@@ -280,6 +281,8 @@ def test_speculative_decoding_reports_its_acceptance_rate(tmp_path, tmp_path_fac
     assert re.search(r'^sluice_spec_acceptance_rate\{model="large"\} [0-9.e-]+$', text, re.M), text
     assert re.search(r'^sluice_spec_proposed_tokens_total\{model="large"\} [1-9]', text, re.M)
     assert 'sluice_spec_acceptance_rate{model="small"}' not in text
+    assert re.search(r'^sluice_spec_governor_drafting\{model="large",batch="1"\} [01]$', text, re.M), text
+    assert re.search(r'^sluice_spec_draft_seconds_total\{model="large"\} [0-9.e-]+$', text, re.M)
 
 
 # -------------------------------------------------------------- /v1/chat/completions

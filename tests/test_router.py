@@ -171,7 +171,7 @@ def test_policy_maps_difficulty_and_honours_overrides():
     hard = lambda: Difficulty("hard", 0.9)
     r = route(_policy(), hard)
     assert (r.model, r.difficulty, r.thinking_budget, r.escalate_to) == ("large", "hard", 256, None)
-    assert "classifier: hard (p=0.90)" in r.reason
+    assert "classifier: hard (p=0.90)" in r.reason and r.source == "classifier"
     easy = route(_policy(), lambda: Difficulty("easy", 0.8))
     assert (easy.model, easy.thinking_budget, easy.escalate_to) == ("small", 0, "large")
     medium = route(_policy(thinking={"easy": 0, "medium": 0, "hard": 0}), lambda: Difficulty("medium", 0.6))
@@ -182,11 +182,13 @@ def test_policy_maps_difficulty_and_honours_overrides():
         assert "no thinking for hard questions" in r.reason
     never = route(_policy(force="never_large"), hard)
     assert (never.model, never.escalate_to) == ("small", None) and "not allowed" in never.reason
-    assert route(_policy(force="always_large"), None).model == "large"
+    forced = route(_policy(force="always_large"), None)
+    assert (forced.model, forced.source) == ("large", "policy")
     assert route(_policy(max_thinking=100), hard).thinking_budget == 100
     assert route(_policy(escalation=False), lambda: Difficulty("easy", 0.8)).escalate_to is None
     off = route(_policy(classifier=False), hard)
     assert off.model == "small" and off.reason == "classifier off for this tenant; tenant default"
+    assert off.source == "fallback"
 
     def broken():
         raise RuntimeError("boom")
@@ -268,7 +270,9 @@ def test_a_broken_router_falls_back_to_the_tenant_default(tmp_path, llm, embedde
     with client as c:
         wait_ready(c)
         body = _ask(c)
+        metrics = c.get("/metrics").text
     assert body["model"] == "small" and body["route_reason"].startswith("classifier failed (RouterError:")
+    assert 'sluice_route_decisions_total{tenant="alpha",model="small",difficulty="none",source="fallback"} 1' in metrics
     assert "tenant default" in body["route_reason"]
 
 
