@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from engine.config import EngineConfig, ModelEntry
+from engine.config import EngineConfig, ModelEntry, SpecConfig
 from engine.llm_engine import LLMEngine
 from engine.store import StoreError
 from evals.budgets import write_budget_table
@@ -26,7 +26,8 @@ from evals.datasets import DATASETS, SPLITS, DatasetError, files_for, parse_mix
 from evals.labels import LABELS_FILE, write_labels
 from evals.report import write_report
 from evals.runner import (DEFAULT_CONTEXT_BUDGET, DEFAULT_K, DEFAULT_MAX_TOKENS, MODES, ROUTED_MODES, RunConfig,
-                          RunError, build_collection, load_dataset, open_run, read_config, routed_modes, run_modes)
+                          Routed, RunError, build_collection, load_dataset, open_run, read_config, routed_modes,
+                          run_modes)
 from retrieval import Embedder
 from router.data import RouterError
 from router.model import RouterModel
@@ -151,11 +152,15 @@ def cmd_run(args) -> int:
 
 
 def _engine(config: RunConfig, modes, memory_gb: float) -> LLMEngine:
-    """The engine with just the models these modes call."""
+    """The engine with just the models these modes call. A mode that escalates gets the large
+    model as speculative target with external drafts only, as the gateway's cascade uses it:
+    the escalated call verifies the small answer, and no other call drafts."""
     names = sorted({m for mode in modes for m in mode.models})
+    escalating = any(isinstance(m, Routed) and m.policy.escalation for m in modes)
+    spec = SpecConfig("large", draft=None, prompt_lookup=False) if escalating else None
     try:
         return LLMEngine(EngineConfig(models={n: ModelEntry(config.models[n], quant=config.quant) for n in names},
-                                      memory_budget_gb=memory_gb))
+                                      memory_budget_gb=memory_gb, speculative=spec))
     except ValueError as e:           # a model the engine cannot serve, or a budget too small
         raise RunError(f"cannot load the models: {e}") from None
 

@@ -10,8 +10,9 @@ A mode decides, call by call, which model answers a question: `small` and `large
 model once. `Routed` modes decide as the gateway's mode=auto does, with the router's own
 policy and cascade verdict: `routed` picks the model by difficulty, `cascade` starts small
 and asks for the large model after reading the small call's log-probabilities,
-`routed+cascade` does both. (The escalated call gets no draft here: a draft changes the
-large model's speed, never its greedy answer, so quality is measured the same.)
+`routed+cascade` does both. The escalated call gets the small answer as an external draft
+(router.cascade.draft_for) when the engine verifies drafts for the large model, as in the
+gateway: it changes the large model's speed, never its greedy answer.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from evals.datasets import Dataset, Example, load
 from evals.metrics import Score, score
 from evals.records import Call, Record, RecordLog
 from retrieval import Collection, RagContext, RetrievalError, Store, rag_context
-from router.cascade import judge
+from router.cascade import draft_for, judge
 from router.confidence import ConfidenceModel
 from router.policy import Policy, Route, route
 
@@ -212,6 +213,7 @@ class _Question:
     engine_s: float = 0.0            # of the call in flight
     answer: str = ""
     error: str | None = None
+    last: Completion | None = None   # the previous call's, a draft for an escalation
 
 
 class Runner:
@@ -262,7 +264,7 @@ class Runner:
                     if out.completion is not None:
                         q = inflight.pop(out.request_id)
                         q.calls.append(self._call(q, out.completion))
-                        q.answer = out.completion.text
+                        q.answer, q.last = out.completion.text, out.completion
                         advance(q)
         finally:
             for request_id in inflight:          # interrupted: leave the engine as we found it
@@ -293,7 +295,8 @@ class Runner:
         params = SamplingParams(max_tokens=cfg.max_tokens,
                                 thinking_budget=cfg.thinking_budget if cfg.thinking_budget > 0 else None)
         try:
-            request_id = self.engine.add_request(ids, params, model=model, salt=SALT)
+            request_id = self.engine.add_request(ids, params, model=model, salt=SALT,
+                                                 draft=q.last and draft_for(self.engine, model, q.last))
         except ValueError as e:
             q.error = f"the engine refused it: {e}"
             return None

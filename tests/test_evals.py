@@ -422,3 +422,26 @@ def test_routed_and_cascade_modes_run_end_to_end(tmp_path, data, engine, embedde
     assert set(trained["curves"]) == {"router: classifier", "router: cascade", "router: routed+cascade"}
     assert all(c["apgr"] is None or 0 <= c["apgr"] <= 1.5 for c in trained["curves"].values())
     assert "not trained on" in (folder / "report.md").read_text()
+
+
+def test_an_escalated_call_verifies_the_small_answer_and_keeps_the_large_answer(tmp_path, data, tmp_path_factory):
+    from evals.__main__ import _engine
+    from evals.runner import routed_modes
+    config = config_for("gsm8k", files_for("gsm8k", None, str(data)))
+    small = make_tiny_model(tmp_path_factory.mktemp("esc-small"), "qwen2", seed=1)
+    config = msgspec.structs.replace(config, models={"small": str(small), "large": str(small)})
+    cascade = routed_modes(None, None, None, config.k, threshold=1.0)["cascade"]
+    engine = _engine(config, [cascade, MODES["large"]], 1.0)
+    assert engine.config.speculative.target == "large" and not engine.config.speculative.prompt_lookup
+    folder = tmp_path / "run"
+    open_run(folder, config)
+    examples = load_dataset(config).examples
+    run_modes(folder, config, examples, [cascade, MODES["large"]], engine, None, 2, progress=False)
+    log = RecordLog(folder / RECORDS_FILE)
+    large = {r.id: r.answer for r in log.of_mode("large")}
+    escalated = [r for r in log.of_mode("cascade") if r.escalated]
+    assert escalated and all(r.answer == large[r.id] for r in escalated)
+    # The large model here is the small one: every drafted token is its own, so all are accepted.
+    spec = engine.stats()["large"]["speculation"]
+    assert spec["by_source"]["external"]["proposed"] > 0
+    assert spec["by_source"]["external"]["accepted"] == spec["by_source"]["external"]["proposed"]
