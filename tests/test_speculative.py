@@ -182,7 +182,7 @@ def test_governor_keeps_the_faster_arm_and_keeps_probing():
         g.record(1, drafted, tokens=int(speed[drafted]), seconds=1.0)
     assert g.choice[g.bucket(1)] is True
     assert g.bucket(4) not in g.choice           # batch sizes are judged apart
-    assert g.as_dict()["1+ seqs"] == {"drafting": True, "tok_s_drafting": pytest.approx(20.0, abs=0.5),
+    assert g.as_dict()["1"] == {"drafting": True, "tok_s_drafting": pytest.approx(20.0, abs=0.5),
                                       "tok_s_plain": pytest.approx(10.0, abs=0.5)}
 
 
@@ -202,5 +202,5 @@ def test_governor_turns_losing_speculation_off_in_the_engine(pair):
                                                          model="large")]
     assert [c.token_ids for c in e.generate(ps, SamplingParams(max_tokens=120, ignore_eos=True),
                                             model="large")] == plain
-    gov = e.stats()["large"]["speculation"]["governor"]["1+ seqs"]
+    gov = e.stats()["large"]["speculation"]["governor"]["1"]
     assert gov["drafting"] is False and gov["tok_s_plain"] > gov["tok_s_drafting"]
