@@ -313,8 +313,6 @@ class Speculator:
             tokens = sum(len(sampled[i.seq.seq_id][0]) for i in scheduled if i.seq.seq_id in sampled)
             # Judged by what the step did: an "on" step whose sequences all chose k = 0 was plain.
             self.governor.record(len(scheduled), drafted_tokens > 0, tokens, seconds + self.step_draft_seconds)
-        if not decode_only:
-            return      # a prefill chunk's time says nothing about decoding (and would dwarf it)
         if not drafted_tokens:
             self.target_step = seconds if self.target_step is None else 0.8 * self.target_step + 0.2 * seconds
         elif self.target_step and self.config.verify_cost is None:
