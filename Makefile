@@ -44,4 +44,5 @@ THINK_RUNS := $(foreach b,64 256 1024,$(EVALS)/gsm8k-test-think$(b))
 thinking-table: eval-report
 	for b in 64 256 1024; do $(VENV)/bin/sluice eval run gsm8k -n 100 --split test --quant int8 \
 		--thinking-budget $$b --concurrency 16 --out $(EVALS)/gsm8k-test-think$$b || exit 1; done
-	$(VENV)/bin/sluice eval budgets $(EVALS)/report-mixed-test $(THINK_RUNS) --out docs/thinking-budgets
+	$(VENV)/bin/sluice eval budgets $(EVALS)/report-mixed-test $(THINK_RUNS) --out docs/thinking-budgets \
+		--router $(EVALS)/train-mixed/router.joblib

@@ -114,6 +114,8 @@ def build_parser(prog: str = "python -m evals") -> argparse.ArgumentParser:
     p.add_argument("folders", nargs="+", metavar="RUN", help="run folders over the same questions")
     p.add_argument("--kind", default="gsm8k", help="the kind of question to tabulate (default: %(default)s)")
     p.add_argument("--out", required=True, metavar="DIR", help="where budgets.md, .json and .png go")
+    p.add_argument("--router", metavar="FILE", help="also tabulate thinking budgets by difficulty, with this trained "
+                                                    "router choosing model and difficulty")
     p.set_defaults(run=cmd_budgets)
     return parser
 
@@ -189,7 +191,9 @@ def cmd_labels(args) -> int:
 
 
 def cmd_budgets(args) -> int:
-    print(write_budget_table([Path(f) for f in args.folders], Path(args.out), args.kind))
+    router = RouterModel.load(args.router) if args.router else None
+    print(write_budget_table([Path(f) for f in args.folders], Path(args.out), args.kind, router,
+                             Embedder() if router else None))
     return 0
 
 

@@ -445,3 +445,39 @@ def test_an_escalated_call_verifies_the_small_answer_and_keeps_the_large_answer(
     spec = engine.stats()["large"]["speculation"]
     assert spec["by_source"]["external"]["proposed"] > 0
     assert spec["by_source"]["external"]["accepted"] == spec["by_source"]["external"]["proposed"]
+
+
+def test_thinking_budget_table_and_budgets_by_difficulty(tmp_path):
+    from types import SimpleNamespace
+    from evals.budgets import write_budget_table
+    from evals.records import Call, Record
+    ems = {("small", 0): [1, 0, 0, 0], ("small", 64): [1, 0, 0, 1],
+           ("large", 0): [1, 1, 0, 0], ("large", 64): [1, 1, 1, 1]}
+    verdict = {"q0": "easy", "q1": "medium", "q2": "hard", "q3": "easy"}
+    folders = []
+    for budget in (0, 64):
+        folder = tmp_path / f"think{budget}"
+        open_run(folder, config_for("gsm8k", [tmp_path / "gsm8k.jsonl"], thinking_budget=budget))
+        log = RecordLog(folder / RECORDS_FILE)
+        for mode in ("small", "large"):
+            for i, em in enumerate(ems[(mode, budget)]):
+                call = Call(mode, 10, 0, 60, 50 if budget else 0, 0.001, 0.0, 0.1, 1.0, 0.5, "stop", [])
+                log.append(Record(mode, f"q{i}", "gsm8k", f"q{i}", "", em, None, em, bool(em), False, 0, 0, [], [call]))
+        log.close()
+        folders.append(folder)
+    router = SimpleNamespace(classifier=SimpleNamespace(
+        probabilities=lambda q, v, s: {d: float(d == verdict[q]) for d in ("easy", "medium", "hard")}))
+    embedder = SimpleNamespace(encode=lambda qs: np.zeros((len(qs), 4)))
+    text = write_budget_table(folders, tmp_path / "out", "gsm8k", router, embedder)
+    table = json.loads((tmp_path / "out" / "budgets.json").read_text())
+    assert [(r["mode"], r["budget"], r["em"]) for r in table["rows"]] == [
+        ("small", 0, 0.25), ("small", 64, 0.5), ("large", 0, 0.5), ("large", 64, 1.0)]
+    policies = {r["policy"]: r for r in table["policies"]["rows"]}
+    assert table["policies"]["verdicts"] == {"easy": 2, "medium": 1, "hard": 1}
+    # Without thinking the large model cannot do hard questions, so they stay small.
+    assert (policies["fixed 0"]["em"], policies["fixed 0"]["thinking_tokens"]) == (0.5, 0)
+    assert (policies["fixed 64"]["em"], policies["fixed 64"]["thinking_tokens"]) == (1.0, 50)
+    by_difficulty = policies["0 / 0 / 64"]     # thinking for hard questions only
+    assert (by_difficulty["em"], by_difficulty["thinking_tokens"], by_difficulty["large_share"]) == (0.75, 12.5, 0.5)
+    assert by_difficulty["pareto"] and "| 0 / 0 / 64 | 0.750 | 12 |" in text
+    assert (tmp_path / "out" / "budgets.png").stat().st_size > 0
