@@ -122,7 +122,9 @@ def policy_markdown(table: dict, kind: str) -> str:
 def markdown(rows: list[dict], kind: str) -> str:
     lines = [f"# {kind} exact match by thinking budget", "",
              f"{rows[0]['questions']} questions, the same in every row; tokens and engine seconds are means per "
-             "question; forced: share of thinking spans the engine closed at the budget.", "",
+             "question; forced: share of thinking spans the engine closed at the budget. Engine seconds are a "
+             "share of batched steps, so they depend on each run's concurrency and mix: compare them within "
+             "a run, not across rows from different runs.", "",
              "| model | budget | EM | thinking tokens | output tokens | forced | engine s / q | $ / 1k |",
              "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['mode']} (`{r['model']}`) | {r['budget']} | {r['em']:.3f} | {r['thinking_tokens']:.0f} "
