@@ -99,8 +99,12 @@ class ModelRunner:
         verifying = [(item, row) for item, row in rows if item.num_draft]
         out: dict[int, tuple[list[int], list[float]]] = {}
         probs: dict[int, torch.Tensor] = {}
+        # One LM-head pass over every row that samples: the head is the largest matrix, and
+        # a pass per verifying sequence would read it once per sequence.
+        rows_needed = [r for _, r in plain] + [row + j for item, row in verifying for j in range(item.num_tokens)]
+        all_logits = self.model.logits(hidden[rows_needed]) if rows_needed else None
         if plain:
-            logits = self.model.logits(hidden[[r for _, r in plain]])
+            logits = all_logits[:len(plain)]
             seqs = [item.seq for item, _ in plain]
             for i, seq in enumerate(seqs):
                 self._ban(logits[i:i + 1], seq, len(seq))
@@ -109,9 +113,10 @@ class ModelRunner:
                 out[seq.seq_id] = ([t], [lp])
                 if return_probs and not seq.params.greedy:
                     probs[seq.seq_id] = sampling_probs(logits[i], seq.params)[None]
-        for item, row in verifying:
+        at = len(plain)
+        for item, _ in verifying:
             seq = item.seq
-            logits = self.model.logits(hidden[row:row + item.num_tokens])
+            logits, at = all_logits[at:at + item.num_tokens], at + item.num_tokens
             self._ban(logits, seq, len(seq) - item.num_draft)
             tokens = verify(logits, seq.draft[:item.num_draft], seq.draft_probs, seq.params, seq.generator)
             lp = torch.log_softmax(logits[:len(tokens)], -1).gather(1, torch.tensor(tokens)[:, None])
