@@ -129,7 +129,8 @@ class LLMEngine:
             thinking = config.models[name].thinking
 
             def bans(seq: Sequence, i: int, sched=sched, thinking=thinking, tok=tok) -> list[int]:
-                return answer_bans(seq.token_ids, i, seq.thinking, sorted(sched.stop_ids(seq)), thinking, tok)
+                return answer_bans(seq.token_ids, i, seq.thinking, sorted(sched.stop_ids(seq)), thinking, tok,
+                                   committed=len(seq.token_ids) - len(seq.draft))
             runner = ModelRunner(model, cfg, blocks, config.block_size, kv_int8, bans)
             workers[name] = Worker(name, cfg, model, tok, bm, sched, runner, config.models[name].thinking)
         return workers

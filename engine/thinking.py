@@ -25,6 +25,7 @@ class ThinkingState:
     start: int                  # index in token_ids of the first thinking token
     end: int | None = None      # index of the first answer token; None while thinking
     num_forced: int = 0         # tokens the engine appended to close the span
+    answered_at: int | None = None   # a length at which the answer already held text
 
     def num_tokens(self, length: int) -> int:
         """Thinking tokens so far (a sequence of `length` tokens); forced ones do not count."""
@@ -82,14 +83,22 @@ def _force(state: ThinkingState, keep: int, forced: list[int]) -> Step:
 
 
 def answer_bans(token_ids: list[int], length: int, state: ThinkingState | None, stops: list[int],
-                cfg: ThinkingConfig, tok: Tokenizer) -> list[int]:
+                cfg: ThinkingConfig, tok: Tokenizer, committed: int | None = None) -> list[int]:
     """The tokens the model may not write at index `length`: `stops` when the span has closed
     before it and only whitespace or markers follow; none otherwise. Works on drafts too
-    (the span may close inside a draft that is being verified, before `state.end` is known)."""
+    (the span may close inside a draft that is being verified, before `state.end` is known);
+    `committed`: how many of token_ids are not drafts (all when None), the only ones whose
+    verdict may be remembered."""
     if state is None or length <= state.start:
         return []
     if state.end is not None and state.end <= length:
-        return stops if _blank(tok.decode(token_ids[state.end:length]), cfg) else []
+        if state.answered_at is not None and length >= state.answered_at:
+            return []           # text stays text: no need to decode the growing answer again
+        if _blank(tok.decode(token_ids[state.end:length]), cfg):
+            return stops
+        if committed is None or length <= committed:
+            state.answered_at = length
+        return []
     # The marker plus a little whitespace fits in the last few tokens; no need to decode the span.
     text = tok.decode(token_ids[max(state.start, length - 16):length])
     at = text.rfind(cfg.close)
