@@ -78,8 +78,10 @@ def markdown(summary: dict) -> str:
             "", f"## The trained router on {trained['questions']} questions it was not trained on", "",
             f"({trained['left_out_as_trained_on']} questions of this run were in its training labels and are left "
             "out.) Each curve sweeps the router's threshold over the small and large modes' answers: greedy "
-            "answers are deterministic, so an escalated question gets exactly the large mode's answer, and a "
-            "cascade pays for both calls (the escalated call's external draft would make it cheaper). "
+            "answers are deterministic, so an escalated question gets the large mode's answer (up to near-ties "
+            "that batch-dependent numerics flip in long answers), and a cascade pays for both calls at the "
+            "single-model runs' engine seconds; a routed mode run for real (its row in the first table) "
+            "measures what drafts and a batch split across two models do to that. "
             "\"At 95%\": the cheapest threshold reaching 95% of large-only quality, with its cost as a share of "
             "large-only cost in dollars and in engine seconds.", "",
             "APGR averages over the shares of questions sent to the large model that the curve spans "
