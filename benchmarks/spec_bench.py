@@ -42,13 +42,14 @@ def workloads(data: Path, n: int) -> dict[str, list[list[dict]]]:
     return {"rag": rag, "gsm8k": math}
 
 
-def engine(source: str, target_quant: str, draft_quant: str) -> LLMEngine:
+def engine(source: str, target_quant: str, draft_quant: str, max_k: int | None = None) -> LLMEngine:
     # int8 weights read a quarter of float32's bytes; on this CPU an int8 pass over k+1 tokens
     # also costs little more than over one (benchmarks/gemm_bench.py), which is what verifying
     # a draft needs.
     models = {"large": ModelEntry("qwen2.5-coder-1.5b", quant=target_quant),
               "small": ModelEntry("qwen2.5-coder-0.5b", quant=draft_quant)}
-    spec = SpecConfig(target="large", **SOURCES[source]) if SOURCES[source] else None
+    k = {} if max_k is None else {"max_k": max_k}
+    spec = SpecConfig(target="large", **k, **SOURCES[source]) if SOURCES[source] else None
     return LLMEngine(EngineConfig(models=models, max_kv_blocks=1024, speculative=spec), progress=False)
 
 
@@ -76,13 +77,14 @@ def main() -> None:
     ap.add_argument("--sources", nargs="+", default=list(SOURCES))
     ap.add_argument("--target-quant", default="int8", choices=["none", "int8", "int4"])
     ap.add_argument("--draft-quant", default="int8", choices=["none", "int8", "int4"])
+    ap.add_argument("--max-k", type=int, default=SpecConfig("large").max_k, help="most drafted tokens per pass (SpecConfig.max_k)")
     ap.add_argument("--data", type=Path, default=Path(os.environ.get("SLUICE_DATA", ROOT.parent / "shared" / "data")))
     ap.add_argument("--out", type=Path, default=RESULTS / "spec_bench.json")
     args = ap.parse_args()
     loads = workloads(args.data, args.prompts)
     rows, reference = [], {}
     for source in args.sources:
-        e = engine(source, args.target_quant, args.draft_quant)
+        e = engine(source, args.target_quant, args.draft_quant, args.max_k)
         for name, convs in loads.items():
             prompts = [e.chat_prompt(c, model="large") for c in convs]
             for batch in (1, 4):
@@ -133,7 +135,8 @@ def main() -> None:
                   f"{all(x['identical'] for x in escalation)}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"machine": machine(), "target_quant": args.target_quant,
-                                    "draft_quant": args.draft_quant, "tokens": args.tokens, "prompts": args.prompts, "rows": rows, "escalation": escalation}, indent=2))
+                                    "draft_quant": args.draft_quant, "max_k": args.max_k, "tokens": args.tokens,
+                                    "prompts": args.prompts, "rows": rows, "escalation": escalation}, indent=2))
 
 
 if __name__ == "__main__":

@@ -29,13 +29,12 @@ console = Console()
 def prefilled(e: LLMEngine, model: str, context: int, n: int) -> list:
     """n sequences of `context` tokens whose KV is computed, ready to decode."""
     worker = e.worker(model)
-    for i in range(n):
-        e.add_request([(7 * i + j) % 5000 + 100 for j in range(context)], SamplingParams(max_tokens=10_000,
-                                                                                       ignore_eos=True), model)
+    params = SamplingParams(max_tokens=10_000, ignore_eos=True)
+    ids = {e.add_request([(7 * i + j) % 5000 + 100 for j in range(context)], params, model) for i in range(n)}
     while any(s.in_prefill or s.num_computed_tokens == 0 for s in worker.scheduler.running) \
             or worker.scheduler.waiting:
         e.step()
-    return list(worker.scheduler.running)
+    return [s for s in worker.scheduler.running if s.request_id in ids]     # not the earlier cases' ones
 
 
 def step_case(e: LLMEngine, model: str, seqs: list, k: int):

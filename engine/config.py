@@ -46,7 +46,11 @@ class SpecConfig(msgspec.Struct, forbid_unknown_fields=True):
     target: str                        # name of the model that verifies
     draft: str | None = None           # name of the draft model (same tokenizer); None: no model drafts
     prompt_lookup: bool = True         # n-gram drafts from the sequence itself
-    max_k: int = 6                     # most tokens one proposal may hold
+    # Most tokens one proposal may hold. On CPU, torch's packed int8 matmul costs about the same
+    # for 1-3 rows and twice that for 5 (benchmarks/verify_bench.py), a step the per-token
+    # cost model cannot see: k = 2 keeps verification nearly free (spec_bench: GSM8K draft
+    # model 1.35x with it, 0.96x with 6).
+    max_k: int = 2
     max_external_k: int = 16           # an external draft is cheap: verify more of it per pass
     min_ngram: int = 2
     max_ngram: int = 4
