@@ -132,7 +132,7 @@ class LLMEngine:
                 return answer_bans(seq.token_ids, i, seq.thinking, sorted(sched.stop_ids(seq)), thinking, tok,
                                    committed=len(seq.token_ids) - len(seq.draft))
             runner = ModelRunner(model, cfg, blocks, config.block_size, kv_int8, bans)
-            workers[name] = Worker(name, cfg, model, tok, bm, sched, runner, config.models[name].thinking)
+            workers[name] = Worker(name, cfg, model, tok, bm, sched, runner, thinking)
         return workers
 
     # ---- requests -------------------------------------------------------------------

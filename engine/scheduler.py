@@ -149,13 +149,13 @@ class Scheduler:
                     break
 
     def stop_ids(self, seq: Sequence) -> set[int]:
+        """The tokens that end this request's turn."""
         return set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else self.eos_token_ids)
 
     def _finish_reason(self, seq: Sequence, token: int, length: int) -> str | None:
         answer_start = seq.answer_start          # max_tokens counts the answer, not the thinking
         # Inside a thinking span a stop token closes the span (thinking.advance), not the turn.
-        if answer_start is not None and ((token in self.eos_token_ids and not seq.params.ignore_eos)
-                                         or token in seq.params.stop_token_ids):
+        if answer_start is not None and token in self.stop_ids(seq):
             return "stop"
         if answer_start is not None and length - answer_start >= seq.params.max_tokens:
             return "length"

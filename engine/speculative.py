@@ -67,6 +67,8 @@ class Governor:
     change (longer contexts, other batch sizes, a busy machine) is noticed. The cost model
     (best_k) still picks k inside the "on" arm; this guards against it being wrong."""
 
+    BUCKETS = {1: "1", 2: "2-3", 3: "4-7", 4: "8-15", 5: "16+"}     # sequences decoding in the step
+
     def __init__(self, period: int = 32, probe: int = 4, margin: float = 1.05):
         self.period, self.probe, self.margin = period, probe, margin
         self.rates: dict[tuple[int, bool], float] = {}      # (bucket, drafting) -> tokens/s
@@ -75,7 +77,7 @@ class Governor:
 
     @staticmethod
     def bucket(decoding: int) -> int:
-        return min(decoding, 16).bit_length()               # 1, 2-3, 4-7, 8-15, 16+
+        return min(decoding, 16).bit_length()               # a key of BUCKETS
 
     def drafting(self, decoding: int) -> bool:
         """Draft this step? Counts the step for the bucket's probing schedule."""
@@ -98,12 +100,10 @@ class Governor:
             else:
                 self.choice[b] = on >= off * self.margin
 
-    BUCKETS = {1: "1", 2: "2-3", 3: "4-7", 4: "8-15", 5: "16+"}     # sequences decoding in the step
-
     def as_dict(self) -> dict:
         return {self.BUCKETS[b]: {"drafting": self.choice.get(b, True),
-                                          "tok_s_drafting": _round(self.rates.get((b, True))),
-                                          "tok_s_plain": _round(self.rates.get((b, False)))}
+                                  "tok_s_drafting": _round(self.rates.get((b, True))),
+                                  "tok_s_plain": _round(self.rates.get((b, False)))}
                 for b in sorted(self.steps)}
 
 

@@ -13,7 +13,9 @@ tokens than one fixed budget for the same exact match.
 """
 from __future__ import annotations
 
+import itertools
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import matplotlib
@@ -24,31 +26,29 @@ import numpy as np  # noqa: E402
 
 from evals.records import Record, RecordLog  # noqa: E402
 from evals.runner import MODES, RECORDS_FILE, RunError, read_config  # noqa: E402
+from evals.summary import difficulty_probabilities  # noqa: E402
+from router.data import DIFFICULTIES  # noqa: E402
 from router.policy import goes_large  # noqa: E402
 
-DIFFICULTIES = ("easy", "medium", "hard")
+
+@dataclass
+class BudgetRun:
+    """One model's answers at one thinking budget, in question-id order."""
+    folder: Path
+    model: str                  # the model's source, as the run names it
+    mode: str
+    budget: int
+    records: list[Record]
 
 
-def _answers(folders: list[Path], kind: str) -> dict[tuple[str, int], list[Record]]:
-    """(mode, budget) -> the records of `kind`, in question-id order."""
-    out = {}
-    for folder in folders:
-        budget = read_config(folder).thinking_budget
-        log = RecordLog(folder / RECORDS_FILE)
-        for mode in [m for m in MODES if m in log.modes()]:
-            records = sorted((r for r in log.of_mode(mode) if r.kind == kind), key=lambda r: r.id)
-            if records:
-                out[(mode, budget)] = records
-    return out
-
-
-def budget_rows(folders: list[Path], kind: str = "gsm8k") -> list[dict]:
-    rows, questions = [], None
+def read_runs(folders: list[Path], kind: str = "gsm8k") -> list[BudgetRun]:
+    """Each folder's small and large answers of `kind`, checked to cover the same questions."""
+    runs, questions = [], None
     for folder in folders:
         config = read_config(folder)
         log = RecordLog(folder / RECORDS_FILE)
         for mode in [m for m in MODES if m in log.modes()]:
-            records = [r for r in log.of_mode(mode) if r.kind == kind]
+            records = sorted((r for r in log.of_mode(mode) if r.kind == kind), key=lambda r: r.id)
             if not records:
                 continue
             ids = {r.id for r in records}
@@ -58,42 +58,46 @@ def budget_rows(folders: list[Path], kind: str = "gsm8k") -> list[dict]:
                 raise RunError(f"{folder}: its {mode} run answered {len(ids)} {kind} questions, "
                                f"{len(ids ^ questions)} of them not shared with the first folder's "
                                f"{len(questions)}; the rows must come from the same questions")
-            thinking = np.array([r.tokens("thinking") for r in records])
-            budget = config.thinking_budget
-            rows.append({"model": config.models[MODES[mode].model], "mode": mode, "budget": budget,
-                         "questions": len(records), "em": float(np.mean([r.em for r in records])),
-                         "thinking_tokens": float(thinking.mean()),
-                         "output_tokens": float(np.mean([r.tokens("output") for r in records])),
-                         # Spans the engine cut at the budget (budget forcing) rather than the model closed.
-                         "forced_share": float((thinking >= budget).mean()) if budget else 0.0,
-                         "engine_s": float(np.mean([r.engine_s for r in records])),
-                         "cost_per_1k": 1000 * float(np.mean([r.cost for r in records])),
-                         "folder": str(folder)})
-    if not rows:
+            runs.append(BudgetRun(folder, config.models[MODES[mode].model], mode, config.thinking_budget, records))
+    if not runs:
         raise RunError(f"no {kind} answers in {', '.join(map(str, folders))}")
-    return sorted(rows, key=lambda r: (list(MODES).index(r["mode"]), r["budget"]))
+    return sorted(runs, key=lambda r: (list(MODES).index(r.mode), r.budget))
 
 
-def policy_table(folders: list[Path], router, embedder, kind: str = "gsm8k") -> dict:
+def budget_rows(runs: list[BudgetRun]) -> list[dict]:
+    rows = []
+    for run in runs:
+        records = run.records
+        thinking = np.array([r.tokens("thinking") for r in records])
+        rows.append({"model": run.model, "mode": run.mode, "budget": run.budget,
+                     "questions": len(records), "em": float(np.mean([r.em for r in records])),
+                     "thinking_tokens": float(thinking.mean()),
+                     "output_tokens": float(np.mean([r.tokens("output") for r in records])),
+                     # Spans the engine cut at the budget (budget forcing) rather than the model closed.
+                     "forced_share": float((thinking >= run.budget).mean()) if run.budget else 0.0,
+                     "engine_s": float(np.mean([r.engine_s for r in records])),
+                     "cost_per_1k": 1000 * float(np.mean([r.cost for r in records])),
+                     "folder": str(run.folder)})
+    return rows
+
+
+def policy_table(runs: list[BudgetRun], router, embedder) -> dict:
     """Every thinking budget per difficulty the runs cover (one fixed budget for all among
     them), the classifier choosing the model; each with its exact match, thinking tokens and
     cost. Returns {"verdicts": difficulty -> questions, "rows": [...]}."""
-    answers = _answers(folders, kind)
-    budgets = sorted({b for _, b in answers})
+    answers = {(r.mode, r.budget): r.records for r in runs}
+    budgets = sorted({r.budget for r in runs})
     if not all((m, b) in answers for m in ("small", "large") for b in budgets):
         raise RunError("a policy needs both models' answers at every budget")
-    first = answers[("small", budgets[0])]
-    vectors = embedder.encode([r.question for r in first])
-    labels = [max(p, key=p.get) for p in (router.classifier.probabilities(r.question, v, r.retrieval_scores)
-                                          for r, v in zip(first, vectors))]
+    labels = [max(p, key=p.get) for p in difficulty_probabilities(router, embedder, runs[0].records)]
     rows = []
-    for per in ({d: b for d, b in zip(DIFFICULTIES, combo)} for combo in np.array(np.meshgrid(
-            budgets, budgets, budgets, indexing="ij")).reshape(3, -1).T.tolist()):
+    for combo in itertools.product(budgets, repeat=len(DIFFICULTIES)):
+        per = dict(zip(DIFFICULTIES, combo))
         picked = [answers[("large" if goes_large(label, per["hard"]) else "small", per[label])][i]
                   for i, label in enumerate(labels)]
-        fixed = len(set(per.values())) == 1
-        rows.append({"policy": f"fixed {per['easy']}" if fixed else
-                     " / ".join(str(per[d]) for d in DIFFICULTIES), "budgets": per, "fixed": fixed,
+        fixed = len(set(combo)) == 1
+        rows.append({"policy": f"fixed {combo[0]}" if fixed else " / ".join(map(str, combo)),
+                     "budgets": per, "fixed": fixed,
                      "em": float(np.mean([r.em for r in picked])),
                      "thinking_tokens": float(np.mean([r.tokens("thinking") for r in picked])),
                      "large_share": float(np.mean([r.calls[0].model == "large" for r in picked])),
@@ -134,8 +138,9 @@ def markdown(rows: list[dict], kind: str) -> str:
 
 
 def write_budget_table(folders: list[Path], out: Path, kind: str = "gsm8k", router=None, embedder=None) -> str:
-    rows = budget_rows(folders, kind)
-    policies = policy_table(folders, router, embedder, kind) if router is not None else None
+    runs = read_runs(folders, kind)
+    rows = budget_rows(runs)
+    policies = policy_table(runs, router, embedder) if router is not None else None
     out.mkdir(parents=True, exist_ok=True)
     (out / "budgets.json").write_text(json.dumps({"kind": kind, "rows": rows, "policies": policies}, indent=2) + "\n")
     text = markdown(rows, kind) + (policy_markdown(policies, kind) if policies else "")

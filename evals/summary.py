@@ -100,6 +100,13 @@ class TrainedRouter:
                 "router: routed+cascade": cascade_sweep(self.first_large, self.confidence, qs, ql, cs, cl)}
 
 
+def difficulty_probabilities(router, embedder, records: list[Record]) -> list[dict[str, float]]:
+    """The trained classifier's probabilities of each difficulty, per record's question (its
+    embedding and the retrieval scores the run logged), as the gateway's router computes them."""
+    vectors = embedder.encode([r.question for r in records])
+    return [router.classifier.probabilities(r.question, v, r.retrieval_scores) for r, v in zip(records, vectors)]
+
+
 def trained_router(log: RecordLog, router, embedder, hard_thinking: int = 0) -> TrainedRouter | None:
     """A trained router (router.model.RouterModel) on the run's small and large answers to the
     questions it never saw in training; None when the run has no such pairs. `hard_thinking`:
@@ -109,8 +116,7 @@ def trained_router(log: RecordLog, router, embedder, hard_thinking: int = 0) -> 
     if not keep:
         return None
     small, large = [every[i] for i in keep], [large[i] for i in keep]
-    vectors = embedder.encode([r.question for r in small])
-    probs = [router.classifier.probabilities(r.question, v, r.retrieval_scores) for r, v in zip(small, vectors)]
+    probs = difficulty_probabilities(router, embedder, small)
     return TrainedRouter(small, large, len(every) - len(keep),
                          np.array([sum(v for d, v in p.items() if goes_large(d, hard_thinking)) for p in probs]),
                          np.array([goes_large(max(p, key=p.get), hard_thinking) for p in probs]),
