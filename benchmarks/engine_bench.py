@@ -26,7 +26,7 @@ from rich.table import Table
 from engine.config import EngineConfig, ModelEntry
 from engine.llm_engine import LLMEngine, weight_bytes
 from engine.sampling_params import SamplingParams
-from engine.store import resolve
+from models.store import resolve
 
 console = Console()
 

@@ -40,7 +40,7 @@ def decode_tok_s(engine: LLMEngine, batch: int, n: int) -> float:
 def kv_capacity(model: str, kv_dtype: str, budget_gb: float, seq_len: int) -> int:
     from engine.config import ModelConfig
     from engine.model_runner import ModelRunner
-    from engine.store import resolve
+    from models.store import resolve
     cfg = ModelConfig.from_folder(resolve(model))
     per_block = ModelRunner.kv_bytes_per_block(cfg, 16, kv_dtype == "int8")
     return int(budget_gb * 2**30 // per_block) // math.ceil(seq_len / 16)

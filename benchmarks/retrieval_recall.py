@@ -27,7 +27,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from retrieval import Document, Embedder, Store, build_prompt, trim  # noqa: E402
+from retrieval import Document, Embedder, CollectionStore, build_prompt, trim  # noqa: E402
 
 MODES = ("dense", "bm25", "hybrid")
 RECALL_AT = (1, 3, 5)
@@ -48,7 +48,7 @@ def load_squad(path: Path):
 
 def answer_tokenizer(folder: str | None):
     """The engine's own tokenizer for Qwen2.5, so counts are the ones the engine will see."""
-    from engine.store import resolve
+    from models.store import resolve
     from engine.tokenizer import Tokenizer
     return Tokenizer(Path(folder) if folder else resolve("qwen2.5-coder-0.5b"))
 
@@ -67,7 +67,7 @@ def main():
     tokenizer = answer_tokenizer(args.tokenizer)
     embedder = Embedder()
     with tempfile.TemporaryDirectory() as tmp:
-        collection = Store(tmp, embedder).collection("bench", "squad")
+        collection = CollectionStore(tmp, embedder).collection("bench", "squad")
         t0 = time.perf_counter()
         for i in tqdm(range(0, len(docs), 32), desc="ingest", unit="batch"):
             collection.ingest(docs[i:i + 32])

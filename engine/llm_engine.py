@@ -17,7 +17,7 @@ from engine.scheduler import ScheduledSeq, Scheduler
 from engine.quantize import apply_quantization
 from engine.sequence import Sequence
 from engine.speculative import SpecState, Speculator
-from engine.store import derived_path, resolve
+from models.store import derived_path, resolve
 from engine.thinking import advance, answer_bans, open_span
 from engine.tokenizer import Tokenizer
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from engine.config import EngineConfig, ModelEntry, SpecConfig
 from engine.llm_engine import LLMEngine
-from engine.store import StoreError
+from models.store import StoreError
 from evals.budgets import write_budget_table
 from evals.costs import DEFAULT_PRICES, parse_price
 from engine.quantize import MODES as QUANT_MODES

@@ -31,7 +31,7 @@ from evals.costs import Price, request_cost
 from evals.datasets import Dataset, Example, load
 from evals.metrics import Score, score
 from evals.records import Call, Record, RecordLog
-from retrieval import Collection, RagContext, RetrievalError, Store, rag_context
+from retrieval import Collection, RagContext, RetrievalError, CollectionStore, rag_context
 from router.cascade import draft_for, judge
 from router.confidence import ConfidenceModel
 from router.policy import Policy, Route, route
@@ -179,7 +179,7 @@ def load_dataset(config: RunConfig) -> Dataset:
 def build_collection(folder: Path, dataset: Dataset, embedder, progress: bool = True) -> Collection:
     """The dataset's documents as one collection in the run folder, embedded once: documents
     already stored (an earlier, interrupted invocation) are not embedded again."""
-    collection = Store(folder / "collections", embedder).collection(TENANT, COLLECTION)
+    collection = CollectionStore(folder / "collections", embedder).collection(TENANT, COLLECTION)
     have = set(collection.doc_ids())
     missing = [d for d in dataset.documents if d.id not in have]
     with tqdm(total=len(dataset.documents), initial=len(dataset.documents) - len(missing), desc="collection",

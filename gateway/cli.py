@@ -15,7 +15,7 @@ from pathlib import Path
 import msgspec
 
 from engine.llm_engine import LLMEngine
-from engine.store import StoreError, resolve
+from models.store import StoreError, resolve
 from gateway.config import ConfigError, ServerConfig, load_server_config
 from gateway.errors import GatewayError
 from gateway.tenants import Tenant, TenantRegistry, check_folder
@@ -88,9 +88,9 @@ def ingest_paths(store, tenant_id: str, collection: str, paths: list[Path]) -> t
 
 
 def cmd_ingest(args, config: ServerConfig) -> int:
-    from retrieval import Store
+    from retrieval import CollectionStore
     tenant = _tenant(_registry(args, config), args.tenant)
-    store = Store(_folders(args)[1] / "collections", _embedder())
+    store = CollectionStore(_folders(args)[1] / "collections", _embedder())
     try:
         docs, chunks, embedded = ingest_paths(store, tenant.id, args.collection, [Path(args.path)])
     finally:
@@ -165,7 +165,7 @@ def cmd_serve(args, config: ServerConfig) -> int:
     import uvicorn
     from gateway.app import create_app
     from gateway.service import Gateway
-    from retrieval import Store
+    from retrieval import CollectionStore
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     registry = _registry(args, config)
     _, data = _folders(args)
@@ -176,7 +176,7 @@ def cmd_serve(args, config: ServerConfig) -> int:
         _tenant(registry, "demo")
         engine = LLMEngine(config.engine)
         embedder = _embedder()
-        store = Store(data / "collections", embedder)
+        store = CollectionStore(data / "collections", embedder)
         try:
             ingest_paths(store, "demo", DEMO_COLLECTION, demo_documents())
         finally:

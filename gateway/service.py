@@ -36,7 +36,7 @@ from gateway.ledger import Ledger, UsageRow
 from gateway.limits import Admission, RateLimiter, SpendGuard, month_of
 from gateway.metrics import GatewayMetrics
 from gateway.tenants import Tenant, TenantRegistry
-from retrieval import Embedder, OverBudget, RetrievalError, Store, rag_context
+from retrieval import Embedder, OverBudget, RetrievalError, CollectionStore, rag_context
 from router import cascade
 from router.confidence import ConfidenceModel
 from router.data import RouterError
@@ -186,7 +186,7 @@ class Gateway:
             self.llm = LLMEngine(self.config.engine)
         if self.embedder is None:
             self.embedder = Embedder()
-        self.store = Store(self.data_dir / "collections", self.embedder)
+        self.store = CollectionStore(self.data_dir / "collections", self.embedder)
         if self.config.router is not None and self.config.router.path:
             try:
                 self.router = RouterModel.load(self.config.router.path)

@@ -1,6 +1,6 @@
 """Retrieval: parse and chunk documents, embed them, search per-tenant collections, and trim
 the hits to a context budget as a prompt whose prefix the engine's cache can reuse."""
-from .collection import Collection, CollectionConfig, IngestReport, Store
+from .collection import Collection, CollectionConfig, IngestReport, CollectionStore
 from .context import Citation, OverBudget, RagContext, rag_context
 from .documents import chunk, load, parse
 from .embedder import Embedder
@@ -10,5 +10,5 @@ from .types import Chunk, Document, HFTokenizer, RetrievalError, SearchHit, Toke
 
 __all__ = ["Chunk", "Citation", "Collection", "CollectionConfig", "DEFAULT_INSTRUCTIONS", "Document", "Dropped",
            "Embedder", "HFTokenizer", "IngestReport", "OverBudget", "Prompt", "RagContext", "RetrievalError",
-           "SearchHit", "Store", "Tokenizer", "TrimResult", "build_prompt", "canonical", "chunk", "load", "parse",
+           "SearchHit", "CollectionStore", "Tokenizer", "TrimResult", "build_prompt", "canonical", "chunk", "load", "parse",
            "rag_context", "system_text", "trim"]

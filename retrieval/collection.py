@@ -322,7 +322,7 @@ class Collection:
         return version
 
 
-class Store:
+class CollectionStore:
     """All collections under one root, a folder per tenant; no tenant can name another's."""
 
     def __init__(self, root: str | Path, embedder: Embed):

@@ -6,7 +6,7 @@ import transformers
 from engine.config import EngineConfig, ModelEntry
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from engine.store import resolve
+from models.store import resolve
 from engine.tokenizer import Tokenizer
 
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.",

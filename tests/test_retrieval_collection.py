@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from retrieval import Collection, CollectionConfig, Document, Embedder, RetrievalError, Store
+from retrieval import Collection, CollectionConfig, Document, Embedder, RetrievalError, CollectionStore
 from retrieval import collection as collection_module
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,7 +94,7 @@ def test_delete_removes_chunks_from_every_search(tmp_path, embedder):
 
 
 def test_collection_survives_reopening(tmp_path, embedder):
-    store = Store(tmp_path, embedder)
+    store = CollectionStore(tmp_path, embedder)
     c = store.collection("acme", "kb", CollectionConfig(chunk_size=64))
     c.ingest(docs(**FACTS) + [Document("meta", "Tagged text about otters.", "Otters", {"tags": ["a"]})])
     c.delete("coffee")
@@ -102,18 +102,18 @@ def test_collection_survives_reopening(tmp_path, embedder):
     index_files = sorted(p.name for p in c.path.glob("index-*.faiss"))
     store.close()
 
-    again = Store(tmp_path, embedder).collection("acme", "kb")
+    again = CollectionStore(tmp_path, embedder).collection("acme", "kb")
     assert again.config == CollectionConfig(chunk_size=64)
     assert again.doc_ids() == ["eiffel", "everest", "meta", "python"]
     assert again.chunks("meta")[0].metadata == {"tags": ["a"]} and again.chunks("meta")[0].title == "Otters"
     assert {q: again.search(q, 3) for q in before} == before
     assert sorted(p.name for p in again.path.glob("index-*.faiss")) == index_files  # loaded, not rebuilt
     with pytest.raises(RetrievalError, match="exists with"):
-        Store(tmp_path, embedder).collection("acme", "kb", CollectionConfig(chunk_size=32))
+        CollectionStore(tmp_path, embedder).collection("acme", "kb", CollectionConfig(chunk_size=32))
 
 
 def test_tenants_never_see_each_other(tmp_path, embedder):
-    store = Store(tmp_path, embedder)
+    store = CollectionStore(tmp_path, embedder)
     store.collection("alpha", "docs").ingest([Document("plan", "Alpha's secret plan is to sell turnips.")])
     store.collection("beta", "docs").ingest([Document("plan", "Beta plans to open a bakery.")])
     store.collection("beta", "other").ingest([Document("x", "Unrelated text.")])

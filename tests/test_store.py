@@ -20,9 +20,9 @@ from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config, Qwen3Config
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from engine import store, weights
-from engine.store import DEFAULT_MODELS, ModelSpec, StoreError, resolve
-from engine.weights import permute
+from models import convert, store
+from models.store import DEFAULT_MODELS, ModelSpec, StoreError, resolve
+from models.convert import permute
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -74,7 +74,7 @@ def test_smollm2_converts_and_answers():
 
 def test_second_resolve_reuses_the_conversion(monkeypatch):
     first = resolve("smollm2-135m", progress=False)
-    monkeypatch.setattr(weights, "convert_gguf", forbidden)
+    monkeypatch.setattr(convert, "convert_gguf", forbidden)
     monkeypatch.setattr(store, "_download", forbidden)
     monkeypatch.setattr(store, "_sha256", forbidden)
     assert resolve("smollm2-135m", progress=False) == first
@@ -116,7 +116,7 @@ def test_sha256_mismatch_is_an_error(tmp_cache, monkeypatch):
 
 # ----------------------------------------------------------------------------- GGUF round trip
 
-# llama.cpp's names, written out independently of engine/weights.py's table.
+# llama.cpp's names, written out independently of models/convert.py's table.
 GGUF_NAMES = {
     "model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
@@ -217,7 +217,7 @@ def test_gguf_round_trip(arch, tmp_cache, tmp_path, monkeypatch):
     torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, rtol=0, atol=1e-5)
 
     # The same file again is found by path, size and mtime: not hashed, not converted.
-    monkeypatch.setattr(weights, "convert_gguf", forbidden)
+    monkeypatch.setattr(convert, "convert_gguf", forbidden)
     monkeypatch.setattr(store, "_sha256", forbidden)
     assert resolve(str(path), progress=False) == folder
 

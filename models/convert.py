@@ -1,7 +1,7 @@
 """GGUF -> Hugging Face folder: config.json, model.safetensors (float32), tokenizer files.
 
 The engine only reads Hugging Face folders; GGUF files (llama.cpp's format, how our pinned
-models ship) are converted once by `convert_gguf` and cached by engine/store.py.
+models ship) are converted once by `convert_gguf` and cached by models/store.py.
 Three things differ between the two formats and are undone here:
   * names: GGUF says `blk.3.attn_q.weight`, Hugging Face `model.layers.3.self_attn.q_proj.weight`;
   * shapes: GGUF lists dimensions fastest-first, so its [in, out] is numpy's (out, in);

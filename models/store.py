@@ -28,7 +28,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from engine import weights
+from models import convert
 
 
 class StoreError(Exception):
@@ -185,8 +185,8 @@ def _check_hf_folder(folder: Path) -> Path:
     if missing:
         raise StoreError(f"{folder} is not a Hugging Face model folder: missing {', '.join(missing)}")
     model_type = json.loads((folder / "config.json").read_text()).get("model_type")
-    if model_type not in weights.ARCHS:
-        raise StoreError(f"{folder}: model_type {model_type!r} is not supported; expected one of {sorted(weights.ARCHS)}")
+    if model_type not in convert.ARCHS:
+        raise StoreError(f"{folder}: model_type {model_type!r} is not supported; expected one of {sorted(convert.ARCHS)}")
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -236,7 +236,7 @@ def _convert(gguf_path: Path, out: Path, marker: dict, progress: bool) -> None:
     shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted run
     tmp.mkdir(parents=True)
     try:
-        weights.convert_gguf(gguf_path, tmp, progress)
+        convert.convert_gguf(gguf_path, tmp, progress)
     except (ValueError, NotImplementedError) as e:  # not a GGUF, another architecture, an unknown quant type
         shutil.rmtree(tmp)
         raise StoreError(f"cannot convert {gguf_path}: {e}") from e
