@@ -31,7 +31,7 @@ def timings(policy: Policy, calls) -> list[float]:
     out = []
     for predict in calls:
         start = time.perf_counter()
-        route(policy, predict)
+        route(policy, "small", "large", predict)
         out.append((time.perf_counter() - start) * 1e3)
     return out
 
@@ -49,7 +49,7 @@ def main() -> None:
     inputs = [(l.question, v, l.retrieval_scores) for l, v in zip(labels, vectors)]
     predicts = [lambda q=q, v=v, s=s: router.classifier.predict(q, v, s) for q, v, s in inputs]
     calls = [predicts[i % len(predicts)] for i in range(args.requests)]
-    base = Policy("small", "large", "small", ("small", "large"), {"easy": 0, "medium": 256, "hard": 1024}, 0.5,
+    base = Policy("small", ("small", "large"), {"easy": 0, "medium": 256, "hard": 1024}, 0.5,
                   classifier_timeout_s=0.05)
     off = replace(base, classifier=False)
     timings(base, calls[:200])                        # warm up: first sklearn calls, the thread pool

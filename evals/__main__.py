@@ -20,14 +20,14 @@ from engine.config import EngineConfig, ModelEntry, SpecConfig
 from engine.llm_engine import LLMEngine
 from models.store import StoreError
 from evals.budgets import write_budget_table
-from evals.costs import DEFAULT_PRICES, parse_price
 from engine.quantize import MODES as QUANT_MODES
 from evals.datasets import DATASETS, SPLITS, DatasetError, files_for, parse_mix
 from evals.labels import LABELS_FILE, write_labels
 from evals.report import write_report
 from evals.runner import (DEFAULT_CONTEXT_BUDGET, DEFAULT_K, DEFAULT_MAX_TOKENS, MODES, ROUTED_MODES, RunConfig,
-                          Routed, RunError, build_collection, load_dataset, open_run, read_config, routed_modes,
-                          run_modes)
+                          RunError, build_collection, load_dataset, open_run, pipeline_for, read_config,
+                          routed_modes, run_modes)
+from pipeline import default_prices, parse_price
 from retrieval import Embedder
 from router.data import RouterError
 from router.model import RouterModel
@@ -126,7 +126,7 @@ def cmd_run(args) -> int:
         raise RunError(f"mode {sorted(needs_router)[0]} needs --router FILE (train one: sluice train-router RUN)")
     router = RouterModel.load(args.router) if args.router else None
     files = files_for(args.dataset, args.path, args.data)
-    prices = dict(DEFAULT_PRICES)
+    prices = default_prices()
     for model, price in args.price:
         if model not in DEFAULT_MODELS:
             raise RunError(f"--price names model {model!r}; the models are {', '.join(DEFAULT_MODELS)}")
@@ -142,11 +142,11 @@ def cmd_run(args) -> int:
     print(f"{len(dataset.examples)} questions; run folder {folder}", file=sys.stderr)
     embedder = Embedder() if dataset.documents or router else None
     collection = build_collection(folder, dataset, embedder) if dataset.documents else None
-    routed = routed_modes(router, embedder, collection, config.k, args.threshold)
+    routed = routed_modes(args.threshold)
     modes = [MODES[m] if m in MODES else routed[m] for m in args.modes]
     try:
-        run_modes(folder, config, dataset.examples, modes, _engine(config, modes, args.memory_gb), collection,
-                  args.concurrency)
+        pipeline = pipeline_for(_engine(config, modes, args.memory_gb), config, router, embedder)
+        run_modes(folder, config, dataset.examples, modes, pipeline, collection, args.concurrency)
     finally:
         if collection is not None:
             collection.close()
@@ -158,7 +158,7 @@ def _engine(config: RunConfig, modes, memory_gb: float) -> LLMEngine:
     model as speculative target with external drafts only, as the gateway's cascade uses it:
     the escalated call verifies the small answer, and no other call drafts."""
     names = sorted({m for mode in modes for m in mode.models})
-    escalating = any(isinstance(m, Routed) and m.policy.escalation for m in modes)
+    escalating = any(m.escalation for m in modes)
     spec = SpecConfig("large", draft=None, prompt_lookup=False) if escalating else None
     try:
         return LLMEngine(EngineConfig(models={n: ModelEntry(config.models[n], quant=config.quant) for n in names},

@@ -1,18 +1,14 @@
 """Run a dataset through answering modes and log every question as it finishes.
 
-Each question is answered as /v1/ask would answer it: retrieval's rag_context composes the
-context (search, trim to the context budget, prompt), the engine's chat template and
-tokenizer make the prompt ids, and the engine generates greedily. Up to `concurrency`
-questions are in the engine at once (continuous batching, like concurrent users), so TTFT
-and latency are measured under that load.
+Each question goes through the answer pipeline (pipeline/), the same code /v1/ask answers
+with: retrieval composes and trims the context, the router routes, the cascade says which
+engine call comes next, and the calls are priced as the ledger prices them. The engine
+generates greedily. Up to `concurrency` questions are in the engine at once (continuous
+batching, like concurrent users), so TTFT and latency are measured under that load.
 
-A mode decides, call by call, which model answers a question: `small` and `large` call one
-model once. `Routed` modes decide as the gateway's mode=auto does, with the router's own
-policy and cascade verdict: `routed` picks the model by difficulty, `cascade` starts small
-and asks for the large model after reading the small call's log-probabilities,
-`routed+cascade` does both. The escalated call gets the small answer as an external draft
-(router.cascade.draft_for) when the engine verifies drafts for the large model, as in the
-gateway: it changes the large model's speed, never its greedy answer.
+A mode is what /v1/ask's `mode` would be: `small` and `large` name a model; `routed`,
+`cascade` and `routed+cascade` are mode=auto with the router's classifier, its escalation, or
+both switched on, as a tenant's [router] section switches them.
 """
 from __future__ import annotations
 
@@ -20,21 +16,18 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
 
 import msgspec
 from tqdm import tqdm
 
 from engine.llm_engine import Completion, LLMEngine
-from engine.sampling_params import SamplingParams
-from evals.costs import Price, request_cost
 from evals.datasets import Dataset, Example, load
 from evals.metrics import Score, score
 from evals.records import Call, Record, RecordLog
-from retrieval import Collection, RagContext, RetrievalError, CollectionStore, rag_context
-from router.cascade import draft_for, judge
-from router.confidence import ConfidenceModel
-from router.policy import Policy, Route, route
+from pipeline import Answer, EngineCall, Pipeline, Price, Query, Refused, Terms, call_cost
+
+from retrieval import Collection, CollectionStore
+from router.policy import Policy
 
 # The service's defaults, so an eval measures what a tenant gets: the demo tenant's context
 # and output budgets (examples/tenants/demo.toml) and the gateway's retrieval_k. A test
@@ -45,6 +38,7 @@ DEFAULT_K = 8
 SALT = b"sluice-evals"        # the prefix-cache salt of the eval's one "tenant"
 TENANT, COLLECTION = "evals", "corpus"
 CONFIG_FILE, RECORDS_FILE = "run.json", "records.jsonl"
+PAIR = ("small", "large")     # the engine's model names in a run
 
 
 class RunError(ValueError):
@@ -64,89 +58,47 @@ class RunConfig(msgspec.Struct, forbid_unknown_fields=True):
     context_budget: int = DEFAULT_CONTEXT_BUDGET
     k: int = DEFAULT_K
     max_tokens: int = DEFAULT_MAX_TOKENS
-    thinking_budget: int = 0          # 0: no thinking span, as /v1/ask without one
+    thinking_budget: int = 0          # 0: no thinking span, as /v1/ask with thinking_budget 0
     quant: str = "none"               # both models' weights: none, int8 or int4 (engine.quantize)
     split: str = "all"                # all, or the train or test half (evals.datasets.in_split)
     mix: tuple[int, int] = (1, 1)     # mixed: SQuAD questions to GSM8K problems
 
 
-class Mode(Protocol):
-    name: str
-    models: tuple[str, ...]           # engine models it may call
-
-    def next_model(self, example: Example, calls: list[Call]) -> str | None:
-        """The model for the question's next call, or None once `calls` hold its answer."""
-
-
 @dataclass(frozen=True)
-class SingleModel:
-    """Every question to one model, once."""
+class Mode:
     name: str
-    model: str
+    model: str = "auto"               # /v1/ask's mode: a model's name, or auto (the router decides)
+    classifier: bool = False          # auto only: the tenant's [router] switches
+    escalation: bool = False
+    threshold: float = 0.5            # escalate when the first answer's P(correct) is below it
 
     @property
     def models(self) -> tuple[str, ...]:
-        return (self.model,)
+        """Engine models it may call."""
+        return PAIR if self.model == "auto" else (self.model,)
 
-    def next_model(self, example: Example, calls: list[Call]) -> str | None:
-        return None if calls else self.model
+    def terms(self, config: RunConfig) -> Terms:
+        """The run's one tenant, as this mode sees it. No time limit on the classifier offline:
+        a run measures the router, not the machine's load."""
+        policy = Policy("small", PAIR, {"easy": 0, "medium": 0, "hard": 0}, self.threshold, self.classifier,
+                        self.escalation, classifier_timeout_s=3600.0)
+        return Terms(TENANT, policy, config.context_budget, config.max_tokens, SALT)
 
 
-MODES: dict[str, Mode] = {"small": SingleModel("small", "small"), "large": SingleModel("large", "large")}
+MODES: dict[str, Mode] = {"small": Mode("small", "small"), "large": Mode("large", "large")}
 ROUTED_MODES = ("routed", "cascade", "routed+cascade")
 
 
-@dataclass
-class Routed:
-    """mode=auto as the gateway decides it: router.policy.route, then router.cascade.judge."""
-    name: str
-    policy: Policy
-    confidence: ConfidenceModel
-    classifier: object | None = None        # a router DifficultyClassifier; None: the policy's default
-    embedder: object | None = None          # embeds the question for the classifier
-    collection: Collection | None = None    # searched for the classifier's retrieval scores
-    k: int = DEFAULT_K
-    _routes: dict[str, Route] = field(default_factory=dict)
-
-    @property
-    def models(self) -> tuple[str, ...]:
-        return (self.policy.small, self.policy.large)
-
-    def next_model(self, example: Example, calls: list[Call]) -> str | None:
-        if not calls:
-            r = self._routes[example.id] = route(self.policy, self._predict(example))
-            return r.model
-        r = self._routes.pop(example.id, None)
-        if r is not None and len(calls) == 1 and judge(r.escalate_to, self.policy.escalation_threshold,
-                                                       self.confidence, calls[0].logprobs).escalate:
-            return r.escalate_to
-        return None
-
-    def _predict(self, example: Example):
-        if self.classifier is None:
-            return None
-
-        def predict():
-            # The runner searches again when it composes the call: an offline run pays twice for
-            # what the gateway does once, and sees the same scores.
-            hits = self.collection.search(example.question, self.k) if example.retrieve and self.collection else []
-            return self.classifier.predict(example.question, self.embedder.encode([example.question])[0],
-                                           [h.score for h in hits])
-        return predict
-
-
-def routed_modes(router, embedder, collection: Collection | None, k: int = DEFAULT_K,
-                 threshold: float = 0.5) -> dict[str, Routed]:
-    """`routed`, `cascade` and `routed+cascade` with a trained router (router.model.RouterModel,
-    or None: no classifier, the default confidence rule). No time limit on the classifier
-    offline: a run measures the router, not the machine's load."""
-    def policy(classifier: bool, escalation: bool) -> Policy:
-        return Policy("small", "large", "small", ("small", "large"), {"easy": 0, "medium": 0, "hard": 0},
-                      threshold, classifier, escalation, classifier_timeout_s=3600.0)
-    confidence = router.confidence if router else ConfidenceModel()
-    classifier = router.classifier if router else None
-    return {name: Routed(name, policy(c, e), confidence, classifier, embedder, collection, k)
+def routed_modes(threshold: float = 0.5) -> dict[str, Mode]:
+    """`routed`, `cascade` and `routed+cascade` at an escalation threshold."""
+    return {name: Mode(name, "auto", c, e, threshold)
             for name, c, e in (("routed", True, False), ("cascade", False, True), ("routed+cascade", True, True))}
+
+
+def pipeline_for(engine: LLMEngine, config: RunConfig, router=None, embedder=None) -> Pipeline:
+    """The run's pipeline: the gateway's with its router installed (`router` a RouterModel,
+    or None: no classifier, the stated confidence rule)."""
+    return Pipeline(engine, config.prices, router, None, embedder, PAIR, config.k)
 
 
 def open_run(folder: Path, config: RunConfig) -> None:
@@ -190,12 +142,12 @@ def build_collection(folder: Path, dataset: Dataset, embedder, progress: bool = 
     return collection
 
 
-def run_modes(folder: Path, config: RunConfig, examples: list[Example], modes: list[Mode], engine: LLMEngine,
+def run_modes(folder: Path, config: RunConfig, examples: list[Example], modes: list[Mode], pipeline: Pipeline,
               collection: Collection | None = None, concurrency: int = 8, progress: bool = True) -> None:
     """Each mode over the examples in turn, logged to the run folder's records."""
     log = RecordLog(folder / RECORDS_FILE)
     try:
-        runner = Runner(engine, config, log, collection, concurrency, progress)
+        runner = Runner(pipeline, config, log, collection, concurrency, progress)
         for mode in modes:
             runner.run(mode, examples)
     finally:
@@ -206,50 +158,47 @@ def run_modes(folder: Path, config: RunConfig, examples: list[Example], modes: l
 class _Question:
     """A question while its calls run."""
     example: Example
+    answer: Answer | None = None
+    next: EngineCall | None = None    # the call to put into the engine
     calls: list[Call] = field(default_factory=list)
-    context: RagContext | None = None
-    retrieval_s: float = 0.0
-    prompt_tokens: int = 0
+    retrieval_s: float = 0.0         # of the call in flight: planning is the first call's
     engine_s: float = 0.0            # of the call in flight
-    answer: str = ""
     error: str | None = None
-    last: Completion | None = None   # the previous call's, a draft for an escalation
 
 
 class Runner:
-    def __init__(self, engine: LLMEngine, config: RunConfig, log: RecordLog, collection: Collection | None = None,
+    def __init__(self, pipeline: Pipeline, config: RunConfig, log: RecordLog, collection: Collection | None = None,
                  concurrency: int = 8, progress: bool = True):
-        self.engine, self.config, self.log = engine, config, log
+        self.pipeline, self.engine, self.config, self.log = pipeline, pipeline.engine, config, log
         self.collection, self.concurrency, self.progress = collection, concurrency, progress
 
     def run(self, mode: Mode, examples: list[Example]) -> None:
         """Answer every example not yet logged for this mode; each is logged as it finishes."""
         todo = deque(e for e in examples if not self.log.done(mode.name, e.id))
+        terms = mode.terms(self.config)
         inflight: dict[str, _Question] = {}
-        ready: list[tuple[_Question, str, list[int]]] = []     # calls composed, not yet in the engine
+        ready: list[_Question] = []          # planned, their next call not yet in the engine
         bar = tqdm(total=len(examples), initial=len(examples) - len(todo), desc=mode.name, unit="q",
                    disable=not self.progress)
 
-        def advance(q: _Question) -> None:
-            """Compose the question's next call, or log it once its mode has the answer."""
-            model = mode.next_model(q.example, q.calls)
-            if model is not None and (ids := self._compose(q, model)) is not None:
-                ready.append((q, model, ids))
-            else:
-                self.log.append(self._record(mode, q))
-                bar.update(1)
+        def done(q: _Question) -> None:
+            self.log.append(self._record(mode, q))
+            bar.update(1)
 
         try:
             while todo or inflight or ready:
                 while todo and len(inflight) + len(ready) < self.concurrency:
-                    advance(_Question(todo.popleft()))
+                    q = _Question(todo.popleft())
+                    if self._plan(q, mode, terms):
+                        ready.append(q)
+                    else:
+                        done(q)
                 # Into the engine together, right before a step: a request's clock starts when
                 # it arrives, so composing the others' contexts must not run on it.
-                for q, model, ids in ready:
-                    request_id = self._submit(q, model, ids)
+                for q in ready:
+                    request_id = self._submit(q)
                     if request_id is None:
-                        self.log.append(self._record(mode, q))
-                        bar.update(1)
+                        done(q)
                     else:
                         inflight[request_id] = q
                 ready.clear()
@@ -264,57 +213,55 @@ class Runner:
                     if out.completion is not None:
                         q = inflight.pop(out.request_id)
                         q.calls.append(self._call(q, out.completion))
-                        q.answer, q.last = out.completion.text, out.completion
-                        advance(q)
+                        q.answer.finish(out.completion)
+                        q.retrieval_s, q.next = 0.0, q.answer.next_call()
+                        if q.next is None:
+                            done(q)
+                        else:
+                            ready.append(q)
         finally:
             for request_id in inflight:          # interrupted: leave the engine as we found it
                 self.engine.abort(request_id)
             bar.close()
 
-    def _compose(self, q: _Question, model: str) -> list[int] | None:
-        """The call's prompt ids, composed as /v1/ask composes them; None (q.error set) when refused."""
-        ex, cfg = q.example, self.config
+    def _plan(self, q: _Question, mode: Mode, terms: Terms) -> bool:
+        """Retrieve, route and compose as /v1/ask does; False (q.error set) when refused."""
+        ex = q.example
+        query = Query(ex.question, endpoint="eval", mode=mode.model, max_output_tokens=self.config.max_tokens,
+                      thinking_budget=self.config.thinking_budget)
         start = time.perf_counter()
-        worker = self.engine.worker(model)
         try:
-            q.context = rag_context(self.collection if ex.retrieve else None, ex.question, cfg.context_budget,
-                                    worker.tokenizer, cfg.k)
-        except RetrievalError as e:
-            q.error = f"retrieval refused: {e}"
-            return None
-        ids = worker.tokenizer.encode(self.engine.chat_prompt(q.context.messages, model,
-                                                              thinking=cfg.thinking_budget > 0))
-        q.retrieval_s = time.perf_counter() - start
-        if len(ids) >= worker.cfg.max_position:
-            q.error = f"the prompt is {len(ids)} tokens; model {model!r} reads at most {worker.cfg.max_position - 1}"
-            return None
-        return ids
+            plan = self.pipeline.plan(terms, query, self.collection if ex.retrieve else None, f"{mode.name}-{ex.id}")
+        except Refused as e:
+            q.error = e.message
+            return False
+        q.answer, q.retrieval_s = self.pipeline.answer(plan), time.perf_counter() - start
+        q.next = q.answer.next_call()
+        return True
 
-    def _submit(self, q: _Question, model: str, ids: list[int]) -> str | None:
-        cfg = self.config
-        params = SamplingParams(max_tokens=cfg.max_tokens,
-                                thinking_budget=cfg.thinking_budget if cfg.thinking_budget > 0 else None)
+    def _submit(self, q: _Question) -> str | None:
+        call = q.next
         try:
-            request_id = self.engine.add_request(ids, params, model=model, salt=SALT,
-                                                 draft=q.last and draft_for(self.engine, model, q.last))
+            request_id = self.engine.add_request(call.prompt_ids, call.params, model=call.model, salt=SALT,
+                                                 request_id=call.request_id, draft=call.draft)
         except ValueError as e:
             q.error = f"the engine refused it: {e}"
             return None
-        q.prompt_tokens, q.engine_s = len(ids), 0.0
+        q.engine_s = 0.0
         return request_id
 
     def _call(self, q: _Question, c: Completion) -> Call:
-        # Tokens as the usage ledger counts them: the prompt we sent, every generated token.
-        output = len(c.token_ids)
-        cost = request_cost(self.config.prices[c.model], q.prompt_tokens, c.num_cached_tokens, output)
-        return Call(c.model, q.prompt_tokens, c.num_cached_tokens, output, c.num_thinking_tokens, cost,
-                    q.retrieval_s, c.ttft, c.latency, q.engine_s, c.finish_reason,
-                    [round(x, 4) for x in c.logprobs])
+        # Tokens as the usage ledger counts them: the prompt sent, every generated token.
+        return Call(c.model, len(c.prompt_token_ids), c.num_cached_tokens, len(c.token_ids), c.num_thinking_tokens,
+                    call_cost(self.config.prices[c.model], c), q.retrieval_s, c.ttft, c.latency, q.engine_s,
+                    c.finish_reason, [round(x, 4) for x in c.logprobs])
 
     def _record(self, mode: Mode, q: _Question) -> Record:
-        ex, ctx = q.example, q.context
-        if q.error is None:
-            s, answer = score(ex.kind, q.answer, ex.answers), q.answer
+        ex = q.example
+        ctx = q.answer.plan.context if q.answer else None
+        last = q.answer.calls[-1] if q.answer and q.answer.calls and q.error is None else None
+        if last is not None:
+            s, answer = score(ex.kind, last.text, ex.answers), last.text
         else:                                    # not answered: scored as wrong
             s, answer = Score(0.0, None if ex.kind == "gsm8k" else 0.0), ""
         return Record(mode.name, ex.id, ex.kind, ex.question, answer, s.em, s.f1, s.value, s.correct,

@@ -29,11 +29,11 @@ from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import schemas as s
 from gateway.auth import authenticate, current_tenant
-from gateway.decision import MODES
 from gateway.errors import HANDLERS, GatewayError, body
 from gateway.metrics import CONTENT_TYPE
-from gateway.service import Done, Gateway, Meta, Query, Token
+from gateway.service import Done, Gateway, Meta, Token
 from gateway.tenants import Tenant
+from pipeline import Query
 from retrieval import RetrievalError, parse
 
 T = TypeVar("T")
@@ -117,7 +117,7 @@ def _ask_done(meta: Meta, done: Done) -> s.AskResponse:
 async def ask(request: Request, data: JSONBody[s.AskRequest], tenant: NamedDependency[Tenant]) -> s.AskResponse:
     query = Query(question=data.question, endpoint="ask", collection=data.collection, mode=data.mode,
                   max_output_tokens=data.max_output_tokens, temperature=data.temperature, top_p=data.top_p,
-                  seed=data.seed, thinking_budget=data.thinking_budget or 0)
+                  seed=data.seed, thinking_budget=data.thinking_budget)
     gateway = gateway_of(request)
     if not data.stream:
         return _ask_done(*await until_disconnect(request, gateway.ask(tenant, query)))
@@ -150,8 +150,9 @@ def _chat_usage(done: Done) -> s.ChatUsage:
       description="`model` is `auto`, `small` or `large`. Sluice's extra field `collection` answers from "
                   "that collection's passages (with an OpenAI SDK: `extra_body={\"collection\": ...}`).")
 async def chat(request: Request, data: JSONBody[s.ChatRequest], tenant: NamedDependency[Tenant]) -> s.ChatCompletion:
-    if data.model not in MODES:
-        raise GatewayError(404, f"model {data.model!r} does not exist; use one of {', '.join(MODES)}", "model",
+    served = ("auto", *gateway_of(request).config.engine.models)
+    if data.model not in served:
+        raise GatewayError(404, f"model {data.model!r} does not exist; use one of {', '.join(served)}", "model",
                            "model_not_found")
     if data.n != 1:
         raise GatewayError(422, "n must be 1: one choice per request", "n", "unsupported")
@@ -250,7 +251,7 @@ async def healthz() -> s.Health:
 async def readyz(request: Request) -> Response[s.Health]:
     gw = gateway_of(request)
     if gw.ready:
-        return Response(s.Health("ready", models=sorted(gw.llm.workers)))
+        return Response(s.Health("ready", models=sorted(gw.engine.workers)))
     status = "failed" if gw.load_error else "loading"
     return Response(s.Health(status, gw.load_error), status_code=503, headers={"Retry-After": "5"})
 

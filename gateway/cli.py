@@ -102,14 +102,14 @@ def cmd_ingest(args, config: ServerConfig) -> int:
 # ------------------------------------------------------------------------- ask
 
 async def _ask(args, config: ServerConfig) -> int:
-    from gateway.decision import decide
-    from gateway.service import Done, Gateway, Meta, Query, Token
+    from gateway.service import Done, Gateway, Meta, Token
+    from pipeline import Query
     registry = _registry(args, config)
     tenant = _tenant(registry, args.tenant)
     # Load only the model that will answer (and its draft model): one local question need
     # not wait for every model the server would load. With the router installed, auto may
     # pick either model and escalate: then all of them.
-    model = decide(tenant, args.mode).model
+    model = tenant.spec.default_model if args.mode == "auto" else args.mode
     spec = config.engine.speculative if config.engine.speculative and config.engine.speculative.target == model else None
     names = {model, *([spec.draft] if spec and spec.draft else [])}
     if args.mode == "auto" and config.router is not None:

@@ -10,29 +10,15 @@ import msgspec
 
 from engine.config import EngineConfig, ModelEntry, SpecConfig
 from gateway.errors import explain
+from pipeline.prices import Dollars, Price, default_prices
 
 T = TypeVar("T")
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
-Dollars = Annotated[float, msgspec.Meta(ge=0)]
 
 
 class ConfigError(ValueError):
     """A configuration file that cannot be used; the message names the file and the field."""
-
-
-class Price(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    """US dollars per million tokens."""
-    input: Dollars            # prompt tokens computed anew
-    cached_input: Dollars     # prompt tokens served from the prefix cache
-    output: Dollars
-
-
-# Stated defaults, in the range of hosted models of these sizes (late 2025 list prices):
-# cached input at a quarter of input, output at four times input.
-def default_prices() -> dict[str, Price]:
-    return {"small": Price(input=0.10, cached_input=0.025, output=0.40),
-            "large": Price(input=0.30, cached_input=0.075, output=1.20)}
 
 
 def default_engine() -> EngineConfig:

@@ -14,12 +14,15 @@ import re
 import threading
 import time
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Literal
 
 import msgspec
 
 from gateway.config import ConfigError, Dollars, NonNegative, Positive, load_toml
+from pipeline import Terms
+from router.policy import Policy
 
 log = logging.getLogger("sluice.tenants")
 
@@ -76,6 +79,15 @@ class Tenant:
     spec: TenantSpec
     salt: bytes                 # the engine's prefix-cache salt for this tenant's requests
     key_digests: tuple[bytes, ...]
+
+    @cached_property
+    def terms(self) -> Terms:
+        """The tenant file as the answer pipeline applies it."""
+        spec, r = self.spec, self.spec.router
+        policy = Policy(spec.default_model, tuple(spec.allowed_models), msgspec.structs.asdict(spec.thinking_budget),
+                        spec.escalation_threshold, r.classifier, r.escalation, r.models, r.max_thinking_budget,
+                        r.classifier_timeout_ms / 1000)
+        return Terms(self.id, policy, spec.context_budget, spec.output_budget, self.salt)
 
 
 def load_tenant(path: Path, served_models: set[str]) -> Tenant:

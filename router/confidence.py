@@ -64,6 +64,23 @@ class ConfidenceModel:
         return Confidence(float(proba[list(self.model.classes_).index(True)]), True)
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """After the first answer: how sure it is, and whether the large model takes over."""
+    confidence: float
+    calibrated: bool
+    escalate: bool
+    reason: str
+
+
+def judge(escalate_to: str, threshold: float, confidence: ConfidenceModel, logprobs: list[float]) -> Verdict:
+    c = confidence(logprobs)
+    sure = f"confidence {c.value:.2f}{'' if c.calibrated else ' (uncalibrated)'}"
+    if c.value < threshold:
+        return Verdict(c.value, c.calibrated, True, f"{sure} < {threshold:.2f}: escalated to {escalate_to}")
+    return Verdict(c.value, c.calibrated, False, f"{sure} >= {threshold:.2f}: kept")
+
+
 def train_confidence(labels: list[Label], seed: int = 0,
                      test_size: float = 0.25) -> tuple[ConfidenceModel, ConfidenceReport]:
     rows = [l for l in labels if l.confidence is not None]

@@ -1,6 +1,7 @@
 """A tenant's routing policy: difficulty -> model and thinking budget, when to escalate, and
 the tenant's overrides. The gateway builds a Policy from the tenant file; evals build one
-from a run's settings. Every Route says in words why it went where it went.
+from a run's settings; the answer pipeline (pipeline/) is the one caller of `route`. Every
+Route says in words why it went where it went.
 
 No single point of failure: the classifier is optional, and one that is missing, raises or
 runs past its time limit leaves the tenant's default model in charge, and the reason says so.
@@ -19,8 +20,6 @@ _pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="router")
 
 @dataclass(frozen=True)
 class Policy:
-    small: str                          # engine model names of the cheap and the strong model
-    large: str
     default_model: str                  # when no difficulty is known
     allowed: tuple[str, ...]
     thinking: dict[str, int]            # thinking tokens per difficulty
@@ -34,13 +33,17 @@ class Policy:
 
 @dataclass(frozen=True)
 class Route:
-    model: str
+    """Where a question goes, and after its first answer whether it went further: the one
+    decision record from the router to the HTTP response and the ledger."""
+    model: str                          # the model whose answer stands (the escalation's, once escalated)
     reason: str
     difficulty: str | None = None
     probability: float | None = None    # the classifier's calibrated probability of `difficulty`
-    thinking_budget: int = 0
+    thinking_budget: int = 0            # 0: no thinking span
     escalate_to: str | None = None      # the model a low-confidence answer goes to; None: it stands
-    source: str = "classifier"          # what chose the model: classifier | policy | fallback
+    source: str = "classifier"          # what chose the model: client | no_router | classifier | policy | fallback
+    confidence: float | None = None     # calibrated chance the first answer is right, once judged
+    escalated: bool = False
 
 
 def goes_large(difficulty: str, hard_thinking: int) -> bool:
@@ -65,33 +68,33 @@ def classify(predict: Callable[[], Difficulty] | None, timeout_s: float) -> tupl
         return None, f"classifier failed ({type(e).__name__}: {e})"
 
 
-def route(policy: Policy, predict: Callable[[], Difficulty] | None) -> Route:
-    """Where one question goes. `predict` runs the difficulty classifier (None: none loaded)."""
-    p = policy
+def route(p: Policy, small: str, large: str, predict: Callable[[], Difficulty] | None) -> Route:
+    """Where one question goes, between the engine's cheap `small` and strong `large` model.
+    `predict` runs the difficulty classifier (None: none loaded)."""
     difficulty, failure = (None, "classifier off for this tenant") if not p.classifier else \
         classify(predict, p.classifier_timeout_s)
-    large_ok = p.large in p.allowed and p.force != "never_large"
+    large_ok = large in p.allowed and p.force != "never_large"
     cap = lambda budget: budget if p.max_thinking is None else min(budget, p.max_thinking)
     source = "classifier" if difficulty is not None else "fallback"
-    if p.force == "always_large" and p.large in p.allowed:
-        model, why, source = p.large, "tenant policy: always large", "policy"
+    if p.force == "always_large" and large in p.allowed:
+        model, why, source = large, "tenant policy: always large", "policy"
     elif difficulty is not None:
-        model = p.large if goes_large(difficulty.label, cap(p.thinking["hard"])) else p.small
+        model = large if goes_large(difficulty.label, cap(p.thinking["hard"])) else small
         why = f"classifier: {difficulty.label} (p={difficulty.probability:.2f})"
-        if difficulty.label == "hard" and model == p.small:
+        if difficulty.label == "hard" and model == small:
             why = f"{why}; no thinking for hard questions, so the large model would not do better"
-        if model == p.large and not large_ok:
-            model, why = p.small, f"{why}; large model not allowed for this tenant"
+        if model == large and not large_ok:
+            model, why = small, f"{why}; large model not allowed for this tenant"
     else:
         model, why = p.default_model, f"{failure}; tenant default"
-        if model == p.large and not large_ok:
-            model = p.small
+        if model == large and not large_ok:
+            model = small
     if model not in p.allowed:          # a default or a target the tenant may not use
         model = p.default_model
     thinking = p.thinking[difficulty.label] if difficulty else p.thinking["medium"]
     if p.max_thinking is not None and thinking > p.max_thinking:
         thinking, why = p.max_thinking, f"{why}; thinking capped at {p.max_thinking}"
-    escalate = p.large if (p.escalation and large_ok and model == p.small != p.large
+    escalate = large if (p.escalation and large_ok and model == small != large
                            and p.escalation_threshold > 0) else None
     return Route(model, why, difficulty.label if difficulty else None,
                  difficulty.probability if difficulty else None, thinking, escalate, source)

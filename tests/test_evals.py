@@ -14,7 +14,6 @@ import pytest
 from engine.config import EngineConfig, ModelEntry
 from engine.llm_engine import LLMEngine
 from evals.__main__ import main as evals_main
-from evals.costs import DEFAULT_PRICES, Price, parse_price, request_cost
 from evals.datasets import DatasetError, files_for, load, parse_mix
 from evals.labels import write_labels
 from evals.metrics import same_answer, score
@@ -22,7 +21,8 @@ from evals.records import RecordLog
 from evals.report import write_report
 from evals.router_metrics import CurvePoint, apgr, cascade_sweep, cost_at_quality, oracle_scores, threshold_sweep
 from evals.runner import (DEFAULT_CONTEXT_BUDGET, DEFAULT_K, DEFAULT_MAX_TOKENS, MODES, RECORDS_FILE, RunConfig,
-                          build_collection, load_dataset, open_run, run_modes)
+                          build_collection, load_dataset, open_run, pipeline_for, run_modes)
+from pipeline import Price, cost, default_prices, parse_price
 from retrieval import Collection
 from tests.conftest import make_tiny_model
 from tests.test_gateway_support import embedder  # noqa: F401  (the shared all-MiniLM embedder)
@@ -109,7 +109,7 @@ def test_cost_at_quality_on_a_known_curve():
 
 def test_request_cost_by_hand_and_prices_flag():
     # 600 fresh prompt tokens, 400 cached, 50 out: (600 * 0.1 + 400 * 0.025 + 50 * 0.4) / 1e6.
-    assert request_cost(Price(0.1, 0.025, 0.4), 1000, 400, 50) == pytest.approx(9e-5)
+    assert cost(Price(0.1, 0.025, 0.4), 1000, 400, 50) == pytest.approx(9e-5)
     assert parse_price("large=0.15,0.0375,0.6") == ("large", Price(0.15, 0.0375, 0.6))
     for bad in ("large", "large=1,2", "=1,2,3", "large=a,b,c", "large=1,-2,3"):
         with pytest.raises(ValueError, match="bad price"):
@@ -118,11 +118,8 @@ def test_request_cost_by_hand_and_prices_flag():
 
 def test_defaults_are_the_services():
     """Evals may not import the gateway; these keep its numbers and theirs the same."""
-    from gateway.config import ServerConfig, default_prices
-    from gateway.service import cost_of
-    assert msgspec.to_builtins(DEFAULT_PRICES) == msgspec.to_builtins(default_prices())
-    for m, p in default_prices().items():
-        assert request_cost(DEFAULT_PRICES[m], 900, 300, 70) == cost_of(p, 900, 300, 70)
+    from gateway.config import ServerConfig
+    assert ServerConfig().prices == default_prices()
     demo = tomllib.loads((REPO / "examples" / "tenants" / "demo.toml").read_text())
     assert (DEFAULT_CONTEXT_BUDGET, DEFAULT_MAX_TOKENS) == (demo["context_budget"], demo["output_budget"])
     assert DEFAULT_K == ServerConfig().retrieval_k
@@ -245,7 +242,7 @@ def engine(tmp_path_factory) -> LLMEngine:
 
 def config_for(dataset: str, files: list[Path], **kw) -> RunConfig:
     return RunConfig(dataset, [str(f) for f in files], None, 0, {"small": "tiny-1", "large": "tiny-2"},
-                     dict(DEFAULT_PRICES), **{"context_budget": 160, "k": 4, "max_tokens": 4, **kw})
+                     default_prices(), **{"context_budget": 160, "k": 4, "max_tokens": 4, **kw})
 
 
 def run(folder: Path, config: RunConfig, engine, embedder, modes=("small", "large"), concurrency=3):
@@ -254,8 +251,8 @@ def run(folder: Path, config: RunConfig, engine, embedder, modes=("small", "larg
     open_run(folder, config)
     collection = build_collection(folder, dataset, embedder, progress=False) if dataset.documents else None
     try:
-        run_modes(folder, config, dataset.examples, [MODES[m] for m in modes], engine, collection, concurrency,
-                  progress=False)
+        run_modes(folder, config, dataset.examples, [MODES[m] for m in modes], pipeline_for(engine, config),
+                  collection, concurrency, progress=False)
     finally:
         if collection is not None:
             collection.close()
@@ -277,7 +274,7 @@ def test_run_scores_costs_and_reports(tmp_path, data, engine, embedder):
             s = score(r.kind, r.answer, gold[r.id].answers)
             assert (r.em, r.f1, r.score, r.correct) == (s.em, s.f1, s.value, s.correct)
             assert (r.passages > 0) == (r.kind == "squad") == bool(r.retrieval_scores)
-            c, p = r.calls[0], DEFAULT_PRICES[mode]
+            c, p = r.calls[0], default_prices()[mode]
             assert 0 < c.output_tokens <= config.max_tokens and len(c.logprobs) == c.output_tokens
             assert c.cached_tokens == 0 and c.ttft <= c.latency and c.engine_s > 0
             # cost == tokens x prices, by hand
@@ -377,7 +374,7 @@ def test_command_line_refuses_bad_arguments_with_exit_2(tmp_path, data, capsys):
     files = files_for("gsm8k", None, str(data))
     open_run(tmp_path / "run", RunConfig("gsm8k", [str(f.resolve()) for f in files], 3, 0,
                                          {"small": "qwen2.5-coder-0.5b", "large": "qwen2.5-coder-1.5b"},
-                                         dict(DEFAULT_PRICES)))
+                                         default_prices()))
     assert evals_main(["run", "gsm8k", "--data", str(data), "-n", "3", "--max-tokens", "64",
                        "--out", str(tmp_path / "run")]) == 2
     assert "max_tokens: 256 there, 64 now" in capsys.readouterr().err
@@ -399,8 +396,9 @@ def test_routed_and_cascade_modes_run_end_to_end(tmp_path, data, engine, embedde
     collection = build_collection(folder, dataset, embedder, progress=False)
     try:
         # Threshold 1: every small answer is unsure enough to escalate.
-        modes = routed_modes(router, embedder, collection, config.k, threshold=1.0)
-        run_modes(folder, config, dataset.examples, list(modes.values()), engine, collection, 3, progress=False)
+        modes = routed_modes(threshold=1.0)
+        run_modes(folder, config, dataset.examples, list(modes.values()), pipeline_for(engine, config, router, embedder),
+                  collection, 3, progress=False)
     finally:
         collection.close()
     log = RecordLog(folder / RECORDS_FILE)
@@ -413,7 +411,8 @@ def test_routed_and_cascade_modes_run_end_to_end(tmp_path, data, engine, embedde
         assert [c.model for c in r.calls] == (["large"] if first == "large" else ["small", "large"])
 
     # The trained router's curves count only questions it was not trained on.
-    run_modes(folder, config, dataset.examples, [MODES["small"], MODES["large"]], engine, None, 3, progress=False)
+    run_modes(folder, config, dataset.examples, [MODES["small"], MODES["large"]], pipeline_for(engine, config), None, 3,
+              progress=False)
     seen = dataset.examples[0].id
     router.trained_on = frozenset({seen})
     summary = write_report(folder, router, embedder)
@@ -430,13 +429,13 @@ def test_an_escalated_call_verifies_the_small_answer_and_keeps_the_large_answer(
     config = config_for("gsm8k", files_for("gsm8k", None, str(data)))
     small = make_tiny_model(tmp_path_factory.mktemp("esc-small"), "qwen2", seed=1)
     config = msgspec.structs.replace(config, models={"small": str(small), "large": str(small)})
-    cascade = routed_modes(None, None, None, config.k, threshold=1.0)["cascade"]
+    cascade = routed_modes(threshold=1.0)["cascade"]
     engine = _engine(config, [cascade, MODES["large"]], 1.0)
     assert engine.config.speculative.target == "large" and not engine.config.speculative.prompt_lookup
     folder = tmp_path / "run"
     open_run(folder, config)
     examples = load_dataset(config).examples
-    run_modes(folder, config, examples, [cascade, MODES["large"]], engine, None, 2, progress=False)
+    run_modes(folder, config, examples, [cascade, MODES["large"]], pipeline_for(engine, config), None, 2, progress=False)
     log = RecordLog(folder / RECORDS_FILE)
     large = {r.id: r.answer for r in log.of_mode("large")}
     escalated = [r for r in log.of_mode("cascade") if r.escalated]

@@ -106,7 +106,7 @@ async def test_admission_queues_up_to_its_bound_then_refuses():
             pass
     assert e.value.status == 503 and e.value.headers == {"Retry-After": "1"}
     release.set()
-    assert await second >= 0.0 and await first is None
+    assert await second >= 0.01 and await first is None     # it waited out the sleep above, at least
     assert (admission.running, admission.waiting) == (0, 0)
 
 

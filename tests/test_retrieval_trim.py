@@ -77,9 +77,8 @@ def test_budget_smaller_than_the_template_is_an_error():
     question = "How tall is the tower?"
     base = prompt_tokens(MINILM, question, [])
     with pytest.raises(RetrievalError, match=f"budget of {base - 1} tokens is smaller than the prompt "
-                                             f"without passages: {base} tokens") as e:
+                                             f"without passages: {base} tokens"):
         trim([Chunk("a", 0, "text")], question, base - 1, MINILM)
-    assert isinstance(e.value, ValueError)
     assert trim([Chunk("a", 0, "text")], question, base, MINILM).chunks == []
     with pytest.raises(RetrievalError, match="question is empty"):
         trim([], " ", 100, MINILM)

@@ -159,7 +159,7 @@ def test_cli_train_router(trained, tmp_path, monkeypatch, capsys):
 
 def _policy(**kw):
     from router.policy import Policy
-    base = dict(small="small", large="large", default_model="small", allowed=("small", "large"),
+    base = dict(default_model="small", allowed=("small", "large"),
                 thinking={"easy": 0, "medium": 64, "hard": 256}, escalation_threshold=0.5)
     return Policy(**{**base, **kw})
 
@@ -167,7 +167,8 @@ def _policy(**kw):
 def test_policy_maps_difficulty_and_honours_overrides():
     import time
     from router.classifier import Difficulty
-    from router.policy import route
+    from router import policy
+    route = lambda p, predict: policy.route(p, "small", "large", predict)
     hard = lambda: Difficulty("hard", 0.9)
     r = route(_policy(), hard)
     assert (r.model, r.difficulty, r.thinking_budget, r.escalate_to) == ("large", "hard", 256, None)

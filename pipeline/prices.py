@@ -1,9 +1,6 @@
 """What a request costs: per-model prices per million input, cached input and output tokens.
-
-The defaults are illustrative list prices for hosted models of these sizes, and the same as
-the gateway's (gateway/config.py; a test keeps them equal), so an eval's cost is what the
-usage ledger would have charged for the same requests.
-"""
+The gateway's ledger and the evals price every engine call with `cost`, so an eval's dollars
+are what the ledger would have charged for the same calls."""
 from __future__ import annotations
 
 from typing import Annotated
@@ -20,12 +17,15 @@ class Price(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     output: Dollars           # generated tokens, thinking included
 
 
-DEFAULT_PRICES = {"small": Price(input=0.10, cached_input=0.025, output=0.40),
-                  "large": Price(input=0.30, cached_input=0.075, output=1.20)}
+# Stated defaults, in the range of hosted models of these sizes (late 2025 list prices):
+# cached input at a quarter of input, output at four times input.
+def default_prices() -> dict[str, Price]:
+    return {"small": Price(input=0.10, cached_input=0.025, output=0.40),
+            "large": Price(input=0.30, cached_input=0.075, output=1.20)}
 
 
-def request_cost(price: Price, prompt: int, cached: int, output: int) -> float:
-    """Dollars for one engine request; `cached` is the part of `prompt` the prefix cache served."""
+def cost(price: Price, prompt: int, cached: int, output: int) -> float:
+    """Dollars for one engine call; `cached` is the part of `prompt` the prefix cache served."""
     return ((prompt - cached) * price.input + cached * price.cached_input + output * price.output) / 1e6
 
 

@@ -1,0 +1,241 @@
+"""The answer pipeline: how one question becomes engine calls, for the gateway and evals alike.
+
+    check (budgets, mode) -> retrieve and trim -> route -> compose the prompt -> calls
+
+`Pipeline.check` refuses cheaply what needs no work; `Pipeline.plan` retrieves, routes and
+composes; `Answer` is the cascade as a small state machine that says which engine call comes
+next (model, prompt, draft) given the calls so far: the routed model's, then, when its
+confidence is under the tenant's threshold, the large model's, with the first answer offered
+as its speculative draft (where the two agree that costs verification passes, not decode
+steps, and the answer is still the large model's own). The gateway drives an Answer through
+the async engine, evals by stepping the engine; neither decides anything itself, so what
+evals measure is what is served.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from engine.llm_engine import Completion, LLMEngine
+from engine.sampling_params import SamplingParams
+from pipeline.prices import Price, cost
+from retrieval import OverBudget, RagContext, RetrievalError, rag_context
+from router.confidence import ConfidenceModel, Verdict, judge
+from router.data import RouterError
+from router.model import RouterModel
+from router.policy import Policy, Route, route
+
+
+class Refused(Exception):
+    """A question the pipeline will not answer: `status` as HTTP would say it, `param` the
+    field at fault, `code` a stable machine-readable reason."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+@dataclass
+class Query:
+    """One question, however it arrived (HTTP, the CLI, an eval)."""
+    question: str                          # what retrieval searches for
+    endpoint: str = "ask"                  # ask | chat | cli | eval, for the ledger
+    messages: list[dict] | None = None     # a chat conversation; None: the question alone
+    collection: str | None = None
+    mode: str = "auto"                     # auto, or an engine model's name
+    mode_field: str = "mode"               # the request field that carried the mode
+    max_output_tokens: int | None = None   # None: the tenant's output budget
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    thinking_budget: int | None = None     # None: the route decides; 0: the client asked for none
+
+
+@dataclass(frozen=True)
+class Terms:
+    """A tenant's terms, as the pipeline applies them (the gateway reads them from a tenant
+    file, evals from a run's settings)."""
+    name: str
+    policy: Policy
+    context_budget: int
+    output_budget: int
+    salt: bytes                            # the engine's prefix-cache salt for its requests
+
+    @property
+    def max_thinking(self) -> int:
+        """The most thinking tokens a request may ask for."""
+        return max(self.policy.thinking.values())
+
+
+@dataclass
+class Plan:
+    """A question after retrieval and routing, ready for its first call."""
+    request_id: str
+    terms: Terms
+    route: Route
+    context: RagContext
+    prompt_ids: list[int]                  # the routed model's prompt
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineCall:
+    model: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    request_id: str
+    draft: list[int] | None = None         # an earlier answer the engine verifies instead of decoding
+
+
+def call_cost(price: Price, c: Completion) -> float:
+    return cost(price, len(c.prompt_token_ids), c.num_cached_tokens, len(c.token_ids))
+
+
+class Pipeline:
+    def __init__(self, engine: LLMEngine, prices: dict[str, Price], router: RouterModel | None = None,
+                 router_error: str | None = None, embedder=None, pair: tuple[str, str] | None = None,
+                 k: int = 8, max_input_chars: int | None = None):
+        """`pair`: the (small, large) models mode=auto routes between; None: no router installed
+        (auto is the tenant's default model, no escalation). `router`: the trained classifier
+        and confidence model (None: no classifier, the stated confidence rule); `router_error`
+        says why one failed to load, and every routed question falls back saying so."""
+        self.engine, self.prices, self.router, self.router_error = engine, prices, router, router_error
+        self.embedder, self.pair, self.k, self.max_input_chars = embedder, pair, k, max_input_chars
+
+    @property
+    def confidence(self) -> ConfidenceModel:
+        return self.router.confidence if self.router else ConfidenceModel()
+
+    def check(self, terms: Terms, q: Query) -> int:
+        """Refuse what needs no work to refuse; returns the request's output token limit."""
+        if q.thinking_budget is not None and q.thinking_budget > terms.max_thinking:
+            raise Refused(422, f"thinking_budget is {q.thinking_budget}; tenant {terms.name!r} allows at most "
+                               f"{terms.max_thinking} thinking tokens", "thinking_budget", "over_thinking_budget")
+        if self.max_input_chars is not None:
+            chars = len(q.question) if q.messages is None else sum(len(m["content"]) for m in q.messages)
+            if chars > self.max_input_chars:
+                what = "question" if q.messages is None else "messages"
+                raise Refused(422, f"{what} has {chars} characters; the limit is {self.max_input_chars}",
+                              what, "input_too_long")
+        max_tokens = q.max_output_tokens or terms.output_budget
+        if max_tokens > terms.output_budget:
+            name = "max_output_tokens" if q.endpoint != "chat" else "max_tokens"
+            raise Refused(422, f"{name} is {max_tokens}; tenant {terms.name!r} allows at most "
+                               f"{terms.output_budget} output tokens", name, "over_output_budget")
+        if q.mode != "auto" and q.mode not in terms.policy.allowed:
+            raise Refused(403, f"tenant {terms.name!r} may not use model {q.mode!r}; allowed: "
+                               f"{', '.join(['auto', *terms.policy.allowed])}", q.mode_field, "model_not_allowed")
+        return max_tokens
+
+    def routes_by_classifier(self, terms: Terms, q: Query) -> bool:
+        return q.mode == "auto" and self.pair is not None and terms.policy.classifier and self.router is not None
+
+    def plan(self, terms: Terms, q: Query, collection, request_id: str) -> Plan:
+        """Retrieve and trim, route, compose: the whole decision about a question. `collection`
+        is a retrieval Collection or None (the question alone). CPU-bound: the gateway runs it
+        in a thread."""
+        max_tokens = self.check(terms, q)
+        # The context is trimmed with the tokenizer of the model that answers first without a
+        # router; the routed pair shares one tokenizer, so a route cannot change the count.
+        first = q.mode if q.mode != "auto" else terms.policy.default_model
+        embed = self.routes_by_classifier(terms, q)
+        try:
+            vector = self.embedder.encode([q.question]) if embed else None
+            context = rag_context(collection, q.question, terms.context_budget, self.engine.worker(first).tokenizer,
+                                  self.k, q.messages, vector)
+        except OverBudget as e:
+            raise Refused(422, f"the {e.what} is {e.tokens} tokens; tenant {terms.name!r} has a context "
+                               f"budget of {terms.context_budget}", code="over_context_budget") from None
+        except RetrievalError as e:
+            raise Refused(422, str(e), code="retrieval_refused") from None
+        r = self.route(terms, q, self._predictor(q, vector, [h.score for h in context.hits]))
+        try:
+            params = SamplingParams(temperature=q.temperature, top_p=q.top_p, seed=q.seed, max_tokens=max_tokens,
+                                    stop=q.stop, thinking_budget=r.thinking_budget or None)
+        except ValueError as e:
+            raise Refused(422, str(e), code="bad_sampling_parameters") from None
+        return Plan(request_id, terms, r, context, self.prompt_ids(context, r.model, params), params)
+
+    def route(self, terms: Terms, q: Query, predict: Callable | None) -> Route:
+        """The one place a route is chosen: the tenant's policy, then the client's override
+        (an explicit model, an explicit thinking budget, 0 included), each once."""
+        if q.mode != "auto":
+            r = Route(q.mode, "requested by the client", source="client")
+        elif self.pair is None:
+            r = Route(terms.policy.default_model, "router not installed; tenant default", source="no_router")
+        else:
+            r = route(terms.policy, *self.pair, predict)
+        if q.thinking_budget is not None and q.thinking_budget != r.thinking_budget:
+            r = replace(r, thinking_budget=q.thinking_budget,
+                        reason=f"{r.reason}; thinking budget {q.thinking_budget} from the client")
+        return r
+
+    def _predictor(self, q: Query, vector, scores: list[float]) -> Callable | None:
+        if self.router_error:
+            def predict():
+                raise RouterError(self.router_error)
+            return predict
+        if vector is None:
+            return None
+        return lambda: self.router.classifier.predict(q.question, vector[0], scores)
+
+    def prompt_ids(self, context: RagContext, model: str, params: SamplingParams) -> list[int]:
+        """The context's messages in `model`'s own chat template."""
+        worker = self.engine.worker(model)
+        ids = worker.tokenizer.encode(self.engine.chat_prompt(context.messages, model,
+                                                              thinking=params.thinking_budget is not None))
+        if len(ids) >= worker.cfg.max_position:
+            raise Refused(422, f"the prompt is {len(ids)} tokens; model {model!r} reads at most "
+                               f"{worker.cfg.max_position - 1}", code="prompt_too_long")
+        return ids
+
+    def answer(self, plan: Plan) -> Answer:
+        return Answer(self, plan)
+
+
+class Answer:
+    """One question's calls: the routed model's, then perhaps the escalation's."""
+
+    def __init__(self, pipeline: Pipeline, plan: Plan):
+        self.pipeline, self.plan = pipeline, plan
+        self.calls: list[Completion] = []
+        self.verdict: Verdict | None = None
+
+    @property
+    def route(self) -> Route:
+        return self.plan.route
+
+    @property
+    def may_escalate(self) -> bool:
+        """Whether the first answer could still be replaced (a stream holds it until judged)."""
+        return self.route.escalate_to is not None and self.verdict is None
+
+    def next_call(self) -> EngineCall | None:
+        """The next engine call, or None once the answer stands."""
+        plan, r = self.plan, self.plan.route
+        if not self.calls:
+            return EngineCall(r.model, plan.prompt_ids, plan.params, plan.request_id)
+        if self.verdict is None or not self.verdict.escalate or len(self.calls) > 1:
+            return None
+        first, engine = self.calls[0], self.pipeline.engine
+        spec = engine.config.speculative
+        draft = list(first.token_ids) if spec is not None and spec.target == r.model and first.token_ids else None
+        return EngineCall(r.model, self.pipeline.prompt_ids(plan.context, r.model, plan.params), plan.params,
+                    f"{plan.request_id}-escalated", draft)
+
+    def finish(self, completion: Completion) -> Verdict | None:
+        """Record a call's completion; after a first call that may escalate, the verdict on it."""
+        self.calls.append(completion)
+        r = self.plan.route
+        if len(self.calls) > 1 or r.escalate_to is None:
+            return None
+        v = self.verdict = judge(r.escalate_to, self.plan.terms.policy.escalation_threshold,
+                                 self.pipeline.confidence, completion.logprobs)
+        self.plan.route = replace(r, reason=f"{r.reason}; {v.reason}", confidence=v.confidence, escalated=v.escalate,
+                                  model=r.escalate_to if v.escalate else r.model)
+        return v
+
+    def cost(self) -> float:
+        """Dollars for every call made (an escalated question pays for both)."""
+        return sum(call_cost(self.pipeline.prices[c.model], c) for c in self.calls)

@@ -1,0 +1,120 @@
+"""The answer pipeline: one path for the gateway and evals. An eval run and /v1/ask give the
+same answers, tokens and dollars for the same questions; a client's thinking budget of 0 is
+its own, distinct from not giving one."""
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from evals.datasets import Example
+from evals.records import RecordLog
+from evals.runner import RECORDS_FILE, Mode, RunConfig, open_run, pipeline_for, run_modes
+from gateway.app import create_app
+from gateway.config import RouterConfig
+from pipeline import Pipeline, Query, Refused, Terms
+from retrieval import CollectionStore, Document
+from router.policy import Policy
+from tests.test_gateway_support import (DOCS, KEYS, PRICES, auth, embedder, llm, make_gateway,  # noqa: F401
+                                        tenant_toml, wait_ready)
+
+QUESTIONS = [("q-paris", "What is the capital of France?", True), ("q-rome", "Where is the Colosseum?", True),
+             ("q-bare", "t5 t6 t7 t8", False)]
+
+
+def test_an_eval_run_and_the_gateway_answer_and_bill_alike(tmp_path, llm, embedder):
+    from litestar.testing import TestClient
+    # Threshold 1: every first answer escalates, so the cascade's two calls are compared too.
+    # A salt of its own: no other test's cached blocks serve this tenant's prompts.
+    toml = ("escalation_threshold = 1.0\n" + tenant_toml(KEYS["alpha"], salt="salt-pipeline-test")
+            + "[router]\nclassifier = false\n")
+    gw = make_gateway(tmp_path / "gw", llm, embedder, {"alpha": toml}, router=RouterConfig())
+    served = {}
+    with TestClient(create_app(gw)) as c:
+        wait_ready(c)
+        assert c.post("/v1/collections/kb/documents", json=DOCS, headers=auth()).status_code in (200, 201)
+        for mode in ("auto", "large"):          # in the eval's order: a mode over every question
+            for qid, question, retrieve in QUESTIONS:
+                r = c.post("/v1/ask", json={"question": question, "mode": mode,
+                                            **({"collection": "kb"} if retrieve else {})}, headers=auth())
+                assert r.status_code == 200, r.text
+                served[mode, qid] = r.json()
+    rows = {row.request_id: row for row in gw.ledger.rows()}
+
+    spec = msgspec.json.decode(msgspec.json.encode(gw.tenants.get("alpha").spec))
+    config = RunConfig("jsonl", [], None, 0, {"small": "tiny-1", "large": "tiny-2"}, PRICES,
+                       context_budget=spec["context_budget"], max_tokens=spec["output_budget"])
+    open_run(tmp_path / "run", config)
+    collection = CollectionStore(tmp_path / "collections", embedder).collection("evals", "corpus")
+    collection.ingest([Document(d["id"], d["text"], d["title"]) for d in DOCS["documents"]])
+    examples = [Example(qid, "qa", question, ["x"], retrieve) for qid, question, retrieve in QUESTIONS]
+    modes = [Mode("cascade", "auto", classifier=False, escalation=True, threshold=1.0), Mode("large", "large")]
+    try:
+        # One question at a time, as the test client asked them: the prefix cache then holds
+        # the same blocks on both sides when each call arrives.
+        run_modes(tmp_path / "run", config, examples, modes, pipeline_for(llm, config), collection, 1, progress=False)
+    finally:
+        collection.close()
+    log = RecordLog(tmp_path / "run" / RECORDS_FILE)
+    for eval_mode, mode in (("cascade", "auto"), ("large", "large")):
+        for qid, _, retrieve in QUESTIONS:
+            record, body = log.records[eval_mode, qid], served[mode, qid]
+            assert record.error is None
+            assert record.answer == body["answer"]
+            assert [c.model for c in record.calls] == rows[body["id"]].models.split(",")
+            assert record.escalated == body["escalated"] == (mode == "auto")
+            assert record.passages == body["trimmed"]["kept"] and (record.passages > 0) == retrieve
+            usage = body["usage"]
+            assert (record.tokens("prompt"), record.tokens("cached"), record.tokens("output")) == \
+                (usage["prompt"], usage["cached"], usage["completion"])
+            assert record.cost == pytest.approx(body["cost"], rel=1e-12)
+    log.close()
+
+
+def _pipeline(llm, pair=("small", "large")) -> Pipeline:
+    return Pipeline(llm, PRICES, pair=pair)
+
+
+def _terms(**policy) -> Terms:
+    thinking = {"easy": 0, "medium": 64, "hard": 256}
+    return Terms("acme", Policy("small", ("small", "large"), thinking, 0.5, **policy), 400, 32, b"salt-acme")
+
+
+def test_a_clients_thinking_budget_of_zero_is_kept_and_none_lets_the_route_decide(llm):
+    p, terms = _pipeline(llm), _terms(classifier=False)
+    routed = p.plan(terms, Query("t5 t6"), None, "r1")
+    assert routed.route.thinking_budget == 64 and routed.params.thinking_budget == 64   # the tenant's medium
+    zero = p.plan(terms, Query("t5 t6", thinking_budget=0), None, "r2")
+    assert zero.route.thinking_budget == 0 and zero.params.thinking_budget is None   # no span at all
+    assert zero.route.reason.endswith("thinking budget 0 from the client")
+    chosen = p.plan(terms, Query("t5 t6", thinking_budget=16), None, "r3")
+    assert chosen.params.thinking_budget == 16
+    explicit = p.plan(terms, Query("t5 t6", mode="large"), None, "r4")
+    assert (explicit.route.model, explicit.route.source, explicit.params.thinking_budget) == ("large", "client", None)
+    with pytest.raises(Refused) as e:
+        p.plan(terms, Query("t5 t6", thinking_budget=257), None, "r5")
+    assert (e.value.status, e.value.code, e.value.param) == (422, "over_thinking_budget", "thinking_budget")
+
+
+def test_the_cascade_says_which_call_comes_next(llm):
+    p = _pipeline(llm)
+    answer = p.answer(p.plan(_terms(classifier=False), Query("t5 t6 t7"), None, "req"))
+    first = answer.next_call()
+    assert (first.model, first.request_id, first.draft) == ("small", "req", None) and answer.may_escalate
+    completion = llm.generate([first.prompt_ids], first.params, model="small")[0]
+    verdict = answer.finish(completion)
+    assert verdict is not None and answer.route.confidence == verdict.confidence
+    second = answer.next_call()
+    if verdict.escalate:
+        assert (second.model, second.request_id, answer.route.model) == ("large", "req-escalated", "large")
+        assert second.draft is None          # this engine verifies no drafts for the large model
+    else:
+        assert second is None and answer.route.model == "small"
+    assert answer.cost() == pytest.approx(
+        (len(completion.prompt_token_ids) - completion.num_cached_tokens) * PRICES["small"].input / 1e6
+        + completion.num_cached_tokens * PRICES["small"].cached_input / 1e6
+        + len(completion.token_ids) * PRICES["small"].output / 1e6)
+    single = p.answer(p.plan(_terms(escalation=False, classifier=False), Query("t5 t6 t7"), None, "one"))
+    call = single.next_call()
+    assert not single.may_escalate
+    assert single.finish(llm.generate([call.prompt_ids], call.params, model="small")[0]) is None
+    assert single.next_call() is None
