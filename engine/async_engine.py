@@ -25,7 +25,8 @@ async def _settled(future: asyncio.Future) -> bool:
 
 
 class EngineFailure(RuntimeError):
-    """The engine raised while stepping this request; the engine itself keeps serving."""
+    """This request failed in the engine (its own step, or a whole step that could not be
+    pinned on one request); the engine itself and the other requests go on."""
 
 
 class AsyncEngine:
@@ -107,6 +108,8 @@ class AsyncEngine:
                 if isinstance(out, Exception):
                     raise out
                 finished = out.finished
+                if finished and out.completion.finish_reason == "error":
+                    raise EngineFailure(out.completion.error)
                 yield out
         finally:
             del self._queues[request_id]

@@ -55,11 +55,14 @@ class BlockManager:
 
     def _evict_and_take(self) -> int:
         block = self._take()
-        if block.hash is not None:           # reusing a cached block: it leaves the cache
+        self._uncache(block)                 # reusing a cached block: it leaves the cache
+        return block.block_id
+
+    def _uncache(self, block: Block) -> None:
+        if block.hash is not None:
             if self.cached.get(block.hash) == block.block_id:
                 del self.cached[block.hash]
             block.hash, block.token_ids = None, []
-        return block.block_id
 
     def _lookup(self, h: bytes, token_ids: list[int]) -> int | None:
         block_id = self.cached.get(h)
@@ -136,12 +139,19 @@ class BlockManager:
             self.cached.setdefault(parent, block.block_id)
         seq.num_hashed_blocks = max(full, seq.num_hashed_blocks)
 
-    def free_seq(self, seq: Sequence) -> None:
+    def free_seq(self, seq: Sequence, forget: bool = False) -> list[int]:
+        """Give the sequence's blocks back. With `forget` (its step failed, its KV may hold
+        NaNs) the blocks no other sequence holds also leave the prefix cache; returns those."""
+        forgotten = []
         # Tail blocks go back first so they are evicted before the shared prefix.
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free[block_id] = None
+                if forget:
+                    self._uncache(block)
+                    forgotten.append(block_id)
         seq.block_table = []
         seq.num_computed_tokens = seq.num_hashed_blocks = 0
+        return forgotten

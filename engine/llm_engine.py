@@ -15,7 +15,7 @@ from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.quantize import apply_quantization
-from engine.sequence import Sequence
+from engine.sequence import Sequence, isolated
 from engine.speculative import SpecState, Speculator
 from models.store import derived_path, resolve
 from engine.thinking import advance, answer_bans, open_span
@@ -36,6 +36,7 @@ class Completion:
     latency: float
     thinking_text: str = ""
     num_thinking_tokens: int = 0   # inside the span, within the budget; forced markers not counted
+    error: str | None = None       # why the request failed (finish_reason "error"); others went on
 
 
 @dataclass
@@ -152,9 +153,10 @@ class LLMEngine:
         ids = worker.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("prompt is empty")
-        if any(not 0 <= t < worker.cfg.vocab_size for t in ids):
-            raise ValueError(f"prompt has token ids outside the vocabulary (0..{worker.cfg.vocab_size - 1})")
         params = params or SamplingParams()
+        for what, tokens in (("prompt", ids), ("stop_token_ids", params.stop_token_ids)):
+            if any(not 0 <= t < worker.cfg.vocab_size for t in tokens):
+                raise ValueError(f"{what} has token ids outside the vocabulary (0..{worker.cfg.vocab_size - 1})")
         thinking = None
         if params.thinking_budget is not None:
             ids, thinking = open_span(ids, params.thinking_budget, worker.thinking, worker.tokenizer)
@@ -219,21 +221,21 @@ class LLMEngine:
             now = time.monotonic()
             for item in scheduled:
                 seq = item.seq
-                if seq.seq_id in sampled:
-                    if seq.thinking and seq.thinking.end is None and not seq.is_finished:
-                        act = advance(seq.token_ids, seq.thinking, worker.thinking, worker.tokenizer,
-                                      worker.scheduler.stop_ids(seq))
-                        if act.forced:
-                            worker.scheduler.replace_tail(seq, act.keep, act.forced)
-                        elif act.stop:
-                            del seq.token_ids[act.keep:]
-                            worker.scheduler.finish(seq, "stop")
+                if seq.seq_id in sampled or seq.error:
+                    with isolated(seq):
+                        if seq.thinking and seq.thinking.end is None and not seq.is_finished and not seq.error:
+                            act = advance(seq.token_ids, seq.thinking, worker.thinking, worker.tokenizer,
+                                          worker.scheduler.stop_ids(seq))
+                            if act.forced:
+                                worker.scheduler.replace_tail(seq, act.keep, act.forced)
+                            elif act.stop:
+                                del seq.token_ids[act.keep:]
+                                worker.scheduler.finish(seq, "stop")
                     new = seq.token_ids[lengths[seq.seq_id]:]        # after any finish or forcing
-                    seq.logprobs.extend(sampled[seq.seq_id][1][:len(new)])
+                    logprobs = sampled.get(seq.seq_id, ([], []))[1][:len(new)]
+                    seq.logprobs.extend(logprobs)
                     seq.first_token_time = seq.first_token_time or now
-                    if seq.is_finished and speculating:
-                        spec.release(seq)
-                    outputs.append(self._emit(worker, seq, new, sampled[seq.seq_id][1][:len(new)]))
+                    outputs.append(self._emit(worker, seq, new, logprobs))
         return outputs
 
     def _emit(self, worker: Worker, seq: Sequence, new: list[int], logprobs: list[float]) -> StepOutput:
@@ -241,9 +243,14 @@ class LLMEngine:
         start = seq.answer_start
         if seq.params.include_thinking:
             start = seq.num_prompt_tokens
-        text = worker.tokenizer.decode(seq.token_ids[start:]) if start is not None else ""
+        text = seq.output_text
+        with isolated(seq):
+            text = worker.tokenizer.decode(seq.token_ids[start:]) if start is not None else ""
         cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-        if cut >= 0:
+        if seq.error:     # finished alone; what it wrote may hold NaNs, so its blocks are zeroed
+            worker.runner.clear(worker.scheduler.finish(seq, "error"))
+            text = seq.output_text
+        elif cut >= 0:
             text = text[:cut]
             worker.scheduler.finish(seq, "stop")
         elif not seq.is_finished:
@@ -254,6 +261,8 @@ class LLMEngine:
         delta, seq.output_text = text[len(seq.output_text):], text
         completion = None
         if seq.is_finished:      # the engine forgets it now; its blocks are already free
+            if self.speculator:
+                self.speculator.release(seq)
             del self.requests[seq.request_id]
             end = time.monotonic()
             th = seq.thinking
@@ -262,7 +271,7 @@ class LLMEngine:
                                     seq.output_ids, seq.output_text, list(seq.logprobs), seq.finish_reason or "",
                                     seq.num_cached_tokens, seq.first_token_time - seq.arrival, end - seq.arrival,
                                     worker.tokenizer.decode(seq.token_ids[th.start:th.start + n_think]) if th else "",
-                                    n_think)
+                                    n_think, seq.error)
         return StepOutput(seq.request_id, worker.name, new, logprobs, delta, completion)
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,

@@ -11,13 +11,15 @@ from engine.model import CausalLM, StepBatch
 from engine.sampler import probs as sampling_probs
 from engine.sampler import sample
 from engine.scheduler import ScheduledSeq
-from engine.sequence import Sequence
+from engine.sequence import Sequence, isolated
 from engine.speculative import verify
 
 
 def _padded(rows: list[list[int]]) -> torch.Tensor:
+    """Block tables padded with each row's own first block: attention reads (and masks)
+    padding too, and a block of another sequence may hold its NaNs (0 * NaN is NaN)."""
     width = max(len(r) for r in rows)
-    return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long)
+    return torch.tensor([r + r[:1] * (width - len(r)) for r in rows], dtype=torch.long)
 
 
 class ModelRunner:
@@ -37,6 +39,16 @@ class ModelRunner:
     def kv_bytes_per_block(cfg: ModelConfig, block_size: int, kv_int8: bool = False) -> int:
         per_head = cfg.head_dim + 4 if kv_int8 else cfg.head_dim * 4     # int8 values + one fp32 scale
         return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * per_head
+
+    def clear(self, block_ids: list[int]) -> None:
+        """Zero blocks whose KV may be non-finite: attention reads a block's stale slots too,
+        masked, and 0 * NaN is NaN."""
+        if block_ids:
+            ids = torch.tensor(block_ids)
+            for cache in self.kv_caches:
+                for t in cache:
+                    if t is not None:
+                        t.index_fill_(0, ids, 0)
 
     def _slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
         pos = torch.arange(start, end)
@@ -92,33 +104,33 @@ class ModelRunner:
         """seq_id -> (new tokens, their log-probabilities) for every item that reaches its
         sequence's end: one token, or for a verification the accepted drafts plus one.
         With return_probs, also seq_id -> the distribution each sampled token came from
-        (what a draft model hands to the rejection rule)."""
+        (what a draft model hands to the rejection rule). A sequence whose share fails
+        (non-finite logits, a sampling error) gets its `error` set and no entry."""
         input_ids, positions, batch, rows = self.prepare(scheduled)
         hidden = self.model(input_ids, positions, batch)
-        plain = [(item, row + item.num_tokens - 1) for item, row in rows if item.samples and not item.num_draft]
-        verifying = [(item, row) for item, row in rows if item.num_draft]
+        # Plain rows first, then each verification's k + 1 rows: one LM-head pass over every
+        # row that samples, as the head is the largest matrix.
+        sampling = [(item, row + item.num_tokens - 1, 1) for item, row in rows if item.samples and not item.num_draft]
+        sampling += [(item, row, item.num_tokens) for item, row in rows if item.num_draft]
         out: dict[int, tuple[list[int], list[float]]] = {}
         probs: dict[int, torch.Tensor] = {}
-        # One LM-head pass over every row that samples: the head is the largest matrix, and
-        # a pass per verifying sequence would read it once per sequence.
-        rows_needed = [r for _, r in plain] + [row + j for item, row in verifying for j in range(item.num_tokens)]
-        all_logits = self.model.logits(hidden[rows_needed]) if rows_needed else None
-        if plain:
-            logits = all_logits[:len(plain)]
-            seqs = [item.seq for item, _ in plain]
-            for i, seq in enumerate(seqs):
-                self._ban(logits[i:i + 1], seq, len(seq))
-            tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
-            for i, (seq, t, lp) in enumerate(zip(seqs, tokens, logprobs)):
-                out[seq.seq_id] = ([t], [lp])
-                if return_probs and not seq.params.greedy:
-                    probs[seq.seq_id] = sampling_probs(logits[i], seq.params)[None]
-        at = len(plain)
-        for item, _ in verifying:
-            seq = item.seq
-            logits, at = all_logits[at:at + item.num_tokens], at + item.num_tokens
-            self._ban(logits, seq, len(seq) - item.num_draft)
-            tokens = verify(logits, seq.draft[:item.num_draft], seq.draft_probs, seq.params, seq.generator)
-            lp = torch.log_softmax(logits[:len(tokens)], -1).gather(1, torch.tensor(tokens)[:, None])
-            out[seq.seq_id] = (tokens, lp.squeeze(1).tolist())
+        if not sampling:
+            return (out, probs) if return_probs else out
+        all_logits = self.model.logits(hidden[[row + j for _, row, n in sampling for j in range(n)]])
+        finite = torch.isfinite(all_logits).all(-1).tolist()
+        at = 0
+        for item, _, n in sampling:
+            seq, logits, rows_finite, at = item.seq, all_logits[at:at + n], finite[at:at + n], at + n
+            with isolated(seq):
+                if not all(rows_finite):
+                    raise FloatingPointError("the model's logits for this request are not finite")
+                self._ban(logits, seq, len(seq) - item.num_draft)
+                if item.num_draft:
+                    tokens = verify(logits, seq.draft[:item.num_draft], seq.draft_probs, seq.params, seq.generator)
+                else:
+                    tokens = [sample(logits[0], seq.params, seq.generator)]
+                    if return_probs and not seq.params.greedy:
+                        probs[seq.seq_id] = sampling_probs(logits[0], seq.params)[None]
+                lp = torch.log_softmax(logits[:len(tokens)], -1).gather(1, torch.tensor(tokens)[:, None])
+                out[seq.seq_id] = (tokens, lp.squeeze(1).tolist())
         return (out, probs) if return_probs else out

@@ -7,8 +7,13 @@ from engine.sampling_params import SamplingParams
 
 
 def probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """The distribution a non-greedy request samples from: temperature, then top-k, top-p."""
-    return _filtered(logits, p).softmax(-1)
+    """The distribution a non-greedy request samples from: temperature, then top-k, top-p.
+    Where that is not a distribution (logits so large that dividing them overflows), the
+    greedy token gets all the mass: no request's values can make sampling fail."""
+    out = _filtered(logits, p).softmax(-1)
+    if not bool(torch.isfinite(out).all()):
+        out = torch.zeros_like(logits).index_fill_(0, logits.argmax().view(1), 1.0)
+    return out
 
 
 def _filtered(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -19,20 +24,16 @@ def _filtered(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     if p.top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True)
         sorted_probs = sorted_logits.softmax(-1)
-        # Drop a token when the mass before it already reaches top_p; the top token always stays.
+        # Drop a token when the mass before it already reaches top_p. The top token always
+        # stays, by index: a top_p that float32 rounds to 0 would otherwise drop it too.
         drop = sorted_probs.cumsum(-1) - sorted_probs >= p.top_p
+        drop[0] = False
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     return logits
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> tuple[list[int], list[float]]:
-    """logits [N, vocab] float32. Log-probabilities are of the model's own distribution
-    (before temperature and filtering), which is what confidence estimates need."""
-    logprobs = torch.log_softmax(logits, dim=-1)
-    tokens = logits.argmax(dim=-1)
-    for i, p in enumerate(params):
-        if not p.greedy:
-            tokens[i] = torch.multinomial(probs(logits[i], p), 1, generator=generators[i]).item()
-    chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
-    return tokens.tolist(), chosen.tolist()
+def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
+    """The next token from one row of logits [vocab]."""
+    if p.greedy:
+        return int(logits.argmax())
+    return int(torch.multinomial(probs(logits, p), 1, generator=generator))

@@ -1,7 +1,17 @@
 """Per-request sampling parameters, validated where they enter the engine."""
 from __future__ import annotations
 
+import math
+
 import msgspec
+
+# What the sampler guarantees, for API schemas to state: every finite temperature >= 0 and
+# top_p in (0, 1] samples without error. A temperature below MIN_TEMPERATURE decodes
+# greedily (dividing float32 logits by less can overflow them); however small top_p is, the
+# most likely token stays in the distribution. Seeds are torch's range.
+MIN_TEMPERATURE = 1e-5
+MIN_TOP_P = 0.0         # exclusive
+MIN_SEED, MAX_SEED = -2**63, 2**64 - 1
 
 
 class SamplingParams(msgspec.Struct, forbid_unknown_fields=True):
@@ -20,12 +30,14 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         errors = []
-        if not self.temperature >= 0:
-            errors.append(f"temperature must be >= 0, got {self.temperature}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            errors.append(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
             errors.append(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not 0 < self.top_p <= 1:
+        if not MIN_TOP_P < self.top_p <= 1:
             errors.append(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and not MIN_SEED <= self.seed <= MAX_SEED:
+            errors.append(f"seed must be in [-2**63, 2**64 - 1], got {self.seed}")
         if self.max_tokens < 1:
             errors.append(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.thinking_budget is not None and self.thinking_budget < 0:
@@ -37,4 +49,4 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < MIN_TEMPERATURE

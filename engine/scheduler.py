@@ -175,14 +175,17 @@ class Scheduler:
         if not self.bm.resize(seq, len(seq)):
             self._preempt(seq)      # no room now: it comes back with all its tokens as a prompt
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """Finish (or abort) a sequence wherever it is, returning its blocks at once."""
+    def finish(self, seq: Sequence, reason: str) -> list[int]:
+        """Finish (or abort) a sequence wherever it is, returning its blocks at once. A failed
+        one ("error") also takes its blocks out of the prefix cache: returns those, to be zeroed."""
+        forgotten: list[int] = []
         if seq.status is Status.FINISHED:
-            return
+            return forgotten
         if seq in self.running:
             self.running.remove(seq)
-            self.bm.free_seq(seq)
+            forgotten = self.bm.free_seq(seq, forget=reason == "error")
         elif seq in self.waiting:
             self.waiting.remove(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
+        return forgotten

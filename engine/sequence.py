@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import Any
@@ -19,6 +22,7 @@ class Status(Enum):
 
 
 _ids = itertools.count()
+log = logging.getLogger("sluice.engine")
 
 
 @dataclass(eq=False)
@@ -36,6 +40,7 @@ class Sequence:
     status: Status = Status.WAITING
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
+    error: str | None = None        # why its step failed; the engine then finishes it alone
     output_text: str = ""
     arrival: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
@@ -84,3 +89,14 @@ class Sequence:
 
     def num_blocks(self, block_size: int) -> int:
         return (len(self.token_ids) + block_size - 1) // block_size
+
+
+@contextmanager
+def isolated(seq: Sequence) -> Iterator[None]:
+    """One sequence's share of a batched step: an exception in it fails that sequence alone
+    (the engine finishes it with its error) and the batch goes on."""
+    try:
+        yield
+    except Exception as exc:
+        log.warning("request %s failed", seq.request_id, exc_info=True)
+        seq.error = seq.error or f"{type(exc).__name__}: {exc}"

@@ -247,6 +247,10 @@ class Speculator:
             rounds += 1
             still = []
             for (seq, sh, k), item in zip(active, items):
+                if sh.error:          # the draft model failed on it: no draft, a fresh shadow next time
+                    seq.draft, seq.draft_probs, seq.spec.source = [], None, None
+                    self.release(seq, failed=True)
+                    continue
                 sh.num_computed_tokens += item.num_tokens
                 token = sampled[sh.seq_id][0][0]
                 seq.draft.append(token)
@@ -319,10 +323,10 @@ class Speculator:
             extra = max(0.0, seconds / self.target_step - 1) / drafted_tokens
             self.verify_cost = 0.8 * self.verify_cost + 0.2 * extra
 
-    def release(self, seq: Sequence) -> None:
+    def release(self, seq: Sequence, failed: bool = False) -> None:
         shadow = self.shadows.pop(seq.seq_id, None)
         if shadow is not None:
-            self.draft.block_manager.free_seq(shadow)
+            self.draft.runner.clear(self.draft.block_manager.free_seq(shadow, forget=failed))
 
 
 def _room(seq: Sequence, max_model_len: int) -> int:
