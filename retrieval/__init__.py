@@ -1,14 +1,14 @@
 """Retrieval: parse and chunk documents, embed them, search per-tenant collections, and trim
 the hits to a context budget as a prompt whose prefix the engine's cache can reuse."""
 from .collection import Collection, CollectionConfig, IngestReport, CollectionStore
-from .context import Citation, OverBudget, RagContext, rag_context
+from .context import Passage, OverBudget, RagContext, rag_context
 from .documents import chunk, load, parse
 from .embedder import Embedder
 from .prompt import DEFAULT_INSTRUCTIONS, Prompt, build_prompt, canonical, system_text
 from .trim import Dropped, TrimResult, trim
-from .types import Chunk, Document, HFTokenizer, RetrievalError, SearchHit, Tokenizer
+from .types import Chunk, Document, HFTokenizer, RetrievalError, SearchHit, TokenCounter
 
-__all__ = ["Chunk", "Citation", "Collection", "CollectionConfig", "DEFAULT_INSTRUCTIONS", "Document", "Dropped",
+__all__ = ["Chunk", "Passage", "Collection", "CollectionConfig", "DEFAULT_INSTRUCTIONS", "Document", "Dropped",
            "Embedder", "HFTokenizer", "IngestReport", "OverBudget", "Prompt", "RagContext", "RetrievalError",
-           "SearchHit", "CollectionStore", "Tokenizer", "TrimResult", "build_prompt", "canonical", "chunk", "load", "parse",
+           "SearchHit", "CollectionStore", "TokenCounter", "TrimResult", "build_prompt", "canonical", "chunk", "load", "parse",
            "rag_context", "system_text", "trim"]

@@ -30,7 +30,7 @@ import faiss
 import numpy as np
 
 from .documents import chunk
-from .types import Chunk, Document, RetrievalError, SearchHit, Tokenizer
+from .types import Chunk, Document, RetrievalError, SearchHit, TokenCounter
 
 HNSW_FROM = 50_000  # exact search takes about 15 ms a query on 2 cores at this size
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -40,7 +40,7 @@ class Embed(Protocol):
     """What a collection needs from an embedder (retrieval.Embedder is one)."""
     dim: int
     max_tokens: int
-    tokenizer: Tokenizer
+    tokenizer: TokenCounter
 
     def encode(self, texts: list[str]) -> np.ndarray: ...
 

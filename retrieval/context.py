@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from .prompt import build_prompt
 from .trim import TrimResult, trim
-from .types import RetrievalError, SearchHit, Tokenizer
+from .types import RetrievalError, SearchHit, TokenCounter
 
 
 class OverBudget(RetrievalError):
@@ -20,7 +20,7 @@ class OverBudget(RetrievalError):
 
 
 @dataclass(frozen=True)
-class Citation:
+class Passage:
     number: int        # as the prompt numbers the passage, and the answer cites it: [1]
     hit: SearchHit
 
@@ -28,12 +28,12 @@ class Citation:
 @dataclass(frozen=True)
 class RagContext:
     messages: list[dict[str, str]]   # for the chat template
-    citations: list[Citation]        # passages in the prompt, by number
+    citations: list[Passage]         # passages in the prompt, by number
     hits: list[SearchHit]            # everything the search returned, by rank
     trimmed: TrimResult              # with no collection: no chunks, the question's own tokens
 
 
-def rag_context(collection, question: str, budget: int, tokenizer: Tokenizer, k: int,
+def rag_context(collection, question: str, budget: int, tokenizer: TokenCounter, k: int,
                 messages: list[dict[str, str]] | None = None, vector=None) -> RagContext:
     """`collection`: a retrieval Collection, or None to send the question (or `messages`) alone.
     `question` is what is searched for; the budget counts the whole conversation when
@@ -57,5 +57,5 @@ def rag_context(collection, question: str, budget: int, tokenizer: Tokenizer, k:
             system, rest = f"{system}\n\n{rest[0]['content']}", rest[1:]
         composed = [{"role": "system", "content": system}, *rest]
     by_id = {h.chunk.id: h for h in hits}
-    citations = [Citation(int(n), by_id[cid]) for n, cid in prompt.citations.items()]
+    citations = [Passage(int(n), by_id[cid]) for n, cid in prompt.citations.items()]
     return RagContext(composed, citations, hits, result)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from html.parser import HTMLParser
 from pathlib import Path
 
-from .types import Chunk, Document, RetrievalError, Tokenizer
+from .types import Chunk, Document, RetrievalError, TokenCounter
 
 KINDS = {".txt": "text", ".text": "text", ".md": "markdown", ".markdown": "markdown",
          ".html": "html", ".htm": "html", ".jsonl": "jsonl"}
@@ -158,7 +158,7 @@ class _Unit:
     ends_paragraph: bool
 
 
-def chunk(doc: Document, tokenizer: Tokenizer, size: int = 200, overlap: int = 32) -> list[Chunk]:
+def chunk(doc: Document, tokenizer: TokenCounter, size: int = 200, overlap: int = 32) -> list[Chunk]:
     """Cut a document into chunks of at most `size` tokens."""
     # 8 tokens hold any single character, even one that a byte-level BPE spells in 4 bytes.
     if size < 8 or not 0 <= overlap < size:

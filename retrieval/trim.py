@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .prompt import DEFAULT_INSTRUCTIONS, canonical, passage, system_text
-from .types import Chunk, RetrievalError, Tokenizer
+from .types import Chunk, RetrievalError, TokenCounter
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class TrimResult:
     budget: int
 
 
-def trim(ranked: Sequence[Chunk], question: str, budget: int, tokenizer: Tokenizer,
+def trim(ranked: Sequence[Chunk], question: str, budget: int, tokenizer: TokenCounter,
          instructions: str = DEFAULT_INSTRUCTIONS, max_overlap: float = 0.8) -> TrimResult:
     """Keep the best chunks that fit in `budget` tokens, `max_overlap` being the share of
     word trigrams a chunk may have in common with a kept one before it counts as a duplicate."""

@@ -12,14 +12,14 @@ class RetrievalError(ValueError):
     """Bad input to retrieval: the message names what was wrong."""
 
 
-class Tokenizer(Protocol):
+class TokenCounter(Protocol):
     """All retrieval needs from a tokenizer: the engine's tokenizer satisfies it as is."""
 
     def encode(self, text: str) -> list[int]: ...
 
 
 class HFTokenizer:
-    """Adapts a Hugging Face `tokenizers.Tokenizer` (a model's tokenizer.json) to `Tokenizer`."""
+    """Adapts a Hugging Face `tokenizers.Tokenizer` (a model's tokenizer.json) to `TokenCounter`."""
 
     def __init__(self, tokenizer: tokenizers.Tokenizer):
         # Some tokenizer.json files (all-MiniLM's among them) pad and truncate to 128 tokens,
