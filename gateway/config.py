@@ -50,6 +50,11 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # WAL with NORMAL survives any crash of the process (a committed row is in the WAL);
     # FULL also survives power loss, at one fsync per commit (about 5 ms on this disk).
     ledger_synchronous: Literal["NORMAL", "FULL"] = "NORMAL"
+    # Where the usage ledger lives: SQLite for one process (a path under the data folder, or
+    # sqlite:////absolute), or PostgreSQL that every replica shares (docs/scale.md).
+    ledger: Annotated[str, msgspec.Meta(pattern=r"^(sqlite:///.+|postgres(ql)?://.*)$")] = "sqlite:///ledger.sqlite"
+    # Rate limits and in-flight spend: this process's memory, or Redis that replicas share.
+    limits: Annotated[str, msgspec.Meta(pattern=r"^(memory|rediss?://.*|unix://.+)$")] = "memory"
     max_body_bytes: Positive = 8 * 2**20
 
     def __post_init__(self) -> None:

@@ -123,13 +123,19 @@ class SpendGuard:
             raise GatewayError(402, f"tenant {tenant.id!r} has spent its monthly cap of ${cap:.2f}",
                                code="spend_cap_reached")
 
-    def reserve(self, tenant: Tenant, estimate: float) -> None:
+    def _take(self, tenant: Tenant, estimate: float) -> tuple[float, float]:
+        """Reserve `estimate` if it fits in what is left, as one atomic step; (cap, left before)."""
         cap, left = self._left(tenant)
+        if estimate <= left:
+            self.reserved[tenant.id] += estimate
+        return cap, left
+
+    def reserve(self, tenant: Tenant, estimate: float) -> None:
+        cap, left = self._take(tenant, estimate)
         if estimate > left:
             raise GatewayError(402, f"this request may cost up to ${estimate:.6f} but tenant {tenant.id!r} has "
                                     f"${max(left, 0):.6f} left of its monthly cap of ${cap:.2f}; ask for fewer "
                                     f"output tokens or raise the cap", code="spend_cap_reached")
-        self.reserved[tenant.id] += estimate
 
     def release(self, tenant: Tenant, estimate: float) -> None:
         self.reserved[tenant.id] = max(0.0, self.reserved[tenant.id] - estimate)
