@@ -7,15 +7,25 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# torch first and exactly: a range would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,triton]'
+	$(PY) -m pip install -q -e '.[dev,triton,ray]'
 	touch $@
 
-.PHONY: run test test-slow bench router eval-report thinking-table
+.PHONY: run test test-slow services bench router eval-report thinking-table
 run: $(VENV)/.installed
 	$(VENV)/bin/sluice serve --demo
 
-test: $(VENV)/.installed
+test: $(VENV)/.installed services
 	$(PY) -m pytest -q
+
+# PostgreSQL and Redis for the shared-storage tests (tests/services.py starts throwaway
+# servers on loopback), from the system packages when missing: CI runs as root on a fresh
+# Debian. Without them those tests skip and say why.
+services:
+	@if ! command -v redis-server >/dev/null || \
+	    ! { command -v initdb >/dev/null || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; }; then \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql redis-server; } \
+		|| echo "make services: could not install postgresql and redis-server; the shared-storage tests will skip"; \
+	fi
 
 test-slow: $(VENV)/.installed
 	$(PY) -m pytest -q -m slow

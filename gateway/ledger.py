@@ -1,4 +1,5 @@
-"""The usage ledger: SQLite in WAL mode, one row per request that reached the engine.
+"""The usage ledger: one row per request that reached the engine, in SQLite (WAL) for one
+process, or in PostgreSQL (ledger_postgres.py) that every replica of a deployment shares.
 
 A request is answered only after its row is committed, so no answered request is missing
 from the ledger, whatever crashes afterwards. One writer thread commits every row waiting
@@ -9,11 +10,16 @@ is what the spend cap reads (a primary-key lookup, not a sum over the month).
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import sqlite3
 import threading
+from collections.abc import Callable
 from dataclasses import astuple, dataclass, fields
 from pathlib import Path
+from typing import Protocol
+
+log = logging.getLogger("sluice.ledger")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS requests(
@@ -72,9 +78,34 @@ COLUMNS = [f.name for f in fields(UsageRow)]
 INSERT = f"INSERT INTO requests({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
 ADD_SPEND = ("INSERT INTO spend(tenant, month, cost) VALUES (?, ?, ?) "
              "ON CONFLICT(tenant, month) DO UPDATE SET cost = cost + excluded.cost")
+SELECT_ROWS = f"SELECT {', '.join(COLUMNS)} FROM requests"
+# Written with %s (PostgreSQL's placeholder); SQLite's ? is substituted in.
+USAGE = ("SELECT model, count(*), sum(prompt_tokens), sum(cached_tokens), sum(completion_tokens), "
+         "sum(thinking_tokens), sum(cost) FROM requests WHERE tenant = %s AND month = %s GROUP BY model")
+USAGE_KEYS = ("requests", "prompt", "cached", "completion", "thinking", "cost")
 
 
-class Ledger:
+class Database(Protocol):
+    """What the ledger needs of a database. `write` is called from the writer thread only;
+    the reads from any thread."""
+    Error: type[Exception]          # what a row that cannot be committed raises
+
+    def write(self, rows: list[UsageRow]) -> None:
+        """Commit the rows and add their costs to the monthly totals, all in one transaction, or raise Error."""
+
+    def close_writer(self) -> None: ...
+
+    def spent(self, tenant: str, month: str) -> float: ...
+
+    def usage(self, tenant: str, month: str) -> dict[str, dict]:
+        """Per model: requests, tokens by kind and cost of one tenant in one month."""
+
+    def rows(self, tenant: str | None = None) -> list[UsageRow]: ...
+
+
+class SqliteDatabase:
+    Error = sqlite3.Error
+
     def __init__(self, path: str | Path, synchronous: str = "NORMAL"):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -83,9 +114,7 @@ class Ledger:
         db.executescript(f"BEGIN;{SCHEMA}COMMIT;")
         db.close()
         self._local = threading.local()          # one reading connection per thread
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._writer: threading.Thread | None = None
-        self._start_lock = threading.Lock()
+        self._writer: sqlite3.Connection | None = None
 
     def _connect(self) -> sqlite3.Connection:
         db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=30)
@@ -98,6 +127,56 @@ class Ledger:
         if db is None:
             db = self._local.db = self._connect()
         return db
+
+    def write(self, rows: list[UsageRow]) -> None:
+        db = self._writer = self._writer or self._connect()
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            for row in rows:
+                db.execute(INSERT, astuple(row))
+                db.execute(ADD_SPEND, (row.tenant, row.month, row.cost))
+            db.execute("COMMIT")
+        except BaseException:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            raise
+
+    def close_writer(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def spent(self, tenant: str, month: str) -> float:
+        row = self._reader().execute("SELECT cost FROM spend WHERE tenant = ? AND month = ?", (tenant, month)).fetchone()
+        return row[0] if row else 0.0
+
+    def usage(self, tenant: str, month: str) -> dict[str, dict]:
+        rows = self._reader().execute(USAGE.replace("%s", "?"), (tenant, month))
+        return {r[0]: dict(zip(USAGE_KEYS, r[1:])) for r in rows}
+
+    def rows(self, tenant: str | None = None) -> list[UsageRow]:
+        sql = SELECT_ROWS + (" WHERE tenant = ?" if tenant else "") + " ORDER BY id"
+        return [UsageRow(*r[:-2], bool(r[-2]), r[-1]) for r in self._reader().execute(sql, (tenant,) if tenant else ())]
+
+
+def open_database(where: str | Path, synchronous: str = "NORMAL") -> Database:
+    """A postgresql:// URL, or the path of a SQLite file."""
+    if isinstance(where, str) and where.startswith(("postgresql://", "postgres://")):
+        from gateway.ledger_postgres import PostgresDatabase
+        return PostgresDatabase(where)
+    return SqliteDatabase(where, synchronous)
+
+
+class Ledger:
+    """Group commit in front of a database. `after_commit` hooks see each committed batch in
+    the writer thread before any of its callers return (the shared spend cap counts it there)."""
+
+    def __init__(self, where: str | Path, synchronous: str = "NORMAL"):
+        self.db = open_database(where, synchronous)
+        self.after_commit: list[Callable[[list[UsageRow]], None]] = []
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._writer: threading.Thread | None = None
+        self._start_lock = threading.Lock()
 
     # ---- writing ----
 
@@ -116,44 +195,37 @@ class Ledger:
                 self._writer.start()
 
     def _write_loop(self) -> None:
-        db = self._connect()
         while True:
             batch = [self._queue.get()]
             while not self._queue.empty():
                 batch.append(self._queue.get())
             items = [b for b in batch if b is not None]
             if items:
+                rows = [row for row, _, _ in items]
                 try:
-                    self._commit(db, items)
+                    self.db.write(rows)
                     errors = [None] * len(items)
-                except sqlite3.Error:        # one bad row must not cost the others theirs
-                    errors = [self._commit_alone(db, item) for item in items]
+                except self.db.Error:        # one bad row must not cost the others theirs
+                    errors = [self._write_alone(row) for row in rows]
+                committed = [row for row, error in zip(rows, errors) if error is None]
+                for hook in self.after_commit if committed else ():
+                    try:
+                        hook(committed)
+                    except Exception:        # the rows stand; the hook reports its own trouble
+                        log.exception("after-commit hook failed")
                 for (_, loop, done), error in zip(items, errors):
                     try:
                         loop.call_soon_threadsafe(_settle, done, error)
                     except RuntimeError:     # that caller's event loop is gone; the row is written
                         pass
             if len(items) < len(batch):      # close() asked us to stop
-                db.close()
+                self.db.close_writer()
                 return
 
-    @staticmethod
-    def _commit(db: sqlite3.Connection, items: list) -> None:
-        db.execute("BEGIN IMMEDIATE")
+    def _write_alone(self, row: UsageRow) -> Exception | None:
         try:
-            for row, _, _ in items:
-                db.execute(INSERT, astuple(row))
-                db.execute(ADD_SPEND, (row.tenant, row.month, row.cost))
-            db.execute("COMMIT")
-        except BaseException:
-            if db.in_transaction:
-                db.execute("ROLLBACK")
-            raise
-
-    def _commit_alone(self, db: sqlite3.Connection, item) -> sqlite3.Error | None:
-        try:
-            self._commit(db, [item])
-        except sqlite3.Error as e:
+            self.db.write([row])
+        except self.db.Error as e:
             return e
         return None
 
@@ -167,21 +239,14 @@ class Ledger:
     # ---- reading ----
 
     def spent(self, tenant: str, month: str) -> float:
-        row = self._reader().execute("SELECT cost FROM spend WHERE tenant = ? AND month = ?", (tenant, month)).fetchone()
-        return row[0] if row else 0.0
+        return self.db.spent(tenant, month)
 
     def usage(self, tenant: str, month: str) -> dict[str, dict]:
         """Per model: requests, tokens by kind and cost of one tenant in one month."""
-        rows = self._reader().execute(
-            "SELECT model, count(*), sum(prompt_tokens), sum(cached_tokens), sum(completion_tokens), "
-            "sum(thinking_tokens), sum(cost) FROM requests WHERE tenant = ? AND month = ? GROUP BY model",
-            (tenant, month))
-        return {r[0]: {"requests": r[1], "prompt": r[2], "cached": r[3], "completion": r[4], "thinking": r[5],
-                       "cost": r[6]} for r in rows}
+        return self.db.usage(tenant, month)
 
     def rows(self, tenant: str | None = None) -> list[UsageRow]:
-        sql = f"SELECT {', '.join(COLUMNS)} FROM requests" + (" WHERE tenant = ?" if tenant else "") + " ORDER BY id"
-        return [UsageRow(*r[:-2], bool(r[-2]), r[-1]) for r in self._reader().execute(sql, (tenant,) if tenant else ())]
+        return self.db.rows(tenant)
 
 
 def _settle(done: asyncio.Future, error: Exception | None) -> None:

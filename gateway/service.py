@@ -30,9 +30,10 @@ from engine.llm_engine import LLMEngine
 from gateway import schemas as s
 from gateway.config import ServerConfig
 from gateway.errors import GatewayError, retry_after
-from gateway.ledger import Ledger, UsageRow
-from gateway.limits import Admission, RateLimiter, SpendGuard, month_of
+from gateway.ledger import UsageRow
+from gateway.limits import Admission, month_of
 from gateway.metrics import GatewayMetrics
+from gateway.storage import open_storage
 from gateway.tenants import Tenant, TenantRegistry
 from pipeline import Answer, EngineCall, Pipeline, Plan, Query, Refused, cost
 from retrieval import CollectionStore, Embedder, RetrievalError
@@ -121,9 +122,7 @@ class Gateway:
         self.config = config
         self.tenants = tenants
         self.data_dir = Path(data_dir)
-        self.ledger = Ledger(self.data_dir / "ledger.sqlite", config.ledger_synchronous)
-        self.rates = RateLimiter()
-        self.spend = SpendGuard(self.ledger)
+        self.ledger, self.rates, self.spend = open_storage(config, self.data_dir)
         self.admission = Admission(config.max_inflight, config.max_queued)
         self.metrics = GatewayMetrics(
             lambda: self.engine.stats() if self.engine else {},

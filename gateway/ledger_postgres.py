@@ -1,0 +1,117 @@
+"""The usage ledger in PostgreSQL, shared by every replica of a deployment (psycopg 3).
+
+The schema is a list of numbered migrations applied in order, each in its own transaction
+and recorded in `sluice_schema_migrations`, under an advisory lock so that replicas starting
+together apply each one once. A new schema change is a new entry at the end, never an edit.
+
+Replicas commit at the same time into the same `spend` rows; each transaction updates its
+tenants' rows in one sorted order, so two of them can wait on each other but never deadlock.
+"""
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from dataclasses import astuple
+
+import psycopg
+
+from gateway.ledger import COLUMNS, SELECT_ROWS, USAGE, USAGE_KEYS, UsageRow
+
+MIGRATIONS: list[tuple[int, list[str]]] = [
+    (1, ["""CREATE TABLE requests(
+            id BIGSERIAL PRIMARY KEY,
+            request_id TEXT NOT NULL UNIQUE,
+            ts DOUBLE PRECISION NOT NULL,           -- unix seconds when the request ended
+            month TEXT NOT NULL,                    -- YYYY-MM (UTC): the month its cost counts against
+            tenant TEXT NOT NULL,
+            endpoint TEXT NOT NULL,                 -- ask | chat | cli
+            status TEXT NOT NULL,                   -- ok | cancelled | error
+            model TEXT NOT NULL,
+            models TEXT NOT NULL,
+            collection TEXT,
+            prompt_tokens INTEGER NOT NULL,
+            cached_tokens INTEGER NOT NULL,
+            completion_tokens INTEGER NOT NULL,
+            thinking_tokens INTEGER NOT NULL,
+            cost DOUBLE PRECISION NOT NULL,         -- US dollars
+            retrieval_ms DOUBLE PRECISION NOT NULL, queue_ms DOUBLE PRECISION NOT NULL,
+            ttft_ms DOUBLE PRECISION, total_ms DOUBLE PRECISION NOT NULL,
+            route_reason TEXT NOT NULL, difficulty TEXT, confidence DOUBLE PRECISION,
+            escalated BOOLEAN NOT NULL, finish_reason TEXT)""",
+         "CREATE INDEX requests_by_tenant ON requests(tenant, month)",
+         """CREATE TABLE spend(tenant TEXT NOT NULL, month TEXT NOT NULL, cost DOUBLE PRECISION NOT NULL,
+            PRIMARY KEY(tenant, month))"""]),
+]
+MIGRATION_LOCK = 0x511CE                 # the pg_advisory_lock key migrations hold
+INSERT = f"INSERT INTO requests({', '.join(COLUMNS)}) VALUES ({', '.join(['%s'] * len(COLUMNS))})"
+ADD_SPEND = ("INSERT INTO spend(tenant, month, cost) VALUES (%s, %s, %s) "
+             "ON CONFLICT(tenant, month) DO UPDATE SET cost = spend.cost + excluded.cost")
+
+
+def migrate(url: str) -> list[int]:
+    """Apply the migrations this database lacks; returns the versions applied now."""
+    applied = []
+    with psycopg.connect(url, autocommit=True) as db:
+        db.execute("SELECT pg_advisory_lock(%s)", (MIGRATION_LOCK,))
+        try:
+            db.execute("CREATE TABLE IF NOT EXISTS sluice_schema_migrations("
+                       "version INTEGER PRIMARY KEY, applied_at TIMESTAMPTZ NOT NULL DEFAULT now())")
+            have = {v for (v,) in db.execute("SELECT version FROM sluice_schema_migrations")}
+            for version, statements in MIGRATIONS:
+                if version in have:
+                    continue
+                with db.transaction():
+                    for sql in statements:
+                        db.execute(sql)
+                    db.execute("INSERT INTO sluice_schema_migrations(version) VALUES (%s)", (version,))
+                applied.append(version)
+        finally:
+            db.execute("SELECT pg_advisory_unlock(%s)", (MIGRATION_LOCK,))
+    return applied
+
+
+class PostgresDatabase:
+    Error = psycopg.Error
+
+    def __init__(self, url: str):
+        self.url = url
+        migrate(url)
+        self._local = threading.local()          # one reading connection per thread
+        self._writer: psycopg.Connection | None = None
+
+    def _connect(self) -> psycopg.Connection:
+        return psycopg.connect(self.url, autocommit=True)
+
+    def _reader(self) -> psycopg.Connection:
+        db = getattr(self._local, "db", None)
+        if db is None or db.closed:              # first use, or the server dropped it: connect again
+            db = self._local.db = self._connect()
+        return db
+
+    def write(self, rows: list[UsageRow]) -> None:
+        if self._writer is None or self._writer.closed:
+            self._writer = self._connect()
+        spend: dict[tuple[str, str], float] = defaultdict(float)
+        for row in rows:
+            spend[row.tenant, row.month] += row.cost
+        with self._writer.transaction(), self._writer.cursor() as cur:
+            cur.executemany(INSERT, [astuple(row) for row in rows])
+            cur.executemany(ADD_SPEND, [(t, m, c) for (t, m), c in sorted(spend.items())])
+
+    def close_writer(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def spent(self, tenant: str, month: str) -> float:
+        row = self._reader().execute("SELECT cost FROM spend WHERE tenant = %s AND month = %s",
+                                     (tenant, month)).fetchone()
+        return row[0] if row else 0.0
+
+    def usage(self, tenant: str, month: str) -> dict[str, dict]:
+        rows = self._reader().execute(USAGE, (tenant, month))
+        return {r[0]: dict(zip(USAGE_KEYS, r[1:])) for r in rows}
+
+    def rows(self, tenant: str | None = None) -> list[UsageRow]:
+        sql = SELECT_ROWS + (" WHERE tenant = %s" if tenant else "") + " ORDER BY id"
+        return [UsageRow(*r) for r in self._reader().execute(sql, (tenant,) if tenant else ())]
