@@ -6,15 +6,16 @@ before it answers, so every refusal (limits, budgets, a missing collection) stil
 own status code rather than an error inside a 200 stream. (Should the response then never
 start, the pipeline's generator is closed when collected, by asyncio's async-generator
 finalizer, and gives back its engine slot and reservations.) A client that goes away
-cancels its generation: the engine aborts it and frees its KV blocks at once.
+cancels its generation: the engine aborts it and frees its KV blocks at once. Bodies are
+decoded by `JSONRequest`, strictly, into the handler's struct.
 """
 from __future__ import annotations
 
 import asyncio
-import re
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable
-from typing import TypeVar
+from typing import Annotated, Any, TypeVar
 
 import anyio
 import msgspec
@@ -22,15 +23,17 @@ from litestar import Litestar, Request, Response, Router, delete, get, post
 from litestar.datastructures import State
 from litestar.di import NamedDependency, Provide
 from litestar.openapi import OpenAPIConfig
-from litestar.params import FromPath, FromQuery, JSONBody
+from litestar.openapi.datastructures import ResponseSpec
+from litestar.params import FromPath, JSONBody, Parameter
 from litestar.openapi.spec import Components, SecurityScheme
 from litestar.response import Stream
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import schemas as s
 from gateway.auth import authenticate, current_tenant
-from gateway.errors import HANDLERS, GatewayError, body
+from gateway.errors import HANDLERS, GatewayError, body, clause, documented, explain, on_openai_error
 from gateway.metrics import CONTENT_TYPE
+from gateway.openapi import ASK_EVENTS, CHAT_EVENTS, make_truthful
 from gateway.service import Done, Gateway, Meta, Token
 from gateway.tenants import Tenant
 from pipeline import Query
@@ -38,12 +41,56 @@ from retrieval import RetrievalError, parse
 
 T = TypeVar("T")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-MONTH = re.compile(r"\d{4}-(0[1-9]|1[0-2])")
-NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+# Path and query parameters, checked by Litestar (a 422 naming the parameter) and documented.
+CollectionPath = Annotated[str, Parameter(pattern=s.COLLECTION_NAME, description=s.COLLECTION_NAME_RULE)]
+Month = Annotated[str | None, Parameter(pattern=s.MONTH, description="YYYY-MM")]
 
 
 def gateway_of(request: Request) -> Gateway:
     return request.app.state.gateway
+
+
+def _json_number(text: str) -> int | float:
+    """A JSON number written with a point or an exponent. 253.0 is an integer to JSON Schema
+    (and to a client whose arithmetic is in floats), so it becomes one; a string never does."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError("number out of range")
+    return int(value) if value.is_integer() else value
+
+
+JSON = msgspec.json.Decoder(float_hook=_json_number)
+
+
+class JSONRequest(Request):
+    """Decodes a body into its handler's struct with msgspec, strictly: "8" is not an int and
+    "true" not a bool (Litestar's own decoding would coerce them). Whatever is not a JSON
+    object at all (another media type, bytes that are not UTF-8, nesting past the parser's
+    depth) is a 4xx that says so, never a 500. A missing Content-Type is taken for JSON."""
+
+    async def json(self) -> Any:
+        media_type = self.content_type[0]
+        if media_type and media_type != "application/json" and not media_type.endswith("+json"):
+            raise GatewayError(415, f"the request body must be application/json, not {media_type!r}",
+                               code="unsupported_media_type")
+        try:     # (Litestar answers an empty body itself, as a missing `data`: see errors.py)
+            value = JSON.decode(await self.body())
+        except UnicodeDecodeError:
+            raise GatewayError(400, "the request body is not valid UTF-8, which JSON must be",
+                               code="invalid_utf8") from None
+        except RecursionError:
+            raise GatewayError(400, "the request body nests too deeply to parse", code="too_deep") from None
+        except msgspec.DecodeError as e:      # malformed, or a number past a float's range
+            what = clause(str(e).removeprefix("JSON is malformed: ").replace(" - at `$[...]`", ""))
+            raise GatewayError(400, f"the request body is not valid JSON: {what}", code="invalid_json") from None
+        try:       # values typed Any (document metadata) are taken as decoded: no deeper recursion
+            return msgspec.convert(value, self.route_handler.parsed_data_field.annotation, strict=True)
+        except msgspec.ValidationError as e:
+            field, message = explain(e)
+            if field is None:                   # the body itself is not an object
+                raise GatewayError(400, f"the request body must be a JSON object: {message}",
+                                   code="invalid_body") from None
+            raise GatewayError(422, message, field, "invalid_field") from None
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
@@ -111,7 +158,8 @@ def _ask_done(meta: Meta, done: Done) -> s.AskResponse:
                          done.finish_reason)
 
 
-@post("/ask", status_code=200, summary="Answer a question, from a collection or not",
+@post("/ask", status_code=200, summary="Answer a question, from a collection or not", opt={"sse": ASK_EVENTS},
+      responses=documented(400, 401, 402, 403, 404, 413, 415, 422, 429, 500, 503),
       description="With `stream: true` the answer comes as Server-Sent Events: `meta` (route, citations), "
                   "`token` events (`{\"text\": ...}`), then `done` (usage, cost, timings), or `error`.")
 async def ask(request: Request, data: JSONBody[s.AskRequest], tenant: NamedDependency[Tenant]) -> s.AskResponse:
@@ -147,6 +195,9 @@ def _chat_usage(done: Done) -> s.ChatUsage:
 
 
 @post("/chat/completions", status_code=200, summary="OpenAI-compatible chat completions",
+      opt={"sse": CHAT_EVENTS},
+      responses=documented(400, 401, 403, 404, 413, 415, 422, 429, 500, 503),
+      exception_handlers={GatewayError: on_openai_error},
       description="`model` is `auto`, `small` or `large`. Sluice's extra field `collection` answers from "
                   "that collection's passages (with an OpenAI SDK: `extra_body={\"collection\": ...}`).")
 async def chat(request: Request, data: JSONBody[s.ChatRequest], tenant: NamedDependency[Tenant]) -> s.ChatCompletion:
@@ -154,8 +205,6 @@ async def chat(request: Request, data: JSONBody[s.ChatRequest], tenant: NamedDep
     if data.model not in served:
         raise GatewayError(404, f"model {data.model!r} does not exist; use one of {', '.join(served)}", "model",
                            "model_not_found")
-    if data.n != 1:
-        raise GatewayError(422, "n must be 1: one choice per request", "n", "unsupported")
     messages = [{"role": m.role, "content": _text(m.content)} for m in data.messages]
     questions = [m["content"] for m in messages if m["role"] == "user"]
     if not questions:
@@ -196,24 +245,18 @@ async def chat(request: Request, data: JSONBody[s.ChatRequest], tenant: NamedDep
     return sse_response(_relay(first, events, render, error), meta.request_id)
 
 
-@get("/models", summary="Models this tenant may ask for (OpenAI-compatible list)")
+@get("/models", summary="Models this tenant may ask for (OpenAI-compatible list)",
+     responses=documented(401, 429))
 async def models(tenant: NamedDependency[Tenant]) -> s.ModelList:
     return s.ModelList([s.ModelCard(m) for m in ("auto", *tenant.spec.allowed_models)])
 
 
 # ------------------------------------------------------------------ collections
 
-def _collection_name(name: str) -> str:
-    if not NAME.fullmatch(name):
-        raise GatewayError(422, f"bad collection name {name!r}: use 1 to 64 letters, digits, '_', '.' or '-', "
-                                f"starting with a letter or digit", "name", "invalid_field")
-    return name
-
-
 @post("/collections/{name:str}/documents", status_code=200,
-      summary="Add or replace documents in one of the tenant's collections (created on first use)")
-async def add_documents(request: Request, name: FromPath[str], data: JSONBody[s.IngestRequest], tenant: NamedDependency[Tenant]) -> s.IngestResponse:
-    _collection_name(name)
+      summary="Add or replace documents in one of the tenant's collections (created on first use)",
+      responses=documented(400, 401, 413, 415, 422, 429, 503))
+async def add_documents(request: Request, name: CollectionPath, data: JSONBody[s.IngestRequest], tenant: NamedDependency[Tenant]) -> s.IngestResponse:
     docs = []
     for i, d in enumerate(data.documents):
         try:
@@ -223,20 +266,20 @@ async def add_documents(request: Request, name: FromPath[str], data: JSONBody[s.
     return await gateway_of(request).ingest(tenant, name, docs)
 
 
-@delete("/collections/{name:str}/documents/{doc_id:path}", status_code=200, summary="Delete one document")
-async def delete_document(request: Request, name: FromPath[str], doc_id: FromPath[str], tenant: NamedDependency[Tenant]) -> s.DeleteResponse:
-    return await gateway_of(request).delete(tenant, _collection_name(name), doc_id.lstrip("/"))
+@delete("/collections/{name:str}/documents/{doc_id:path}", status_code=200, summary="Delete one document",
+        responses=documented(401, 404, 422, 429, 503))
+async def delete_document(request: Request, name: CollectionPath, doc_id: FromPath[str], tenant: NamedDependency[Tenant]) -> s.DeleteResponse:
+    return await gateway_of(request).delete(tenant, name, doc_id.lstrip("/"))
 
 
-@get("/collections", summary="The tenant's own collections")
+@get("/collections", summary="The tenant's own collections", responses=documented(401, 429, 503))
 async def list_collections(request: Request, tenant: NamedDependency[Tenant]) -> s.CollectionList:
     return await anyio.to_thread.run_sync(gateway_of(request).collections, tenant)
 
 
-@get("/usage", summary="The calling tenant's usage and spend in one month (default: this one, UTC)")
-async def usage(request: Request, tenant: NamedDependency[Tenant], month: FromQuery[str | None] = None) -> s.UsageReport:
-    if month is not None and not MONTH.fullmatch(month):
-        raise GatewayError(422, f"month must look like 2025-01, got {month!r}", "month", "invalid_field")
+@get("/usage", summary="The calling tenant's usage and spend in one month (default: this one, UTC)",
+     responses=documented(401, 422, 429))
+async def usage(request: Request, tenant: NamedDependency[Tenant], month: Month = None) -> s.UsageReport:
     return gateway_of(request).usage(tenant, month)
 
 
@@ -247,7 +290,9 @@ async def healthz() -> s.Health:
     return s.Health("ok")
 
 
-@get("/readyz", summary="Models and embedder are loaded")
+@get("/readyz", summary="Models and embedder are loaded",
+     responses={503: ResponseSpec(s.Health, description="still loading, or loading failed (`detail` says why)",
+                                  generate_examples=False)})
 async def readyz(request: Request) -> Response[s.Health]:
     gw = gateway_of(request)
     if gw.ready:
@@ -291,7 +336,7 @@ def create_app(gateway: Gateway, banner: str | None = None, debug: bool = False)
     """`banner` is printed once the models are loaded (`sluice serve --demo` prints its curl)."""
     v1 = Router("/v1", route_handlers=[ask, chat, models, add_documents, delete_document, list_collections, usage],
                 guards=[authenticate], dependencies={"tenant": Provide(current_tenant, sync_to_thread=False)},
-                security=[{"bearer": []}])
+                security=[{"bearer": []}], request_class=JSONRequest)
     openapi = OpenAPIConfig(title="Sluice", version="0.1.0", path="/schema",
                             description="A workload-aware RAG gateway. Authenticate with `Authorization: Bearer <key>`.",
                             components=Components(security_schemes={"bearer": SecurityScheme(
@@ -312,7 +357,9 @@ def create_app(gateway: Gateway, banner: str | None = None, debug: bool = False)
             return
         print(banner, flush=True)
 
-    return Litestar([v1, healthz, readyz, metrics], on_startup=[start], on_shutdown=[gateway.stop],
-                    exception_handlers=HANDLERS, openapi_config=openapi, middleware=[metrics_middleware],
-                    request_max_body_size=gateway.config.max_body_bytes, state=State({"gateway": gateway}),
-                    debug=debug)
+    app = Litestar([v1, healthz, readyz, metrics], on_startup=[start], on_shutdown=[gateway.stop],
+                   exception_handlers=HANDLERS, openapi_config=openapi, middleware=[metrics_middleware],
+                   request_max_body_size=gateway.config.max_body_bytes, state=State({"gateway": gateway}),
+                   debug=debug)
+    make_truthful(app, gateway.config.engine.models, gateway.config.max_input_chars)
+    return app

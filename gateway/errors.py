@@ -2,7 +2,8 @@
 
 The shape is OpenAI's (`{"error": {"message", "type", "param", "code"}}`) so that a frontend
 on an OpenAI SDK reports our messages as it reports OpenAI's. Bad input is a 4xx whose
-message names the field and what was expected; only a fault of ours is a 5xx.
+message names the field and what was expected; only a fault of ours is a 5xx. `STATUSES`
+says when each status is sent; the OpenAPI schema documents every endpoint's from it.
 """
 from __future__ import annotations
 
@@ -11,15 +12,45 @@ import re
 
 import msgspec
 from litestar import Request, Response
-from litestar.exceptions import HTTPException, SerializationException, ValidationException
+from litestar.exceptions import HTTPException, ValidationException
+from litestar.openapi.datastructures import ResponseSpec
 
 log = logging.getLogger("sluice.gateway")
 
 # OpenAI's error types, by status, so SDKs map them to their exception classes.
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 402: "insufficient_quota",
-         403: "permission_error", 404: "not_found_error", 409: "conflict_error", 413: "invalid_request_error",
-         415: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
-         503: "overloaded_error"}
+         403: "permission_error", 404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error",
+         413: "invalid_request_error", 415: "invalid_request_error", 422: "invalid_request_error",
+         429: "rate_limit_error", 503: "overloaded_error"}
+# What OpenAI sends for an exhausted quota: 429 with this type and code.
+QUOTA = "insufficient_quota"
+
+STATUSES = {
+    400: "The body is not JSON (malformed, not UTF-8, nested too deeply), is missing, or is not an object.",
+    401: "No API key, not a Bearer key, or an unknown key (`WWW-Authenticate: Bearer`).",
+    402: "The monthly spend cap is reached, or this request's worst case would pass it.",
+    403: "The tenant may not use the model asked for.",
+    404: "Unknown collection (another tenant's is exactly as unknown), document or model.",
+    413: "The body is over the server's `max_body_bytes`.",
+    415: "The body is not `application/json`.",
+    422: "A field is of the wrong type, missing, unknown or out of range (`param` names it), or the request "
+         "passes a limit of the tenant or the model: output, thinking or context budget, prompt length.",
+    429: "Over the tenant's requests or tokens per minute (`Retry-After`); on /v1/chat/completions also an "
+         "exhausted spend cap, with code `insufficient_quota`.",
+    500: "A fault of the server's own (the engine failed); it is logged.",
+    503: "Models are still loading, or the bounded queue is full (`Retry-After`).",
+}
+
+
+class ErrorDetail(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None     # the request field at fault, if any
+    code: str | None      # a stable name for the refusal, e.g. invalid_field, spend_cap_reached
+
+
+class ErrorBody(msgspec.Struct):
+    error: ErrorDetail
 
 
 class GatewayError(Exception):
@@ -36,8 +67,15 @@ def retry_after(status: int, message: str, seconds: float, code: str) -> Gateway
     return GatewayError(status, message, code=code, headers={"Retry-After": str(max(1, int(seconds + 0.999)))})
 
 
-def body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": TYPES.get(status, "api_error"), "param": param, "code": code}}
+def body(status: int, message: str, param: str | None = None, code: str | None = None) -> ErrorBody:
+    kind = QUOTA if code == QUOTA else TYPES.get(status, "api_error")
+    return ErrorBody(ErrorDetail(message, kind, param, code))
+
+
+def documented(*statuses: int) -> dict[int, ResponseSpec]:
+    """The OpenAPI responses of an endpoint that can refuse with these statuses."""
+    return {status: ResponseSpec(ErrorBody, description=STATUSES[status], generate_examples=False)
+            for status in statuses}
 
 
 def _response(status: int, message: str, param=None, code=None, headers=None) -> Response:
@@ -46,6 +84,15 @@ def _response(status: int, message: str, param=None, code=None, headers=None) ->
 
 def on_gateway_error(_: Request, exc: GatewayError) -> Response:
     return _response(exc.status, exc.message, exc.param, exc.code, exc.headers)
+
+
+def on_openai_error(request: Request, exc: GatewayError) -> Response:
+    """OpenAI's conventions on its endpoint: an exhausted spend cap is 429 `insufficient_quota`,
+    which SDKs and retry libraries know (a 402 reaches an OpenAI SDK as a bare APIStatusError).
+    `x-should-retry: false` keeps the SDK from retrying what waiting will not fix."""
+    if exc.code == "spend_cap_reached":
+        exc = GatewayError(429, exc.message, exc.param, QUOTA, {**exc.headers, "x-should-retry": "false"})
+    return on_gateway_error(request, exc)
 
 
 _AT = re.compile(r"^(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
@@ -64,30 +111,31 @@ def explain(exc: msgspec.ValidationError, prefix: str = "") -> tuple[str | None,
         field = f"{field}.{f['name']}" if field else f["name"]
         what = "is required but missing" if f["kind"] == "missing required" else "is not a known field"
         return field, f"field '{field}' {what}"
-    what = what.replace("`", "")
-    what = what[:1].lower() + what[1:]
+    what = clause(what)
     return field, f"field '{field}': {what}" if field else what
 
 
+def clause(what: str) -> str:
+    """msgspec's "Expected `int`, got `str`" as the rest of a sentence."""
+    what = what.replace("`", "")
+    return what[:1].lower() + what[1:]
+
+
 def on_validation_error(_: Request, exc: ValidationException) -> Response:
-    """Litestar wraps msgspec's error on the body; turn it back into one naming the field."""
-    cause = exc.__cause__
-    if isinstance(cause, msgspec.ValidationError):
-        if str(cause).startswith("Object missing required field `data`"):     # nothing decoded
-            return _response(400, "the request body is missing: send a JSON object", code="missing_body")
-        field, message = explain(cause, prefix=".data")
-        if field is None:                   # the body itself is not an object
-            return _response(400, f"the request body must be a JSON object: {message}", code="invalid_body")
-        return _response(422, message, field, "invalid_field")
-    detail = "; ".join(f"{e.get('key')}: {e.get('message')}" for e in exc.extra or [] if isinstance(e, dict))
-    return _response(400, detail or str(exc.detail), code="bad_request")
+    """A path or query parameter Litestar refused. (Bodies are decoded by the app's JSONRequest;
+    an empty one never reaches it and arrives here as a missing `data`.)"""
+    problems = [e for e in exc.extra or [] if isinstance(e, dict) and e.get("key")]
+    if any(e["key"] == "data" for e in problems):
+        return _response(400, "the request body is missing: send a JSON object", code="missing_body")
+    if not problems:
+        return _response(400, str(exc.detail), code="bad_request")
+    message = "; ".join(f"{getattr(e.get('source'), 'value', 'request')} parameter '{e['key']}': "
+                        f"{clause(e.get('message', ''))}" for e in problems)
+    return _response(422, message, problems[0]["key"], "invalid_field")
 
 
 def on_http_error(_: Request, exc: HTTPException) -> Response:
     message = str(exc.detail)
-    if isinstance(exc.__cause__, SerializationException):         # the body did not decode
-        message = "the request body is not valid JSON: " + message.removeprefix("JSON is malformed: ")
-        return _response(400, message, code="invalid_json")
     if exc.status_code == 413:
         message = "the request body is too large (see max_body_bytes in the server config)"
     return _response(exc.status_code, message, headers=exc.headers)

@@ -7,6 +7,7 @@ reservation that follows it are one atomic step without locks.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import defaultdict
 from contextlib import asynccontextmanager
@@ -98,6 +99,14 @@ class RateLimiter:
             self._bucket(self.tokens, tenant.id, tenant.spec.limits.tokens_per_minute).give_back(reserved - used)
 
 
+def dollars(amount: float) -> str:
+    """Money for a message: cents, or three significant digits where cents would hide them
+    ($0.20, $12.35, $0.005, $0.000123), so a cap under a cent does not read $0.00."""
+    extra = 0 if amount <= 0 else max(0, -math.floor(math.log10(amount)))    # decimals past the cents
+    text = f"{amount:.{2 + extra}f}"
+    return "$" + (text[:len(text) - extra] + text[len(text) - extra:].rstrip("0") if extra else text)
+
+
 def month_of(ts: float) -> str:
     return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m")
 
@@ -120,7 +129,7 @@ class SpendGuard:
     def check_open(self, tenant: Tenant) -> None:
         cap, left = self._left(tenant)
         if left <= 0:
-            raise GatewayError(402, f"tenant {tenant.id!r} has spent its monthly cap of ${cap:.2f}",
+            raise GatewayError(402, f"tenant {tenant.id!r} has spent its monthly cap of {dollars(cap)}",
                                code="spend_cap_reached")
 
     def _take(self, tenant: Tenant, estimate: float) -> tuple[float, float]:
@@ -133,9 +142,9 @@ class SpendGuard:
     def reserve(self, tenant: Tenant, estimate: float) -> None:
         cap, left = self._take(tenant, estimate)
         if estimate > left:
-            raise GatewayError(402, f"this request may cost up to ${estimate:.6f} but tenant {tenant.id!r} has "
-                                    f"${max(left, 0):.6f} left of its monthly cap of ${cap:.2f}; ask for fewer "
-                                    f"output tokens or raise the cap", code="spend_cap_reached")
+            raise GatewayError(402, f"this request may cost up to {dollars(estimate)} but tenant {tenant.id!r} "
+                                    f"has {dollars(max(left, 0))} left of its monthly cap of {dollars(cap)}; ask for "
+                                    f"fewer output tokens or raise the cap", code="spend_cap_reached")
 
     def release(self, tenant: Tenant, estimate: float) -> None:
         self.reserved[tenant.id] = max(0.0, self.reserved[tenant.id] - estimate)

@@ -1,5 +1,7 @@
-"""Every HTTP body, request and response, as a msgspec struct: validated on the way in,
-encoded on the way out, and described in the OpenAPI schema from the same definitions."""
+"""Every HTTP body, request and response, as a msgspec struct: validated on the way in
+(strictly: a string is never taken for a number), encoded on the way out, and described in
+the OpenAPI schema from the same definitions (gateway/openapi.py). Request bodies refuse
+unknown fields, and every bound the server enforces on a field is stated here."""
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
@@ -7,13 +9,22 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
+from engine.sampling_params import MIN_SEED, MIN_TEMPERATURE, MIN_TOP_P
+
 Mode = Literal["auto", "small", "large"]
 # The rule retrieval's store applies to collection names (retrieval/collection.py, NAME).
-CollectionName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$",
-                                     description="1 to 64 letters, digits, '_', '.' or '-'")]
-Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
-TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+COLLECTION_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+COLLECTION_NAME_RULE = "1 to 64 letters, digits, '_', '.' or '-', starting with a letter or digit"
+MONTH = r"^\d{4}-(0[1-9]|1[0-2])$"      # YYYY-MM
+CollectionName = Annotated[str, Meta(pattern=COLLECTION_NAME, description=COLLECTION_NAME_RULE)]
+# The sampler's own limits (engine/sampling_params.py): every value here samples safely.
+Temperature = Annotated[float, Meta(ge=0.0, le=2.0, description=f"0, or below {MIN_TEMPERATURE}: greedy")]
+TopP = Annotated[float, Meta(gt=MIN_TOP_P, le=1.0)]
+# A seed is OpenAI's signed 64-bit integer (the sampler takes up to 2**64 - 1, but msgspec's
+# bounds stop at int64).
+Seed = Annotated[int, Meta(ge=MIN_SEED, le=2**63 - 1)]
 PositiveInt = Annotated[int, Meta(ge=1)]
+StopString = Annotated[str, Meta(min_length=1)]
 
 
 # ---------------------------------------------------------------------------- /v1/ask
@@ -27,7 +38,7 @@ class AskRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     thinking_budget: Annotated[int, Meta(ge=0)] | None = None
     temperature: Temperature = 0.0                  # 0: greedy
     top_p: TopP = 1.0
-    seed: int | None = None
+    seed: Seed | None = None
 
 
 class Citation(Struct):
@@ -116,19 +127,20 @@ class TextPart(Struct, forbid_unknown_fields=True):
     text: str
 
 
-class ChatMessage(Struct):
+class ChatMessage(Struct, forbid_unknown_fields=True):
     role: Literal["system", "user", "assistant"]
     content: str | list[TextPart]
 
 
-class StreamOptions(Struct):
+class StreamOptions(Struct, forbid_unknown_fields=True):
     include_usage: bool = False
 
 
-class ChatRequest(Struct, kw_only=True):
-    """OpenAI's request. Fields it has and Sluice does not use (user, presence_penalty,
-    ...) are ignored, as OpenAI-compatible servers do; `collection` is Sluice's own: set it
-    (with the SDK's extra_body) to answer from that collection's passages."""
+class ChatRequest(Struct, forbid_unknown_fields=True, kw_only=True):
+    """OpenAI's request, the fields Sluice honours. Others (tools, logprobs, presence_penalty,
+    ...) are refused with a 422 naming the field rather than silently not done. `collection`
+    is Sluice's own: set it (with the SDK's extra_body) to answer from that collection's
+    passages."""
     model: str
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     stream: bool = False
@@ -137,9 +149,9 @@ class ChatRequest(Struct, kw_only=True):
     max_completion_tokens: PositiveInt | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    n: PositiveInt = 1
+    seed: Seed | None = None
+    stop: StopString | list[StopString] | None = None
+    n: Annotated[int, Meta(ge=1, le=1, description="one choice per request")] = 1
     collection: CollectionName | None = None
 
 
