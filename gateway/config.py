@@ -34,6 +34,21 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     path: str | None = None              # router.joblib from `sluice train-router RUN`
 
 
+class ReplicaConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """`sluice serve --ray`: replicas on Ray Serve, each with its own engine (docs/scale.md)."""
+    min: Positive = 1
+    max: Positive = 1
+    # The autoscaler adds replicas while each has more requests than this (queued or running).
+    target_ongoing: Positive = 16
+    gpus: Annotated[float, msgspec.Meta(ge=0)] = 0.0     # per replica; 0 on CPU machines
+    cpus: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+    # affinity: a request goes to the replica that last served its prefix unless that one has
+    # `affinity_slack` more requests than the least loaded; round_robin ignores prefixes.
+    routing: Literal["affinity", "round_robin"] = "affinity"
+    affinity_slack: NonNegative = 4
+    ingress_replicas: Positive = 1       # the light front that reads requests and routes them
+
+
 class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     engine: EngineConfig = msgspec.field(default_factory=default_engine)
     prices: dict[str, Price] = msgspec.field(default_factory=default_prices)
@@ -56,8 +71,11 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Rate limits and in-flight spend: this process's memory, or Redis that replicas share.
     limits: Annotated[str, msgspec.Meta(pattern=r"^(memory|rediss?://.*|unix://.+)$")] = "memory"
     max_body_bytes: Positive = 8 * 2**20
+    replicas: ReplicaConfig = ReplicaConfig()
 
     def __post_init__(self) -> None:
+        if self.replicas.min > self.replicas.max:
+            raise ValueError(f"field 'replicas': min ({self.replicas.min}) is more than max ({self.replicas.max})")
         missing = sorted(set(self.engine.models) - set(self.prices))
         if missing:
             raise ValueError(f"field 'prices': no price for model(s) {', '.join(missing)}; "
