@@ -246,7 +246,7 @@ async def chat(request: Request, data: JSONBody[s.ChatRequest], tenant: NamedDep
 
 
 @get("/models", summary="Models this tenant may ask for (OpenAI-compatible list)",
-     responses=documented(401, 429))
+     responses=documented(401, 429, 503))
 async def models(tenant: NamedDependency[Tenant]) -> s.ModelList:
     return s.ModelList([s.ModelCard(m) for m in ("auto", *tenant.spec.allowed_models)])
 
@@ -278,7 +278,7 @@ async def list_collections(request: Request, tenant: NamedDependency[Tenant]) ->
 
 
 @get("/usage", summary="The calling tenant's usage and spend in one month (default: this one, UTC)",
-     responses=documented(401, 422, 429))
+     responses=documented(401, 422, 429, 503))
 async def usage(request: Request, tenant: NamedDependency[Tenant], month: Month = None) -> s.UsageReport:
     return gateway_of(request).usage(tenant, month)
 

@@ -38,7 +38,8 @@ STATUSES = {
     429: "Over the tenant's requests or tokens per minute (`Retry-After`); on /v1/chat/completions also an "
          "exhausted spend cap, with code `insufficient_quota`.",
     500: "A fault of the server's own (the engine failed); it is logged.",
-    503: "Models are still loading, or the bounded queue is full (`Retry-After`).",
+    503: "Models are still loading, the bounded queue is full, or the shared limits store cannot be reached "
+         "(`Retry-After`).",
 }
 
 

@@ -40,11 +40,11 @@ def test_every_endpoint_documents_its_statuses_in_the_error_shape_it_sends(schem
         ("/v1/ask", "post"): ["200", "400", "401", "402", "403", "404", "413", "415", "422", "429", "500", "503"],
         ("/v1/chat/completions", "post"): ["200", "400", "401", "403", "404", "413", "415", "422", "429", "500",
                                            "503"],
-        ("/v1/models", "get"): ["200", "401", "429"],
+        ("/v1/models", "get"): ["200", "401", "429", "503"],
         ("/v1/collections/{name}/documents", "post"): ["200", "400", "401", "413", "415", "422", "429", "503"],
         ("/v1/collections/{name}/documents/{doc_id}", "delete"): ["200", "401", "404", "422", "429", "503"],
         ("/v1/collections", "get"): ["200", "401", "429", "503"],
-        ("/v1/usage", "get"): ["200", "401", "422", "429"],
+        ("/v1/usage", "get"): ["200", "401", "422", "429", "503"],
         ("/healthz", "get"): ["200"], ("/readyz", "get"): ["200", "503"], ("/metrics", "get"): ["200"]}
     for (path, method), codes in statuses.items():
         for code in codes:
