@@ -7,14 +7,14 @@ every token is sure; they cover every output token (thinking too, when a budget 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import msgspec
 
 from evals.records import Record, RecordLog
 from evals.runner import RECORDS_FILE
-from router.confidence import quantiles
+from router.confidence import EARLY_TOKENS, quantiles
 from router.data import Confidence
 
 LABELS_FILE = "labels.jsonl"
@@ -41,6 +41,7 @@ class Label:
     large_correct: bool | None = None    # None: the large mode did not run on this question
     large_score: float | None = None
     large_tokens: Tokens | None = None
+    early: dict[str, Confidence] = field(default_factory=dict)   # of the small answer's first k tokens, where it had more
 
 
 def confidence(logprobs: list[float]) -> Confidence | None:
@@ -58,7 +59,9 @@ def labels(log: RecordLog) -> list[Label]:
     out = []
     for s in log.of_mode("small"):
         lp = [x for c in s.calls for x in c.logprobs]
-        item = Label(s.id, s.kind, s.question, s.correct, s.score, _tokens(s), confidence(lp), s.retrieval_scores)
+        early = {str(k): confidence(lp[:k]) for k in EARLY_TOKENS if len(lp) > k}
+        item = Label(s.id, s.kind, s.question, s.correct, s.score, _tokens(s), confidence(lp), s.retrieval_scores,
+                     early=early)
         if s.id in large:
             big = large[s.id]
             item = replace(item, large_correct=big.correct, large_score=big.score, large_tokens=_tokens(big))

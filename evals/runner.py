@@ -210,10 +210,15 @@ class Runner:
                 for q in inflight.values():      # the step's time, split among those it served
                     q.engine_s += share
                 for out in outputs:
-                    if out.completion is not None:
-                        q = inflight.pop(out.request_id)
-                        q.calls.append(self._call(q, out.completion))
-                        q.answer.finish(out.completion)
+                    q = inflight.get(out.request_id)
+                    early = q.answer.observe(out) if q else None
+                    completion = out.completion
+                    if early is not None and early.escalate:      # doomed: cut it short
+                        completion = self.engine.abort(out.request_id)
+                    if completion is not None:
+                        del inflight[out.request_id]
+                        q.calls.append(self._call(q, completion))
+                        q.answer.finish(completion)
                         q.retrieval_s, q.next = 0.0, q.answer.next_call()
                         if q.next is None:
                             done(q)

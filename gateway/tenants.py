@@ -45,6 +45,9 @@ class RouterSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     models: Literal["auto", "never_large", "always_large"] = "auto"
     max_thinking_budget: NonNegative | None = None      # caps every [thinking_budget] the router picks
     classifier_timeout_ms: Positive = 50                # slower: tenant default, and the reason says so
+    # A trained router with an early model judges the small answer on its first tokens too,
+    # and cuts a doomed one short; false: only whole answers are judged.
+    early_escalation: bool = True
 
 
 class Limits(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -86,7 +89,7 @@ class Tenant:
         spec, r = self.spec, self.spec.router
         policy = Policy(spec.default_model, tuple(spec.allowed_models), msgspec.structs.asdict(spec.thinking_budget),
                         spec.escalation_threshold, r.classifier, r.escalation, r.models, r.max_thinking_budget,
-                        r.classifier_timeout_ms / 1000)
+                        r.classifier_timeout_ms / 1000, r.early_escalation)
         return Terms(self.id, policy, spec.context_budget, spec.output_budget, self.salt)
 
 

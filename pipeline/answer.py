@@ -16,11 +16,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from engine.llm_engine import Completion, LLMEngine
+from engine.llm_engine import Completion, LLMEngine, StepOutput
 from engine.sampling_params import SamplingParams
 from pipeline.prices import Price, cost
 from retrieval import OverBudget, RagContext, RetrievalError, rag_context
-from router.confidence import ConfidenceModel, Verdict, judge
+from router.confidence import ConfidenceModel, EarlyExit, Verdict, judge
 from router.data import RouterError
 from router.model import RouterModel
 from router.policy import Policy, Route, route
@@ -106,6 +106,10 @@ class Pipeline:
     @property
     def confidence(self) -> ConfidenceModel:
         return self.router.confidence if self.router else ConfidenceModel()
+
+    @property
+    def early(self) -> EarlyExit | None:
+        return self.router.early if self.router else None
 
     def check(self, terms: Terms, q: Query) -> int:
         """Refuse what needs no work to refuse; returns the request's output token limit."""
@@ -195,12 +199,20 @@ class Pipeline:
 
 
 class Answer:
-    """One question's calls: the routed model's, then perhaps the escalation's."""
+    """One question's calls: the routed model's, then perhaps the escalation's.
+
+    A driver puts `next_call()` into the engine, shows each of its outputs to `observe`, and
+    gives its completion to `finish`, until `next_call()` is None. When `observe` returns an
+    escalating verdict (the first answer judged on its first tokens), the driver cuts the call
+    (the engine's abort, which returns what it had produced) and finishes it with that: the
+    cut answer is paid for and drafts for the large model."""
 
     def __init__(self, pipeline: Pipeline, plan: Plan):
         self.pipeline, self.plan = pipeline, plan
         self.calls: list[Completion] = []
         self.verdict: Verdict | None = None
+        self._early_judged = False
+        self._logprobs: list[float] = []      # of the first call so far, for the early verdict
 
     @property
     def route(self) -> Route:
@@ -224,17 +236,42 @@ class Answer:
         return EngineCall(r.model, self.pipeline.prompt_ids(plan.context, r.model, plan.params), plan.params,
                     f"{plan.request_id}-escalated", draft)
 
+    def observe(self, out: StepOutput) -> Verdict | None:
+        """An output of the call in flight; the early verdict once the first answer has its
+        first k tokens (k: the trained router's), if the tenant judges early."""
+        early, r = self.pipeline.early, self.plan.route
+        if (early is None or self._early_judged or self.calls or r.escalate_to is None
+                or not self.plan.terms.policy.early_escalation):
+            return None
+        self._logprobs += out.new_logprobs
+        if out.completion is not None:        # done within k tokens: judged whole, in `finish`
+            return None
+        if len(self._logprobs) < early.tokens:
+            return None
+        self._early_judged = True
+        v = judge(r.escalate_to, self.plan.terms.policy.escalation_threshold, early.confidence,
+                  self._logprobs[:early.tokens])
+        if v.escalate:
+            self._judged(replace(v, reason=f"after {early.tokens} tokens, {v.reason}"))
+        return v
+
     def finish(self, completion: Completion) -> Verdict | None:
-        """Record a call's completion; after a first call that may escalate, the verdict on it."""
+        """Record a call's completion; after a first call that may escalate, the verdict on it
+        (for a call cut short, the early verdict that cut it)."""
         self.calls.append(completion)
         r = self.plan.route
         if len(self.calls) > 1 or r.escalate_to is None:
             return None
-        v = self.verdict = judge(r.escalate_to, self.plan.terms.policy.escalation_threshold,
-                                 self.pipeline.confidence, completion.logprobs)
+        if self.verdict is None:
+            self._judged(judge(r.escalate_to, self.plan.terms.policy.escalation_threshold, self.pipeline.confidence,
+                               completion.logprobs))
+        return self.verdict
+
+    def _judged(self, v: Verdict) -> None:
+        r = self.plan.route
+        self.verdict = v
         self.plan.route = replace(r, reason=f"{r.reason}; {v.reason}", confidence=v.confidence, escalated=v.escalate,
                                   model=r.escalate_to if v.escalate else r.model)
-        return v
 
     def cost(self) -> float:
         """Dollars for every call made (an escalated question pays for both)."""

@@ -20,6 +20,11 @@ from router.data import Label, RouterError
 
 # The untrained rule: the 25th percentile of token probability. Uncalibrated, but length-free.
 DEFAULT_RULE = "p25 token probability (uncalibrated)"
+# Answer prefixes an early verdict may read (labels carry their features): the trained router
+# keeps the shortest that judges almost as well as the whole answer (`train_early`).
+EARLY_TOKENS = (8, 16, 32)
+# "Almost as well": held-out Brier score within this factor of the whole answer's.
+EARLY_BRIER_SLACK = 1.05
 
 
 @dataclass(frozen=True)
@@ -81,13 +86,53 @@ def judge(escalate_to: str, threshold: float, confidence: ConfidenceModel, logpr
     return Verdict(c.value, c.calibrated, False, f"{sure} >= {threshold:.2f}: kept")
 
 
+@dataclass
+class EarlyExit:
+    """An early verdict: after the first `tokens` of the small answer, how likely it ends right."""
+    tokens: int
+    confidence: ConfidenceModel
+
+
+@dataclass(frozen=True)
+class EarlyReport:
+    # Held-out Brier scores by prefix length, (prefix, whole answer) on the same answers (those
+    # longer than the prefix) and split; None: too few such answers.
+    brier: dict[int, tuple[float, float] | None]
+    chosen: int | None                 # None: no prefix judged well enough
+
+
 def train_confidence(labels: list[Label], seed: int = 0,
                      test_size: float = 0.25) -> tuple[ConfidenceModel, ConfidenceReport]:
-    rows = [l for l in labels if l.confidence is not None]
+    rows = [(l.confidence, l.small_correct) for l in labels if l.confidence is not None]
+    return _fit(rows, seed, test_size, "labels carry the small model's log-probabilities")
+
+
+def train_early(labels: list[Label], seed: int = 0, test_size: float = 0.25) -> tuple[EarlyExit | None, EarlyReport]:
+    """The confidence model on answer prefixes, at the shortest prefix (of EARLY_TOKENS) whose
+    held-out Brier score is within EARLY_BRIER_SLACK of the whole answer's on the same answers:
+    a shorter prefix cuts more of a doomed answer, a longer one judges more surely."""
+    scores, chosen = {}, None
+    for k in EARLY_TOKENS:
+        rows = [l for l in labels if str(k) in l.early and l.confidence is not None]
+        try:
+            model, prefix = _fit([(l.early[str(k)], l.small_correct) for l in rows], seed, test_size,
+                                 f"answers reach {k} tokens")
+            _, whole = _fit([(l.confidence, l.small_correct) for l in rows], seed, test_size, "")
+        except RouterError:
+            scores[k] = None
+            continue
+        scores[k] = (prefix.brier, whole.brier)
+        if chosen is None and prefix.brier <= whole.brier * EARLY_BRIER_SLACK:
+            chosen = EarlyExit(k, model)
+    return chosen, EarlyReport(scores, chosen.tokens if chosen else None)
+
+
+def _fit(rows: list[tuple[object, bool]], seed: int, test_size: float,
+         what: str) -> tuple[ConfidenceModel, ConfidenceReport]:
     if len(rows) < 8:
-        raise RouterError(f"{len(rows)} labels carry the small model's log-probabilities; need at least 8")
-    x = np.array([_row(c.mean, c.min, c.p10, c.p25, c.p50, c.length) for c in (l.confidence for l in rows)])
-    y = np.array([l.small_correct for l in rows])
+        raise RouterError(f"{len(rows)} {what}; need at least 8")
+    x = np.array([_row(c.mean, c.min, c.p10, c.p25, c.p50, c.length) for c, _ in rows])
+    y = np.array([right for _, right in rows])
     try:
         xa, xb, ya, yb = train_test_split(x, y, test_size=test_size, random_state=seed, stratify=y)
     except ValueError as e:

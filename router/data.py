@@ -29,6 +29,7 @@ class Label(msgspec.Struct):
     confidence: Confidence | None
     retrieval_scores: list[float]
     large_correct: bool | None = None
+    early: dict[str, Confidence] = {}   # of the small answer's first k tokens, by k, where it had more
 
     @property
     def difficulty(self) -> str | None:

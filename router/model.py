@@ -11,7 +11,7 @@ import numpy as np
 import sklearn
 
 from router.classifier import ClassifierReport, DifficultyClassifier, train_classifier
-from router.confidence import ConfidenceModel, ConfidenceReport, train_confidence
+from router.confidence import ConfidenceModel, ConfidenceReport, EarlyExit, EarlyReport, train_confidence, train_early
 from router.data import RouterError, read_labels
 from router.features import FEATURE_VERSION
 
@@ -22,12 +22,13 @@ ROUTER_FILE = "router.joblib"
 class RouterModel:
     classifier: DifficultyClassifier
     confidence: ConfidenceModel
+    early: EarlyExit | None = None      # a verdict on the answer's first tokens; None: whole answers only
     feature_version: int = FEATURE_VERSION
     trained_on: frozenset[str] = field(default_factory=frozenset)   # question ids: evals keep them out
 
     def save(self, path: str | Path) -> None:
         joblib.dump({"feature_version": self.feature_version, "sklearn": sklearn.__version__,
-                     "classifier": self.classifier, "confidence": self.confidence,
+                     "classifier": self.classifier, "confidence": self.confidence, "early": self.early,
                      "trained_on": sorted(self.trained_on)}, path)
 
     @classmethod
@@ -40,7 +41,8 @@ class RouterModel:
         if version != FEATURE_VERSION:
             raise RouterError(f"{path}: router trained on feature version {version}; this code computes version "
                               f"{FEATURE_VERSION}. Train it again: sluice train-router RUN")
-        return cls(saved["classifier"], saved["confidence"], version, frozenset(saved.get("trained_on", ())))
+        return cls(saved["classifier"], saved["confidence"], saved.get("early"), version,
+                   frozenset(saved.get("trained_on", ())))
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,7 @@ class TrainReport:
     labels: int
     classifier: ClassifierReport
     confidence: ConfidenceReport
+    early: EarlyReport
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -60,5 +63,6 @@ def train(labels_path: str | Path, embedder, seed: int = 0) -> tuple[RouterModel
     embeddings = np.asarray(embedder.encode([l.question for l in labels]), np.float32)
     classifier, c_report = train_classifier(labels, embeddings, seed)
     confidence, k_report = train_confidence(labels, seed)
-    return (RouterModel(classifier, confidence, trained_on=frozenset(l.id for l in labels)),
-            TrainReport(len(labels), c_report, k_report))
+    early, e_report = train_early(labels, seed)
+    return (RouterModel(classifier, confidence, early, trained_on=frozenset(l.id for l in labels)),
+            TrainReport(len(labels), c_report, k_report, e_report))

@@ -29,6 +29,7 @@ class Policy:
     force: str = "auto"                 # auto | never_large | always_large
     max_thinking: int | None = None     # a cap over every thinking budget
     classifier_timeout_s: float = 0.05
+    early_escalation: bool = True       # judge the first answer on its first tokens too (a trained router's)
 
 
 @dataclass(frozen=True)

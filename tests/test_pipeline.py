@@ -118,3 +118,4 @@ def test_the_cascade_says_which_call_comes_next(llm):
     assert not single.may_escalate
     assert single.finish(llm.generate([call.prompt_ids], call.params, model="small")[0]) is None
     assert single.next_call() is None
+

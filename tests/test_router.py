@@ -114,7 +114,7 @@ def test_save_load_and_feature_version(trained, tmp_path):
     _, model, _ = trained
     model.save(tmp_path / "r.joblib")
     assert RouterModel.load(tmp_path / "r.joblib").feature_version == FEATURE_VERSION
-    RouterModel(model.classifier, model.confidence, FEATURE_VERSION + 1).save(tmp_path / "old.joblib")
+    RouterModel(model.classifier, model.confidence, feature_version=FEATURE_VERSION + 1).save(tmp_path / "old.joblib")
     with pytest.raises(RouterError, match="feature version"):
         RouterModel.load(tmp_path / "old.joblib")
     with pytest.raises(RouterError, match="cannot load"):
@@ -291,3 +291,29 @@ def test_a_trained_router_routes_by_difficulty(tmp_path, llm, embedder):
     assert (hard["model"], hard["difficulty"], hard["escalated"]) == ("small", "hard", False)
     assert "no thinking for hard questions" in hard["route_reason"]
     assert (easy["model"], easy["difficulty"]) == ("small", "easy") and "kept" in easy["route_reason"]
+
+
+def test_the_early_verdict_reads_the_shortest_prefix_that_judges_as_well(tmp_path):
+    """Answers whose first tokens already show doubt get an early model at the shortest prefix;
+    answers that only falter late get none."""
+    from router.confidence import EARLY_TOKENS, train_early
+    from router.data import Confidence, Label
+    rng = random.Random(0)
+
+    def label(i: int, late: bool) -> Label:
+        right = i % 2 == 0
+        sure = lambda: -0.02 + rng.uniform(-0.02, 0.0)
+        unsure = lambda: -2.0 + rng.uniform(-0.5, 0.0)
+        head = [sure() if (right or late) else unsure() for _ in range(40)]
+        tail = [sure() if right else unsure() for _ in range(20)]
+        lp = head + tail
+        conf = lambda xs: Confidence(*quantiles(xs))
+        return Label(f"q{i}", "q", right, conf(lp), [], early={str(k): conf(lp[:k]) for k in EARLY_TOKENS})
+
+    early, report = train_early([label(i, late=False) for i in range(80)])
+    assert early is not None and early.tokens == EARLY_TOKENS[0] == report.chosen
+    assert early.confidence([-2.0] * 8).value < 0.5 < early.confidence([-0.02] * 8).value
+    late, report = train_early([label(i, late=True) for i in range(80)])
+    assert late is None and report.chosen is None
+    prefix, whole = report.brier[EARLY_TOKENS[-1]]
+    assert prefix > whole * 1.05
