@@ -1,12 +1,18 @@
 """What every benchmark shares: the repository on sys.path, the machine's memory bandwidth,
-timing, percentiles, and where results go."""
+timing, percentiles, a `sluice serve` process, and where results go."""
 from __future__ import annotations
 
+import os
 import platform
+import socket
+import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,3 +41,31 @@ def percentile(xs: list[float], q: float) -> float:
 def machine() -> dict:
     return {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
             "torch": torch.__version__}
+
+
+@contextmanager
+def sluice_server(args: list[str], log: Path, env: dict[str, str] | None = None, timeout: float = 300) -> Iterator[str]:
+    """`sluice <args> --port P` in its own process on 127.0.0.1, its stderr in `log`; yields
+    its URL once /readyz answers 200, and stops it afterwards."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "gateway.cli", *args, "--port", str(port)]
+    server = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+                              stdout=subprocess.DEVNULL, stderr=log.open("w"))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"the server did not start:\n{log.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{url}/readyz").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        yield url
+    finally:
+        server.terminate()
+        server.wait(timeout=30)

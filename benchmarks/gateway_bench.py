@@ -26,17 +26,13 @@ import importlib.util
 import json
 import os
 import platform
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
+from common import ROOT, sluice_server
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 KEY = "sk-bench"
 TARGET_P50_MS, TARGET_P99_MS = 10.0, 30.0
 
@@ -153,30 +149,12 @@ def main() -> int:
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gateway_bench.json"))
     args = parser.parse_args()
 
-    with tempfile.TemporaryDirectory() as tmp, socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-        s.close()
-        cmd = [sys.executable, "-m", "gateway.cli", *write_setup(Path(tmp), args.ledger_synchronous), "--port", str(port)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-        log = Path(tmp) / "server.log"
-        server = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log.open("w"))
-        try:
-            deadline = time.monotonic() + 120
-            while True:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"the server did not start:\n{log.read_text()[-3000:]}")
-                try:
-                    if httpx.get(f"http://127.0.0.1:{port}/readyz").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.2)
+    with tempfile.TemporaryDirectory() as tmp:
+        setup = write_setup(Path(tmp), args.ledger_synchronous)
+        with sluice_server(setup, Path(tmp) / "server.log", {"OMP_NUM_THREADS": "1"}, timeout=120) as url:
+            host, port = url.removeprefix("http://").split(":")
             load = os.getloadavg()[0]
-            results = [asyncio.run(run_load("127.0.0.1", port, c, args.requests)) for c in args.clients]
-        finally:
-            server.terminate()
-            server.wait(timeout=30)
+            results = [asyncio.run(run_load(host, int(port), c, args.requests)) for c in args.clients]
     # uvicorn takes httptools and uvloop when they are installed, else h11 and asyncio's loop.
     stack = {"http": "httptools" if importlib.util.find_spec("httptools") else "h11",
              "loop": "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"}
