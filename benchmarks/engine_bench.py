@@ -24,8 +24,9 @@ from rich.console import Console
 from rich.table import Table
 
 from engine.config import EngineConfig, ModelEntry
-from engine.llm_engine import LLMEngine, weight_bytes
+from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
+from engine.worker import weight_bytes
 from models.store import resolve
 
 console = Console()

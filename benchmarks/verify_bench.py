@@ -44,16 +44,13 @@ def step_case(e: LLMEngine, model: str, seqs: list, k: int):
     def run() -> None:
         items = []
         for seq in seqs:
-            seq.draft = [seq.token_ids[-1]] * k
-            seq.token_ids.extend(seq.draft)
-            worker.block_manager.resize(seq, len(seq))
+            seq.draft = [seq.token_ids[-1]] * k          # verified past the sequence's end
+            worker.block_manager.resize(seq, len(seq) + k)
             items.append(ScheduledSeq(seq, 1 + k, num_draft=k))
         try:
             worker.runner.run(items)
         finally:
             for seq in seqs:
-                if k:
-                    del seq.token_ids[-k:]
                 seq.draft = []
     return run
 

@@ -1,10 +1,11 @@
 """Async front: a background task steps the engine in its own thread while each request
-reads its tokens from its own queue. Cancelling a stream frees the request's blocks."""
+reads its tokens from its own queue. Cancelling a stream frees the request's blocks. Every
+call into the engine runs on that one thread, so none overlaps a step."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-import threading
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -15,15 +16,6 @@ from engine.sampling_params import SamplingParams
 log = logging.getLogger("sluice.engine")
 
 
-async def _settled(future: asyncio.Future) -> bool:
-    """Wait for a future we stopped awaiting; True if it succeeded."""
-    try:
-        await future
-        return True
-    except Exception:
-        return False
-
-
 class EngineFailure(RuntimeError):
     """This request failed in the engine (its own step, or a whole step that could not be
     pinned on one request); the engine itself and the other requests go on."""
@@ -32,7 +24,6 @@ class EngineFailure(RuntimeError):
 class AsyncEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
-        self._lock = threading.Lock()             # the engine is stepped and fed from threads
         self._stepper = ThreadPoolExecutor(1, thread_name_prefix="sluice-step")
         self._queues: dict[str, asyncio.Queue] = {}
         self._wakeup = asyncio.Event()
@@ -45,15 +36,9 @@ class AsyncEngine:
     async def stop(self) -> None:
         if self._task:
             self._task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-            except asyncio.CancelledError:
-                pass
             self._task = None
-
-    def _locked(self, fn, *args):
-        with self._lock:
-            return fn(*args)
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -61,18 +46,21 @@ class AsyncEngine:
             self._wakeup.clear()
             while self.engine.has_work():
                 try:
-                    outputs = await loop.run_in_executor(self._stepper, self._locked, self.engine.step)
+                    outputs = await loop.run_in_executor(self._stepper, self.engine.step)
                 except Exception as exc:                 # keep serving: fail only what was in flight
                     log.exception("engine step failed")
                     for request_id, queue in list(self._queues.items()):
-                        await loop.run_in_executor(self._stepper, self._locked, self.engine.abort, request_id)
+                        await loop.run_in_executor(self._stepper, self.engine.abort, request_id)
                         queue.put_nowait(EngineFailure(f"engine step failed: {exc}"))
                     continue
                 for out in outputs:
-                    queue = self._queues.get(out.request_id)
-                    if queue is not None:
+                    if (queue := self._queues.get(out.request_id)) is not None:
                         queue.put_nowait(out)
             await self._wakeup.wait()
+
+    async def cut(self, request_id: str) -> Completion | None:
+        """End a request now (its stream yields nothing more): what it had produced."""
+        return await asyncio.get_running_loop().run_in_executor(self._stepper, self.engine.abort, request_id)
 
     async def stream(self, prompt: str | list[int], params: SamplingParams | None = None, model: str | None = None,
                      salt: bytes = b"", request_id: str | None = None, speculate: bool = True,
@@ -86,19 +74,16 @@ class AsyncEngine:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue
-        adding = loop.run_in_executor(None, self._locked, self.engine.add_request, prompt, params, model, salt,
+        self._queues[request_id] = queue = asyncio.Queue()
+        adding = loop.run_in_executor(self._stepper, self.engine.add_request, prompt, params, model, salt,
                                       request_id, speculate, draft)
         try:
             await asyncio.shield(adding)
-        except asyncio.CancelledError:      # cancelled while queueing: the request must not run unread
+        except BaseException:     # refused, or cancelled while queueing: then it must not run unread
             del self._queues[request_id]
-            if await _settled(adding):
-                await loop.run_in_executor(None, self._locked, self.engine.abort, request_id)
-            raise
-        except BaseException:
-            del self._queues[request_id]
+            await asyncio.wait([adding])
+            if adding.exception() is None:
+                await loop.run_in_executor(self._stepper, self.engine.abort, request_id)
             raise
         self._wakeup.set()
         finished = False
@@ -114,12 +99,4 @@ class AsyncEngine:
         finally:
             del self._queues[request_id]
             if not finished:   # cancelled or abandoned by the caller: free its blocks now
-                await asyncio.shield(loop.run_in_executor(None, self._locked, self.engine.abort, request_id))
-
-    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None, model: str | None = None,
-                       salt: bytes = b"", request_id: str | None = None, speculate: bool = True,
-                       draft: list[int] | None = None) -> Completion:
-        async for out in self.stream(prompt, params, model, salt, request_id, speculate, draft):
-            if out.completion:
-                return out.completion
-        raise EngineFailure("stream ended without a completion")
+                await asyncio.shield(loop.run_in_executor(self._stepper, self.engine.abort, request_id))

@@ -2,9 +2,9 @@
 
 A full block's hash chains its parent's hash, its token ids and the request's salt, so a
 block is shared only by requests with the same prefix *and* salt (tenants cannot probe each
-other's cache by timing). A hit is confirmed by comparing token ids, so a hash collision can
-never serve wrong KV. Unreferenced blocks keep their contents and hash until they are
-reused, least recently freed first: that is the LRU eviction of the prefix cache.
+other's cache by timing); a hit is confirmed by its token ids, so a hash collision never
+serves wrong KV. Unreferenced blocks keep contents and hash until reused, least recently
+freed first: the LRU eviction of the prefix cache.
 """
 from __future__ import annotations
 
@@ -16,11 +16,8 @@ from engine.sequence import Sequence
 
 
 def block_hash(parent: bytes, token_ids: list[int], salt: bytes) -> bytes:
-    h = hashlib.blake2b(digest_size=16)
-    h.update(parent)
-    h.update(salt)
-    h.update(b"".join(t.to_bytes(4, "little") for t in token_ids))
-    return h.digest()
+    return hashlib.blake2b(parent + salt + b"".join(t.to_bytes(4, "little") for t in token_ids),
+                           digest_size=16).digest()
 
 
 @dataclass
@@ -44,19 +41,12 @@ class BlockManager:
     def num_free(self) -> int:
         return len(self.free)
 
-    def _take(self, block_id: int | None = None) -> Block:
-        if block_id is None:
-            block_id, _ = self.free.popitem(last=False)
-        else:
-            del self.free[block_id]
-        block = self.blocks[block_id]
-        block.ref_count += 1
-        return block
-
     def _evict_and_take(self) -> int:
-        block = self._take()
-        self._uncache(block)                 # reusing a cached block: it leaves the cache
-        return block.block_id
+        """The least recently freed block; if it was cached, it leaves the cache."""
+        block_id, _ = self.free.popitem(last=False)
+        self.blocks[block_id].ref_count += 1
+        self._uncache(self.blocks[block_id])
+        return block_id
 
     def _uncache(self, block: Block) -> None:
         if block.hash is not None:
@@ -64,46 +54,33 @@ class BlockManager:
                 del self.cached[block.hash]
             block.hash, block.token_ids = None, []
 
-    def _lookup(self, h: bytes, token_ids: list[int]) -> int | None:
-        block_id = self.cached.get(h)
-        if block_id is None or self.blocks[block_id].token_ids != token_ids:
-            return None
-        return block_id
-
     def can_allocate(self, seq: Sequence) -> bool:
         return self.num_free >= seq.num_blocks(self.block_size)
 
     def allocate(self, seq: Sequence) -> None:
         """Give a waiting sequence blocks for all its tokens, reusing cached prefix blocks."""
         assert not seq.block_table
-        bs, parent, cached_tokens = self.block_size, b"", 0
+        bs, parent = self.block_size, b""
         # The last full block is always recomputed when everything hits: the step needs at
         # least one token to produce logits from.
-        hashable = (len(seq) - 1) // bs if self.prefix_caching else 0
-        for i in range(seq.num_blocks(bs)):
+        for i in range((len(seq) - 1) // bs if self.prefix_caching else 0):
             ids = seq.token_ids[i * bs:(i + 1) * bs]
-            block_id = None
-            if i < hashable and cached_tokens == i * bs:
-                h = block_hash(parent, ids, seq.salt)
-                self.queries += 1
-                block_id = self._lookup(h, ids)
-                if block_id is not None:
-                    self.hits += 1
-                    cached_tokens += bs
-                    parent = h
-                    if block_id in self.free:
-                        self._take(block_id)
-                    else:
-                        self.blocks[block_id].ref_count += 1
-            if block_id is None:
-                block_id = self._evict_and_take()
+            parent = block_hash(parent, ids, seq.salt)
+            self.queries += 1
+            block_id = self.cached.get(parent)
+            if block_id is None or self.blocks[block_id].token_ids != ids:
+                break
+            self.hits += 1
+            self.free.pop(block_id, None)
+            self.blocks[block_id].ref_count += 1
             seq.block_table.append(block_id)
-        seq.num_cached_tokens = seq.num_computed_tokens = cached_tokens
-        seq.num_hashed_blocks = cached_tokens // bs
+        seq.num_hashed_blocks = len(seq.block_table)
+        seq.num_cached_tokens = seq.num_computed_tokens = len(seq.block_table) * bs
+        self.resize(seq, len(seq))
 
     def resize(self, seq: Sequence, num_tokens: int) -> bool:
-        """Grow or shrink the block table to cover num_tokens (speculation's drafts and their
-        rollback); False, and nothing changed, when there are not enough free blocks."""
+        """Grow or shrink the block table to cover num_tokens (a decode's newest token, drafts
+        and their rollback); False, and nothing changed, when there are not enough free blocks."""
         want = (num_tokens + self.block_size - 1) // self.block_size
         if want - len(seq.block_table) > self.num_free:
             return False
@@ -115,14 +92,6 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free[block.block_id] = None
         return True
-
-    def can_append(self, seq: Sequence) -> bool:
-        return len(seq.block_table) >= seq.num_blocks(self.block_size) or self.num_free > 0
-
-    def append_slot(self, seq: Sequence) -> None:
-        """Make room for the sequence's newest token before a decode step."""
-        if len(seq.block_table) < seq.num_blocks(self.block_size):
-            seq.block_table.append(self._evict_and_take())
 
     def register_computed(self, seq: Sequence) -> None:
         """Enter blocks that became full and computed into the prefix cache."""
@@ -142,16 +111,10 @@ class BlockManager:
     def free_seq(self, seq: Sequence, forget: bool = False) -> list[int]:
         """Give the sequence's blocks back. With `forget` (its step failed, its KV may hold
         NaNs) the blocks no other sequence holds also leave the prefix cache; returns those."""
-        forgotten = []
-        # Tail blocks go back first so they are evicted before the shared prefix.
-        for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free[block_id] = None
-                if forget:
-                    self._uncache(block)
-                    forgotten.append(block_id)
-        seq.block_table = []
+        blocks = list(seq.block_table)
+        self.resize(seq, 0)          # tail first, so the tail is evicted before the shared prefix
         seq.num_computed_tokens = seq.num_hashed_blocks = 0
+        forgotten = [b for b in blocks if forget and self.blocks[b].ref_count == 0]
+        for block_id in forgotten:
+            self._uncache(self.blocks[block_id])
         return forgotten

@@ -46,18 +46,15 @@ class SpecConfig(msgspec.Struct, forbid_unknown_fields=True):
     target: str                        # name of the model that verifies
     draft: str | None = None           # name of the draft model (same tokenizer); None: no model drafts
     prompt_lookup: bool = True         # n-gram drafts from the sequence itself
-    # Most tokens one proposal may hold. On CPU, torch's packed int8 matmul costs about the same
-    # for 1-3 rows and twice that for 5 (benchmarks/verify_bench.py), a step the per-token
-    # cost model cannot see: k = 2 keeps verification nearly free (spec_bench: GSM8K draft
-    # model 1.35x with it, 0.96x with 6).
+    # Most tokens one proposal may hold: on CPU a verify pass over 1-3 rows costs about a plain
+    # step, over 5 twice that (benchmarks/verify_bench.py), which the cost model cannot see.
     max_k: int = 2
     max_external_k: int = 16           # an external draft is cheap: verify more of it per pass
     min_ngram: int = 2
     max_ngram: int = 4
-    # Marginal cost of verifying one more token, relative to a decode step of the target;
-    # None: measured as it runs.
+    # Costs relative to a plain target step, of verifying one more token and of one draft-model
+    # step; None: measured as it runs.
     verify_cost: float | None = None
-    # Cost of one draft-model step relative to a target step; None: measured as it runs.
     draft_cost: float | None = None
     probe_every: int = 16              # steps a sequence waits with speculation off before trying again
     # Measure decoding with and without drafts (model and lookup) side by side and keep the
@@ -114,7 +111,6 @@ class ModelConfig:
     tie_embeddings: bool
     attention_bias: bool      # Qwen2: bias on q, k, v
     qk_norm: bool             # Qwen3: RMSNorm on q and k per head
-    bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
 
     @classmethod
@@ -131,24 +127,13 @@ class ModelConfig:
         if rope.get("rope_type", rope.get("type", "default")) == "default":
             rope = {}
         return cls(
-            arch=arch,
-            vocab_size=d["vocab_size"],
-            hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
-            num_layers=d["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=d.get("num_key_value_heads") or heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=theta,
-            rope_scaling=rope or None,
-            max_position=d.get("max_position_embeddings", 4096),
-            tie_embeddings=d.get("tie_word_embeddings", False),
-            attention_bias=arch == "qwen2" or bool(d.get("attention_bias")),
-            qk_norm=arch == "qwen3",
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-        )
+            arch=arch, vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"], num_layers=d["num_hidden_layers"], num_heads=heads,
+            num_kv_heads=d.get("num_key_value_heads") or heads, head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=rope or None,
+            max_position=d.get("max_position_embeddings", 4096), tie_embeddings=d.get("tie_word_embeddings", False),
+            attention_bias=arch == "qwen2" or bool(d.get("attention_bias")), qk_norm=arch == "qwen3",
+            eos_token_ids=eos_ids)
 
     @classmethod
     def from_folder(cls, folder: Path) -> ModelConfig:

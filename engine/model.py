@@ -7,7 +7,7 @@ the kernels package. Projections are fused (q|k|v, gate|up) so a layer costs fou
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,14 +24,13 @@ class StepBatch:
     """What attention needs to know about the step's flattened tokens."""
     slot_mapping: torch.Tensor                 # [T] cache slot of each new token
     num_decodes: int                           # the first num_decodes tokens are decodes
-    decode_block_tables: torch.Tensor | None   # [D, max_blocks]
-    decode_context_lens: torch.Tensor | None   # [D]
-    prefill_block_tables: torch.Tensor | None  # [P, max_blocks]
-    prefill_context_lens: torch.Tensor | None  # [P]
-    prefill_query_start: torch.Tensor | None   # [P + 1], relative to the first prefill token
     # Per layer: k, v caches, and their per-token-and-head scales when the cache is int8.
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = \
-        field(default_factory=list)
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]]
+    decode_block_tables: torch.Tensor | None = None     # [D, max_blocks]
+    decode_context_lens: torch.Tensor | None = None     # [D]
+    prefill_block_tables: torch.Tensor | None = None    # [P, max_blocks]
+    prefill_context_lens: torch.Tensor | None = None    # [P]
+    prefill_query_start: torch.Tensor | None = None     # [P + 1], relative to the first prefill token
 
 
 class Linear(nn.Module):
@@ -56,9 +55,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without a residual: the normed x. With one: (norm(x + residual), x + residual)."""
-        if residual is None:
-            return add_rms_norm(x, None, self.weight, self.eps)[0]
-        return add_rms_norm(x, residual, self.weight, self.eps)
+        out = add_rms_norm(x, residual, self.weight, self.eps)
+        return out[0] if residual is None else out
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -182,11 +180,11 @@ class CausalLM(nn.Module):
         return self.lm_head(hidden)
 
 
-def _fused_rows(cfg: ModelConfig) -> dict[str, tuple[str, int, int]]:
-    """Hugging Face projection name -> (fused name, first row, rows) in this model's layout."""
-    q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
-    return {"q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv), "v_proj": ("qkv_proj", q + kv, kv),
-            "gate_proj": ("gate_up_proj", 0, inter), "up_proj": ("gate_up_proj", inter, inter)}
+def _fused_rows(cfg: ModelConfig) -> dict[str, tuple[str, int]]:
+    """Hugging Face projection name -> (fused name, first row) in this model's layout."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", q), "v_proj": ("qkv_proj", q + kv),
+            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", cfg.intermediate_size)}
 
 
 def load_model(folder: Path, cfg: ModelConfig | None = None, linear_weights: bool = True) -> CausalLM:
@@ -225,7 +223,7 @@ def load_model(folder: Path, cfg: ModelConfig | None = None, linear_weights: boo
                     continue
                 tensor = f.get_tensor(hf_name).float()
                 if len(parts) >= 2 and parts[-2] in fused:
-                    fused_name, first, _ = fused[parts[-2]]
+                    fused_name, first = fused[parts[-2]]
                     put(".".join(parts[:-2] + [fused_name, parts[-1]]), tensor, first)
                     continue
                 put(name, tensor)

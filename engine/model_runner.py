@@ -9,10 +9,9 @@ import torch
 from engine.config import ModelConfig
 from engine.model import CausalLM, StepBatch
 from engine.sampler import probs as sampling_probs
-from engine.sampler import sample
+from engine.sampler import sample, verify
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence, isolated
-from engine.speculative import verify
 
 
 def _padded(rows: list[list[int]]) -> torch.Tensor:
@@ -25,14 +24,12 @@ def _padded(rows: list[list[int]]) -> torch.Tensor:
 class ModelRunner:
     def __init__(self, model: CausalLM, cfg: ModelConfig, num_blocks: int, block_size: int, kv_int8: bool = False,
                  bans: Callable[[Sequence, int], list[int]] | None = None):
-        """bans(seq, i): token ids the model may not write at index i of seq (see thinking.py)."""
+        """bans(seq, i): token ids the model may not write at index i of seq (StopChecker.bans)."""
         self.model, self.cfg, self.block_size, self.bans = model, cfg, block_size, bans
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         dtype = torch.int8 if kv_int8 else torch.float32
-
-        def scales():
-            return torch.ones(shape[:-1]) if kv_int8 else None
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype), scales(), scales())
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype),
+                           *((torch.ones(shape[:-1]), torch.ones(shape[:-1])) if kv_int8 else (None, None)))
                           for _ in range(cfg.num_layers)]
 
     @staticmethod
@@ -43,16 +40,8 @@ class ModelRunner:
     def clear(self, block_ids: list[int]) -> None:
         """Zero blocks whose KV may be non-finite: attention reads a block's stale slots too,
         masked, and 0 * NaN is NaN."""
-        if block_ids:
-            ids = torch.tensor(block_ids)
-            for cache in self.kv_caches:
-                for t in cache:
-                    if t is not None:
-                        t.index_fill_(0, ids, 0)
-
-    def _slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
-        pos = torch.arange(start, end)
-        return torch.tensor(block_table)[pos // self.block_size] * self.block_size + pos % self.block_size
+        for t in (t for layer in self.kv_caches for t in layer if t is not None):
+            t[block_ids] = 0
 
     def prepare(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, StepBatch,
                                                               list[tuple[ScheduledSeq, int]]]:
@@ -60,21 +49,16 @@ class ModelRunner:
         chunks (prefills and speculative verifications). Returns each item with its first row."""
         decodes = [s for s in scheduled if s.is_decode]
         chunks = [s for s in scheduled if not s.is_decode]
-        ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        slots: list[torch.Tensor] = []
-        rows: list[tuple[ScheduledSeq, int]] = []
+        bs = self.block_size
+        ids, positions, slots, rows = [], [], [], []
         for item in decodes + chunks:
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_tokens
             rows.append((item, len(ids)))
-            ids.extend(seq.token_ids[start:end])
-            positions.append(torch.arange(start, end))
-            slots.append(self._slots(seq.block_table, start, end))
-        batch = StepBatch(slot_mapping=torch.cat(slots), num_decodes=len(decodes),
-                          decode_block_tables=None, decode_context_lens=None,
-                          prefill_block_tables=None, prefill_context_lens=None,
-                          prefill_query_start=None, kv_caches=self.kv_caches)
+            ids.extend(seq.tokens(start, end))
+            positions.append(pos := torch.arange(start, end))
+            slots.append(torch.tensor(seq.block_table)[pos // bs] * bs + pos % bs)
+        batch = StepBatch(torch.cat(slots), len(decodes), self.kv_caches)
         if decodes:
             batch.decode_block_tables = _padded([s.seq.block_table for s in decodes])
             batch.decode_context_lens = torch.tensor([len(s.seq) for s in decodes])
@@ -90,33 +74,23 @@ class ModelRunner:
         input_ids, positions, batch, _ = self.prepare([item])
         return torch.log_softmax(self.model.logits(self.model(input_ids, positions, batch)), dim=-1)
 
-    def _ban(self, logits: torch.Tensor, seq: Sequence, first: int) -> None:
-        """Row j of logits predicts the token at index first + j."""
-        if self.bans is None or seq.thinking is None:
-            return
-        for j in range(logits.shape[0]):
-            banned = self.bans(seq, first + j)
-            if banned:
-                logits[j, banned] = float("-inf")
-
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledSeq], return_probs: bool = False):
-        """seq_id -> (new tokens, their log-probabilities) for every item that reaches its
-        sequence's end: one token, or for a verification the accepted drafts plus one.
-        With return_probs, also seq_id -> the distribution each sampled token came from
-        (what a draft model hands to the rejection rule). A sequence whose share fails
-        (non-finite logits, a sampling error) gets its `error` set and no entry."""
+        """seq_id -> (new tokens, their log-probabilities under the model's own distribution)
+        for every item that reaches its sequence's end: one token, or for a verification the
+        accepted drafts plus one. With return_probs, also seq_id -> the distribution a token was
+        sampled from (for the rejection rule). A sequence whose share fails (non-finite logits,
+        a sampling error) gets its `error` set and no entry."""
         input_ids, positions, batch, rows = self.prepare(scheduled)
         hidden = self.model(input_ids, positions, batch)
-        # Plain rows first, then each verification's k + 1 rows: one LM-head pass over every
-        # row that samples, as the head is the largest matrix.
-        sampling = [(item, row + item.num_tokens - 1, 1) for item, row in rows if item.samples and not item.num_draft]
-        sampling += [(item, row, item.num_tokens) for item, row in rows if item.num_draft]
+        # Each sampling item's last row, or a verification's k + 1: one LM-head pass over all
+        # of them, as the head is the largest matrix.
+        sampling = [(item, row + item.num_tokens - 1 - item.num_draft, 1 + item.num_draft)
+                    for item, row in rows if item.samples]
         out: dict[int, tuple[list[int], list[float]]] = {}
         probs: dict[int, torch.Tensor] = {}
-        if not sampling:
-            return (out, probs) if return_probs else out
-        all_logits = self.model.logits(hidden[[row + j for _, row, n in sampling for j in range(n)]])
+        needed = [row + j for _, row, n in sampling for j in range(n)]
+        all_logits = self.model.logits(hidden[needed]) if needed else hidden[:0]
         finite = torch.isfinite(all_logits).all(-1).tolist()
         at = 0
         for item, _, n in sampling:
@@ -124,7 +98,8 @@ class ModelRunner:
             with isolated(seq):
                 if not all(rows_finite):
                     raise FloatingPointError("the model's logits for this request are not finite")
-                self._ban(logits, seq, len(seq) - item.num_draft)
+                for j in range(n if self.bans and seq.thinking else 0):     # row j predicts index len + j
+                    logits[j, self.bans(seq, len(seq) + j)] = float("-inf")
                 if item.num_draft:
                     tokens = verify(logits, seq.draft[:item.num_draft], seq.draft_probs, seq.params, seq.generator)
                 else:

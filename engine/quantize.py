@@ -39,9 +39,7 @@ def quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tens
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    q = torch.empty(packed.shape[0], packed.shape[1] * 2, dtype=torch.uint8)
-    q[:, 0::2], q[:, 1::2] = packed & 0xF, packed >> 4
-    return q
+    return torch.stack([packed & 0xF, packed >> 4], -1).flatten(1)
 
 
 class QuantLinear(nn.Module):
@@ -88,11 +86,8 @@ def quantize_tensors(model: CausalLM, mode: str, group: int) -> dict[str, torch.
 
 
 def apply_quantization(model: CausalLM, mode: str, group: int = 128, cache: Path | None = None) -> CausalLM:
-    """Swap the model's Linears for quantized ones; with `cache`, quantize once and reuse."""
-    if mode not in MODES:
-        raise ValueError(f"quant must be one of {MODES}, got {mode!r}")
-    if mode == "none":
-        return model
+    """Swap the model's Linears for quantized ones (mode "int8" or "int4"); with `cache`,
+    quantize once and reuse."""
     if cache is not None and cache.exists():
         # Copies, not views of the file: torch's int8 kernel segfaults on weights that are not
         # aligned as its own allocator aligns them.

@@ -15,7 +15,7 @@ MIN_SEED, MAX_SEED = -2**63, 2**64 - 1
 
 
 class SamplingParams(msgspec.Struct, forbid_unknown_fields=True):
-    temperature: float = 0.0            # 0 means greedy
+    temperature: float = 0.0            # below MIN_TEMPERATURE (0 included): greedy
     top_k: int = 0                      # 0 means off
     top_p: float = 1.0
     seed: int | None = None             # same seed, same output
@@ -29,21 +29,17 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True):
     include_thinking: bool = False      # return the thinking text in `text` too
 
     def __post_init__(self) -> None:
-        errors = []
-        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
-            errors.append(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            errors.append(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not MIN_TOP_P < self.top_p <= 1:
-            errors.append(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.seed is not None and not MIN_SEED <= self.seed <= MAX_SEED:
-            errors.append(f"seed must be in [-2**63, 2**64 - 1], got {self.seed}")
-        if self.max_tokens < 1:
-            errors.append(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.thinking_budget is not None and self.thinking_budget < 0:
-            errors.append(f"thinking_budget must be >= 0, got {self.thinking_budget}")
-        if any(not s for s in self.stop):
-            errors.append("stop strings must not be empty")
+        errors = [message for bad, message in (
+            (not (self.temperature >= 0 and math.isfinite(self.temperature)),
+             f"temperature must be a finite number >= 0, got {self.temperature}"),
+            (self.top_k < 0, f"top_k must be >= 0 (0 = off), got {self.top_k}"),
+            (not MIN_TOP_P < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (self.seed is not None and not MIN_SEED <= self.seed <= MAX_SEED,
+             f"seed must be in [-2**63, 2**64 - 1], got {self.seed}"),
+            (self.max_tokens < 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
+            (self.thinking_budget is not None and self.thinking_budget < 0,
+             f"thinking_budget must be >= 0, got {self.thinking_budget}"),
+            (any(not s for s in self.stop), "stop strings must not be empty")) if bad]
         if errors:
             raise ValueError("bad sampling parameters: " + "; ".join(errors))
 

@@ -1,4 +1,5 @@
-"""A request as the engine sees it: its tokens, where their KV lives, how to sample."""
+"""A request as the engine sees it: its tokens, where their KV lives, how to sample, and its
+speculation, thinking and text state."""
 from __future__ import annotations
 
 import itertools
@@ -8,10 +9,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum, auto
-from typing import Any
 
 import torch
 
+from engine.detokenizer import Detokenizer
 from engine.sampling_params import SamplingParams
 
 
@@ -22,7 +23,30 @@ class Status(Enum):
 
 
 _ids = itertools.count()
-log = logging.getLogger("sluice.engine")
+
+
+@dataclass
+class ThinkingState:
+    """Where a request stands in its thinking span (the stop checker keeps it)."""
+    budget: int
+    start: int                  # index in token_ids of the first thinking token
+    end: int | None = None      # index of the first answer token; None while thinking
+    num_forced: int = 0         # tokens the engine appended to close the span
+    answered_at: int | None = None   # a length at which the answer already held text
+
+    def num_tokens(self, length: int) -> int:
+        """Thinking tokens so far (a sequence of `length` tokens); forced ones do not count."""
+        return length - self.start if self.end is None else self.end - self.start - self.num_forced
+
+
+@dataclass
+class SpecState:
+    """Speculation, per sequence: the external draft (a continuation of the prompt), and
+    acceptance per draft source."""
+    external: list[int] = field(default_factory=list)
+    acceptance: dict[str, float] = field(default_factory=lambda: {"external": 0.9, "lookup": 0.5, "model": 0.7})
+    source: str | None = None       # the source of the draft now being verified
+    idle_steps: int = 0             # steps since speculation last ran, for re-probing
 
 
 @dataclass(eq=False)
@@ -38,40 +62,43 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_hashed_blocks: int = 0      # leading full blocks already registered in the prefix cache
     status: Status = Status.WAITING
+    stop_ids: frozenset[int] = frozenset()     # the tokens that end its turn (StopChecker.stop_ids)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None        # why its step failed; the engine then finishes it alone
-    output_text: str = ""
     arrival: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     waited_steps: int = 0           # steps spent waiting behind others (aging)
-    num_preemptions: int = 0
     generator: torch.Generator | None = None
-    # Speculative decoding: this step's proposed tokens (appended to token_ids only while the
-    # target verifies them), the draft model's distributions for sampled requests, and the
-    # per-sequence speculation state (None: this sequence does not speculate).
+    # Speculation: this step's draft, verified past the end of token_ids but never in it (see
+    # `tokens`), the draft model's distributions for it, and the state (None: no speculation).
     draft: list[int] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None
-    spec: Any = None
-    thinking: Any = None            # ThinkingState when the request has a thinking budget
+    spec: SpecState | None = None
+    thinking: ThinkingState | None = None      # when the request has a thinking budget
+    # The answer's text, decoded as it grows; emitted in pieces but for a tail held back (it
+    # may begin a stop string).
+    detokenizer: Detokenizer | None = None
+    text: list[str] = field(default_factory=list)
+    held_text: str = ""
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
         if self.params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
-        if not self.request_id:
-            self.request_id = str(self.seq_id)
+        self.request_id = self.request_id or str(self.seq_id)
 
     def __len__(self) -> int:
         return len(self.token_ids)
 
+    def tokens(self, start: int, end: int) -> list[int]:
+        """token_ids[start:end], continued by this step's draft past the end."""
+        n = len(self.token_ids)
+        return self.token_ids[start:end] + self.draft[max(start - n, 0):max(end - n, 0)]
+
     @property
     def output_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def answer_start(self) -> int | None:
@@ -98,5 +125,5 @@ def isolated(seq: Sequence) -> Iterator[None]:
     try:
         yield
     except Exception as exc:
-        log.warning("request %s failed", seq.request_id, exc_info=True)
+        logging.getLogger("sluice.engine").warning("request %s failed", seq.request_id, exc_info=True)
         seq.error = seq.error or f"{type(exc).__name__}: {exc}"

@@ -31,8 +31,10 @@ class Tokenizer:
         self.template = env.from_string(config.get("chat_template") or CHATML)
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
+        self.eos_id = self.hf.token_to_id(self.eos_token) if self.eos_token else None
         self.add_bos = bool(config.get("add_bos_token")) and self.bos_token is not None
         self.vocab_size = self.hf.get_vocab_size()
+        self.special_ids = frozenset(i for i, t in self.hf.get_added_tokens_decoder().items() if t.special)
 
     def encode(self, text: str) -> list[int]:
         ids = self.hf.encode(text, add_special_tokens=False).ids
@@ -41,10 +43,8 @@ class Tokenizer:
         return ids
 
     def decode(self, ids: list[int]) -> str:
+        """Special tokens (special_ids) write nothing."""
         return self.hf.decode(ids, skip_special_tokens=True)
-
-    def token_id(self, token: str) -> int | None:
-        return self.hf.token_to_id(token)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         for m in messages:

@@ -1,5 +1,7 @@
 """The engine end to end on tiny random models: continuous batching, preemption,
 cancellation, sampling and bad input."""
+import itertools
+
 import pytest
 import torch
 
@@ -55,7 +57,10 @@ def test_cancel_returns_blocks_and_others_continue(folder):
     for _ in range(3):
         engine.step()
     assert engine.sequence(a).block_table
-    engine.abort(a)
+    produced = engine.sequence(a).output_ids
+    partial = engine.abort(a)
+    assert partial.finish_reason == "abort" and partial.token_ids == produced and produced
+    assert engine.abort(a) is None
     finished = {}
     while engine.has_work():
         finished |= {o.request_id: o.completion for o in engine.step() if o.completion}
@@ -176,3 +181,56 @@ def test_score_matches_transformers_logprobs(folder):
     want = lp[:-1].gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1).tolist()
     assert got == pytest.approx(want, abs=1e-4)
     assert engine.stats()["tiny"]["kv_blocks_free"] == 256
+
+
+def stream(detok, ids: list[int], sizes: list[int]) -> str:
+    """Feed ids to a Detokenizer a few at a time (speculation appends several per step)."""
+    out, n, i = [], len(ids), 0
+    while i < n:
+        i = min(n, i + sizes[i % len(sizes)])
+        out.append(detok.update(ids[:i], final=i == n))
+    return "".join(out)
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", pytest.param("qwen2.5-coder-0.5b", marks=pytest.mark.slow)])
+def test_incremental_detokenization_equals_a_whole_decode_on_a_real_tokenizer(name):
+    from engine.detokenizer import Detokenizer
+    from engine.tokenizer import Tokenizer
+    from models.store import resolve
+    tok = Tokenizer(resolve(name, progress=False))
+    text = "Grüße, 世界! 🙂🎉 naïve café — ½ ∑ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 «ok»\n\tdone"
+    g = torch.Generator().manual_seed(0)
+    special = sorted(tok.special_ids)
+    noise = torch.randint(0, tok.vocab_size, (300,), generator=g).tolist()
+    for i, t in zip(range(0, 300, 17), itertools.cycle(special)):
+        noise[i] = t
+    for ids in (tok.encode(text), tok.encode(text) + special[:2] + tok.encode(text), noise):
+        assert any(len(tok.decode([t]).encode()) != len(tok.decode([t])) or "\ufffd" in tok.decode([t]) for t in ids)
+        for sizes in ([1], [1, 3, 2]):
+            prompt = tok.encode("Q: ")
+            got = stream(Detokenizer(tok, len(prompt)), prompt + ids, [len(prompt)] + sizes)
+            assert got == tok.decode(ids)
+
+
+def test_incremental_detokenization_on_the_word_tokenizer_with_special_tokens(folder):
+    from engine.detokenizer import Detokenizer
+    from engine.tokenizer import Tokenizer
+    tok = Tokenizer(folder)
+    eos = tok.eos_id
+    for ids in ([eos, 5, 6], [5, eos, 6, eos, eos, 7, 8], [5, 6, eos], [eos, eos]):
+        assert stream(Detokenizer(tok, 0), ids, [1]) == tok.decode(ids)
+
+
+def test_streamed_text_is_the_whole_answer_decoded(folder):
+    engine = make_engine(folder)
+    p = prompts(1, seed=3)[0]
+    sp = SamplingParams(temperature=1.0, seed=3, max_tokens=40, ignore_eos=True)
+    rid = engine.add_request(p, sp)
+    deltas, done = [], None
+    while done is None:
+        for out in engine.step():
+            deltas.append(out.text_delta)
+            done = out.completion or done
+    assert 127 in done.token_ids[:-1]                # the special <eos> mid-answer writes nothing
+    assert "".join(deltas) == done.text == engine.worker("tiny").tokenizer.decode(done.token_ids)
+    assert rid == done.request_id

@@ -8,6 +8,7 @@ import torch
 
 from engine.async_engine import AsyncEngine, EngineFailure
 from engine.sampling_params import SamplingParams
+from tests.test_async_engine import completion
 from tests.test_engine import folder, make_engine, prompts  # noqa: F401  (fixture)
 
 CLEAN = [SamplingParams(max_tokens=16, ignore_eos=True),
@@ -161,10 +162,10 @@ async def test_a_step_that_fails_as_a_whole_fails_what_was_in_flight_and_serving
         return forward(*args)
     model.forward = fails_once
     long = SamplingParams(max_tokens=30, ignore_eos=True)
-    results = await asyncio.gather(*(front.generate(p, long) for p in prompts(2, seed=44)), return_exceptions=True)
+    results = await asyncio.gather(*(completion(front, p, long) for p in prompts(2, seed=44)), return_exceptions=True)
     assert all(isinstance(r, EngineFailure) and "device lost" in str(r) for r in results)
     assert_all_blocks_free(engine)
-    ok = await front.generate(prompts(1, seed=45)[0], SamplingParams(max_tokens=4, ignore_eos=True))
+    ok = await completion(front, prompts(1, seed=45)[0], SamplingParams(max_tokens=4, ignore_eos=True))
     assert len(ok.token_ids) == 4
     await front.stop()
 

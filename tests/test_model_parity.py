@@ -32,8 +32,7 @@ class Harness:
     def step(self, items: list[tuple[Sequence, int]]) -> list[torch.Tensor]:
         """Run one step; returns each item's logits for all of its tokens."""
         for seq, _ in items:
-            while len(seq.block_table) < seq.num_blocks(BLOCK):
-                self.bm.append_slot(seq)
+            assert self.bm.resize(seq, len(seq))
         scheduled = [ScheduledSeq(s, n) for s, n in items]
         with torch.inference_mode():
             ids, pos, batch, _ = self.runner.prepare(scheduled)

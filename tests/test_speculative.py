@@ -7,7 +7,8 @@ import torch
 from engine.config import EngineConfig, ModelEntry, SpecConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from engine.speculative import best_k, prompt_lookup, verify
+from engine.sampler import verify
+from engine.speculative import best_k, prompt_lookup
 from tests.conftest import make_tiny_model, write_word_tokenizer
 from tests.test_engine import prompts
 
@@ -188,7 +189,7 @@ def test_governor_keeps_the_faster_arm_and_keeps_probing():
 
 def test_governor_turns_losing_speculation_off_in_the_engine(pair):
     large, small = pair
-    e = engine(large, small)
+    e = engine(large, small, prompt_lookup=False)      # every drafting step pays the model's second
     e.speculator.governor.period, e.speculator.governor.probe = 8, 4
     # Make every draft-model round cost a second of goodput: drafting then loses to plain decoding.
     slow = e.speculator._draft_with_model

@@ -1,0 +1,78 @@
+"""One served model with everything that is per model (weights, tokenizer, KV blocks,
+scheduler, stop checker, runner), and how the engine builds them under one memory budget."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig, ModelConfig, ModelEntry, ThinkingConfig
+from engine.model import CausalLM, load_model
+from engine.model_runner import ModelRunner
+from engine.quantize import apply_quantization
+from engine.scheduler import Scheduler
+from engine.stop_checker import StopChecker
+from engine.tokenizer import Tokenizer
+from models.store import derived_path, resolve
+
+
+@dataclass
+class Worker:
+    name: str
+    cfg: ModelConfig
+    model: CausalLM
+    tokenizer: Tokenizer
+    block_manager: BlockManager
+    scheduler: Scheduler
+    runner: ModelRunner
+    thinking: ThinkingConfig
+    stop: StopChecker
+
+
+def weight_bytes(model: CausalLM, per_token: bool = False) -> int:
+    """Bytes of the model's weights as loaded (quantized ones included). per_token: the bytes
+    a decode step reads, which leaves out the embedding table (one row of it is read)."""
+    total = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    if per_token:
+        total -= sum(t.numel() * t.element_size() for t in [*model.embed_tokens.parameters(),
+                                                            *model.rotary.buffers()])
+    return total
+
+
+def load_workers(config: EngineConfig, progress: bool = True) -> dict[str, Worker]:
+    """Every model of the config, through the model store; what the weights leave of the
+    memory budget becomes KV blocks, split between the models by kv_share."""
+    loaded = {name: _load(entry, progress) for name, entry in config.models.items()}
+    weights = sum(weight_bytes(model) for _, model, _ in loaded.values())
+    free = config.memory_budget_gb * 2**30 - weights
+    if free <= 0:
+        raise ValueError(f"memory_budget_gb={config.memory_budget_gb} does not even hold the weights "
+                         f"({weights / 2**30:.2f} GiB); raise it")
+    shares = sum(entry.kv_share for entry in config.models.values())
+    kv_int8 = config.kv_cache_dtype == "int8"
+    workers = {}
+    for name, (cfg, model, tok) in loaded.items():
+        per_block = ModelRunner.kv_bytes_per_block(cfg, config.block_size, kv_int8)
+        blocks = int(free * config.models[name].kv_share / shares // per_block)
+        blocks = min(blocks, config.max_kv_blocks or blocks)
+        if blocks < 2:
+            raise ValueError(f"memory budget leaves {blocks} KV blocks for model {name!r}; raise memory_budget_gb")
+        thinking = config.models[name].thinking
+        bm = BlockManager(blocks, config.block_size, config.prefix_caching)
+        # A sequence never outgrows the model's context nor the whole KV pool, so a lone
+        # sequence can always make progress.
+        stop = StopChecker(cfg, tok, thinking, min(cfg.max_position, blocks * config.block_size))
+        scheduler = Scheduler(bm, stop, config.max_num_batched_tokens, config.max_num_seqs, config.max_wait_steps)
+        runner = ModelRunner(model, cfg, blocks, config.block_size, kv_int8, stop.bans)
+        workers[name] = Worker(name, cfg, model, tok, bm, scheduler, runner, thinking, stop)
+    return workers
+
+
+def _load(entry: ModelEntry, progress: bool) -> tuple[ModelConfig, CausalLM, Tokenizer]:
+    folder = resolve(entry.source, progress=progress)
+    cfg = ModelConfig.from_folder(folder)
+    cache = derived_path(folder, f"{entry.quant}-g{entry.group_size}.safetensors")
+    quantized = entry.quant != "none" and cache.exists()    # no float weights to read
+    model = load_model(folder, cfg, linear_weights=not quantized)
+    if entry.quant != "none":
+        model = apply_quantization(model, entry.quant, entry.group_size, cache)
+    return cfg, model, Tokenizer(folder)
