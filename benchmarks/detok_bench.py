@@ -42,14 +42,33 @@ def tokenizer() -> tuple[str, Path]:
     return "smollm2-135m", resolve("smollm2-135m")
 
 
-# ---- before: the engine's output step as it was (llm_engine._emit, scheduler._finish_reason)
-def old_finish_reason(seq: Sequence, token: int, length: int, eos_ids: set[int], max_model_len: int) -> str | None:
-    stop_ids = set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else eos_ids)
-    if token in stop_ids:
-        return "stop"
-    if length - seq.num_prompt_tokens >= seq.params.max_tokens:
-        return "length"
-    return "length" if length >= max_model_len else None
+# ---- before: the engine's output step as it was (scheduler's stop check, llm_engine._emit) ---
+class OldStopCheck:
+    """Scheduler.stop_ids, _finish_reason and postprocess's loop over a step's tokens as they
+    were: two sets built per token."""
+
+    def __init__(self, eos_token_ids: frozenset[int], max_model_len: int):
+        self.eos_token_ids, self.max_model_len = set(eos_token_ids), max_model_len
+
+    def stop_ids(self, seq: Sequence) -> set[int]:
+        return set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else self.eos_token_ids)
+
+    def finish_reason(self, seq: Sequence, token: int, length: int) -> str | None:
+        answer_start = seq.answer_start
+        if answer_start is not None and token in self.stop_ids(seq):
+            return "stop"
+        if answer_start is not None and length - answer_start >= seq.params.max_tokens:
+            return "length"
+        return "length" if length >= self.max_model_len else None
+
+    def check(self, seq: Sequence, tokens: list[int]) -> str | None:
+        """After the step appended `tokens`."""
+        base = len(seq) - len(tokens)
+        for i, token in enumerate(tokens):
+            reason = self.finish_reason(seq, token, base + i + 1)
+            if reason:
+                return reason
+        return None
 
 
 def old_emit(tok: Tokenizer, seq: Sequence, output_text: str) -> tuple[str, str]:
@@ -67,11 +86,11 @@ def old_emit(tok: Tokenizer, seq: Sequence, output_text: str) -> tuple[str, str]
 
 def run_old(tok: Tokenizer, stop: StopChecker, prompt: list[int], answer: list[int], params: SamplingParams):
     seq, text, costs = Sequence(list(prompt), params), "", []
-    eos = set(stop.eos_ids)
+    old = OldStopCheck(stop.eos_ids, stop.max_model_len)
     for t in answer:
         start = time.perf_counter_ns()
         seq.token_ids.append(t)
-        assert old_finish_reason(seq, t, len(seq), eos, 10**9) is None
+        assert old.check(seq, [t]) is None
         _, text = old_emit(tok, seq, text)
         costs.append(time.perf_counter_ns() - start)
     seq.status = Status.FINISHED            # the last output flushes what was held back
@@ -99,10 +118,10 @@ def stop_check_ns(stop: StopChecker, prompt: list[int], answer: list[int], param
     """The per-token stop check alone, before (two sets built per token) and after."""
     seq = Sequence(list(prompt) + answer, params, stop_ids=stop.stop_ids(params))
     seq.num_prompt_tokens = len(prompt)
-    eos, n = set(stop.eos_ids), len(seq)
-    old = min(_timed(lambda: old_finish_reason(seq, answer[-1], n, eos, 10**9)) for _ in range(5))
-    new = min(_timed(lambda: stop.check(seq, n - 1)) for _ in range(5))
-    return {"before_ns": old, "after_ns": new}
+    old, n, last = OldStopCheck(stop.eos_ids, stop.max_model_len), len(seq), answer[-1:]
+    runs = [(_timed(lambda: old.check(seq, last)), _timed(lambda: stop.check(seq, n - 1)))
+            for _ in range(15)]          # interleaved, so a busy machine slows both alike
+    return {"before_ns": min(r[0] for r in runs), "after_ns": min(r[1] for r in runs)}
 
 
 def _timed(fn, calls: int = 20000) -> float:

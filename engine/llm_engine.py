@@ -171,7 +171,8 @@ class LLMEngine:
             self.speculator.release(seq)
         th, now = seq.thinking, time.monotonic()
         n_think = th.num_tokens(len(seq)) if th else 0
-        return Completion(seq.request_id, worker.name, seq.token_ids[:seq.num_prompt_tokens], seq.output_ids,
+        n = seq.num_prompt_tokens
+        return Completion(seq.request_id, worker.name, seq.token_ids[:n], seq.token_ids[n:],
                           "".join(seq.text), list(seq.logprobs), seq.finish_reason or "", seq.num_cached_tokens,
                           (seq.first_token_time or now) - seq.arrival, now - seq.arrival,
                           worker.tokenizer.decode(seq.token_ids[th.start:th.start + n_think]) if th else "",

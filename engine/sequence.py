@@ -97,10 +97,6 @@ class Sequence:
         return self.token_ids[start:end] + self.draft[max(start - n, 0):max(end - n, 0)]
 
     @property
-    def output_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
-
-    @property
     def answer_start(self) -> int | None:
         """Index of the first answer token: after the thinking span, None while still in it."""
         return self.num_prompt_tokens if self.thinking is None else self.thinking.end

@@ -141,7 +141,7 @@ class Speculator:
                 # far is its prefix (the prefill's token, accepted drafts, corrections). It
                 # costs no drafting, so the governor does not hold it back.
                 made = len(seq) - seq.num_prompt_tokens
-                if st.external[:made] == seq.output_ids and len(st.external) > made:
+                if st.external[:made] == seq.token_ids[seq.num_prompt_tokens:] and len(st.external) > made:
                     seq.draft, st.source = st.external[made:made + min(room, cfg.max_external_k)], "external"
                     continue
                 st.external = []

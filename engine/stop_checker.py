@@ -56,10 +56,12 @@ class StopChecker:
             if verdict is not None or th.end is None:
                 return verdict
             first = max(first, th.end)
-        answer, ids = seq.answer_start, seq.token_ids
-        limit = self.max_model_len if answer is None else min(self.max_model_len, answer + seq.params.max_tokens)
+        ids, stops, answer = seq.token_ids, seq.stop_ids, seq.num_prompt_tokens if th is None else th.end
+        if answer is None:      # the span is still open at the end of the context
+            return Verdict(max(first + 1, self.max_model_len), reason="length")
+        limit = min(answer + seq.params.max_tokens, self.max_model_len)
         for length in range(first + 1, len(ids) + 1):
-            if answer is not None and ids[length - 1] in seq.stop_ids:
+            if ids[length - 1] in stops:
                 return Verdict(length, reason="stop")
             if length >= limit:
                 return Verdict(length, reason="length")

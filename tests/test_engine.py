@@ -57,7 +57,8 @@ def test_cancel_returns_blocks_and_others_continue(folder):
     for _ in range(3):
         engine.step()
     assert engine.sequence(a).block_table
-    produced = engine.sequence(a).output_ids
+    seq = engine.sequence(a)
+    produced = seq.token_ids[seq.num_prompt_tokens:]
     partial = engine.abort(a)
     assert partial.finish_reason == "abort" and partial.token_ids == produced and produced
     assert engine.abort(a) is None
