@@ -119,3 +119,52 @@ def test_the_cascade_says_which_call_comes_next(llm):
     assert single.finish(llm.generate([call.prompt_ids], call.params, model="small")[0]) is None
     assert single.next_call() is None
 
+
+def _early_router(tmp_path, tokens: int = 4):
+    """A router that judges on the first `tokens` with the stated rule; with threshold 1 every
+    first answer is doomed, so the cascade cuts each one at that many tokens."""
+    from router.confidence import ConfidenceModel, EarlyExit
+    from router.model import RouterModel
+    router = RouterModel(None, ConfidenceModel(), EarlyExit(tokens, ConfidenceModel()))
+    router.save(tmp_path / "early.joblib")
+    return RouterModel.load(tmp_path / "early.joblib")
+
+
+def test_early_escalation_cuts_the_small_answer_and_drafts_with_its_prefix(tmp_path, llm, embedder):
+    from litestar.testing import TestClient
+    router = _early_router(tmp_path)
+    bodies, rows = {}, {}
+    for early in (True, False):
+        toml = ("escalation_threshold = 1.0\n" + tenant_toml(KEYS["alpha"], salt=f"salt-early-{early}")
+                + f"[router]\nclassifier = false\nearly_escalation = {str(early).lower()}\n")
+        gw = make_gateway(tmp_path / f"gw-{early}", llm, embedder, {"alpha": toml},
+                          router=RouterConfig(str(tmp_path / "early.joblib")))
+        with TestClient(create_app(gw)) as c:
+            wait_ready(c)
+            large = c.post("/v1/ask", json={"question": "t5 t6 t7", "mode": "large"}, headers=auth()).json()
+            r = c.post("/v1/ask", json={"question": "t5 t6 t7"}, headers=auth())
+            assert r.status_code == 200, r.text
+            bodies[early], rows[early] = r.json(), gw.ledger.rows()[-1]
+        assert bodies[early]["answer"] == large["answer"] and bodies[early]["escalated"]
+    cut, whole = bodies[True], bodies[False]
+    assert "after 4 tokens" in cut["route_reason"] and "after" not in whole["route_reason"]
+    # The small call stopped at its 4th token (a step may have made one more) instead of all 32.
+    assert 4 <= cut["usage"]["completion"] - 32 <= 5 and whole["usage"]["completion"] == 64
+    assert cut["cost"] < whole["cost"]
+    assert rows[True].models == "small,large" and rows[True].completion_tokens == cut["usage"]["completion"]
+
+
+def test_an_eval_cascade_cuts_early_as_the_gateway_does(tmp_path, llm):
+    router = _early_router(tmp_path, tokens=3)
+    config = RunConfig("jsonl", [], None, 0, {"small": "tiny-1", "large": "tiny-2"}, PRICES, max_tokens=16)
+    open_run(tmp_path / "run", config)
+    examples = [Example(qid, "qa", question, ["x"], False) for qid, question, retrieve in QUESTIONS if not retrieve]
+    modes = [Mode("cascade", "auto", escalation=True, threshold=1.0), Mode("large", "large")]
+    run_modes(tmp_path / "run", config, examples, modes, pipeline_for(llm, config, router), None, 2, progress=False)
+    log = RecordLog(tmp_path / "run" / RECORDS_FILE)
+    for e in examples:
+        cascade, large = log.records["cascade", e.id], log.records["large", e.id]
+        small, big = cascade.calls
+        assert (small.model, small.finish_reason, big.model) == ("small", "abort", "large")
+        assert 3 <= small.output_tokens <= 4 and cascade.answer == large.answer
+    log.close()
