@@ -136,6 +136,8 @@ class GatewayMetrics:
                                     "(prompt includes cached)", ("tenant", "model", "kind")))
         self.cost = r.add(Counter("sluice_cost_usd_total", "spend in US dollars", ("tenant", "model")))
         self.escalations = r.add(Counter("sluice_escalations_total", "answers escalated to the large model"))
+        self.early_escalations = r.add(Counter("sluice_early_escalations_total", "escalations decided on the "
+                                               "first answer's first tokens, cutting it short"))
         self.routes = r.add(Counter("sluice_route_decisions_total", "first-call routes by tenant, model, difficulty and "
                                     "what chose them (client, no_router, classifier, policy, fallback)",
                                     ("tenant", "model", "difficulty", "source")))

@@ -252,6 +252,10 @@ class Gateway:
                                     progress.text += out.text_delta
                                     if not holding:
                                         yield Token(out.text_delta)
+                                early = answer.observe(out)
+                                if early is not None and early.escalate:     # doomed: cut it short
+                                    completion = await self.async_engine.cut(call.request_id)
+                                    break
                         if completion is None:
                             break
                         progress.call = None
@@ -348,6 +352,7 @@ class Gateway:
         m = self.metrics
         m.answers.inc(model, status)
         m.escalations.inc(amount=int(d.escalated))
+        m.early_escalations.inc(amount=int(answer.cut_early))
         m.routes.inc(tenant_id, calls[0][0] if calls else job.plan.route.model, d.difficulty or "none", d.source)
         for name, *counts in calls:
             for kind, n in zip(("prompt", "cached", "completion"), counts[:3]):

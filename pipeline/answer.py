@@ -212,6 +212,7 @@ class Answer:
         self.calls: list[Completion] = []
         self.verdict: Verdict | None = None
         self._early_judged = False
+        self.cut_early = False                 # the first call was cut short by the early verdict
         self._logprobs: list[float] = []      # of the first call so far, for the early verdict
 
     @property
@@ -252,6 +253,7 @@ class Answer:
         v = judge(r.escalate_to, self.plan.terms.policy.escalation_threshold, early.confidence,
                   self._logprobs[:early.tokens])
         if v.escalate:
+            self.cut_early = True
             self._judged(replace(v, reason=f"after {early.tokens} tokens, {v.reason}"))
         return v
 

@@ -3,6 +3,8 @@ same answers, tokens and dollars for the same questions; a client's thinking bud
 its own, distinct from not giving one."""
 from __future__ import annotations
 
+import re
+
 import msgspec
 import pytest
 
@@ -145,6 +147,8 @@ def test_early_escalation_cuts_the_small_answer_and_drafts_with_its_prefix(tmp_p
             r = c.post("/v1/ask", json={"question": "t5 t6 t7"}, headers=auth())
             assert r.status_code == 200, r.text
             bodies[early], rows[early] = r.json(), gw.ledger.rows()[-1]
+            counted = re.search(r"^sluice_early_escalations_total (\S+)$", c.get("/metrics").text, re.M)
+            assert float(counted.group(1) if counted else 0) == float(early)
         assert bodies[early]["answer"] == large["answer"] and bodies[early]["escalated"]
     cut, whole = bodies[True], bodies[False]
     assert "after 4 tokens" in cut["route_reason"] and "after" not in whole["route_reason"]
