@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from retrieval import Document, Embedder, CollectionStore, build_prompt, trim  # noqa: E402
 
-MODES = ("dense", "bm25", "hybrid")
+SEARCHES = ("dense", "bm25", "hybrid")
 RECALL_AT = (1, 3, 5)
 BUDGETS = (256, 512, 1024)
 TRIM_FROM = 10  # hits handed to trimming
@@ -74,13 +74,13 @@ def main():
         ingest_s = time.perf_counter() - t0
         vectors = embedder.encode([q for q, _, _ in questions])
 
-        hits_in = {m: np.zeros(len(RECALL_AT)) for m in MODES}
+        hits_in = {m: np.zeros(len(RECALL_AT)) for m in SEARCHES}
         kept = {b: 0 for b in BUDGETS}
         before_trim = 0
         tokens = {b: [] for b in BUDGETS}
         for (question, target, answers), vector in tqdm(zip(questions, vectors), total=len(questions),
                                                         desc="questions", unit="q"):
-            for mode in MODES:
+            for mode in SEARCHES:
                 hits = collection.search(question, max(max(RECALL_AT), TRIM_FROM), mode, vector)
                 first = next((r for r, h in enumerate(hits) if h.chunk.doc_id == target), None)
                 hits_in[mode] += [first is not None and first < k for k in RECALL_AT]
@@ -96,14 +96,14 @@ def main():
     report = {
         "data": "squad-v1.1-dev-part-a.json", "paragraphs": len(docs), "questions": n,
         "chunks": len(collection), "ingest_seconds": round(ingest_s, 1),
-        "recall": {m: {f"@{k}": round(float(v) / n, 4) for k, v in zip(RECALL_AT, hits_in[m])} for m in MODES},
+        "recall": {m: {f"@{k}": round(float(v) / n, 4) for k, v in zip(RECALL_AT, hits_in[m])} for m in SEARCHES},
         "answer_in_top_10_hybrid": round(before_trim / n, 4),
         "answer_in_context_after_trim": {str(b): round(kept[b] / n, 4) for b in BUDGETS},
         "mean_prompt_tokens": {str(b): round(float(np.mean(tokens[b])), 1) for b in BUDGETS},
     }
     print(f"\n{n} questions, {len(docs)} paragraphs, {report['chunks']} chunks\n")
     print("| search | recall@1 | recall@3 | recall@5 |\n|---|---|---|---|")
-    for m in MODES:
+    for m in SEARCHES:
         print(f"| {m} | " + " | ".join(f"{v:.3f}" for v in report["recall"][m].values()) + " |")
     print(f"\nanswer text in the hybrid top {TRIM_FROM}: {report['answer_in_top_10_hybrid']:.3f}\n")
     print("| budget (tokens) | answer in context | mean prompt tokens |\n|---|---|---|")

@@ -24,6 +24,9 @@ class ThinkingConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
                         "After </think>, give only the final answer.")
 
 
+QUANT_SCHEMES = ("none", "int8", "int4")     # weight-only
+
+
 class ModelEntry(msgspec.Struct, forbid_unknown_fields=True):
     """One model the engine serves: a store name ("qwen2.5-coder-0.5b"), a Hugging Face
     folder or a GGUF file."""
@@ -35,8 +38,9 @@ class ModelEntry(msgspec.Struct, forbid_unknown_fields=True):
     thinking: ThinkingConfig = ThinkingConfig()
 
     def __post_init__(self) -> None:
-        if self.quant not in ("none", "int8", "int4"):
-            raise ValueError(f"model {self.source!r}: quant must be none, int8 or int4, got {self.quant!r}")
+        if self.quant not in QUANT_SCHEMES:
+            raise ValueError(f"model {self.source!r}: quant must be one of {', '.join(QUANT_SCHEMES)}, "
+                             f"got {self.quant!r}")
         if self.group_size not in (32, 64, 128):
             raise ValueError(f"model {self.source!r}: group_size must be 32, 64 or 128, got {self.group_size}")
 

@@ -18,8 +18,6 @@ from torch import nn
 
 from engine.model import CausalLM, Linear
 
-MODES = ("none", "int8", "int4")
-
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scales = w.abs().amax(dim=1).clamp(min=1e-8) / 127

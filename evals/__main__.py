@@ -16,11 +16,10 @@ import os
 import sys
 from pathlib import Path
 
-from engine.config import EngineConfig, ModelEntry, SpecConfig
+from engine.config import QUANT_SCHEMES, EngineConfig, ModelEntry, SpecConfig
 from engine.llm_engine import LLMEngine
 from models.store import StoreError
 from evals.budgets import write_budget_table
-from engine.quantize import MODES as QUANT_MODES
 from evals.datasets import DATASETS, SPLITS, DatasetError, files_for, parse_mix
 from evals.labels import LABELS_FILE, write_labels
 from evals.report import write_report
@@ -84,7 +83,7 @@ def build_parser(prog: str = "python -m evals") -> argparse.ArgumentParser:
                      help="the small model: a store name, a Hugging Face folder or a GGUF file (default: %(default)s)")
     run.add_argument("--large", default=DEFAULT_MODELS["large"], metavar="MODEL",
                      help="the large model (default: %(default)s)")
-    run.add_argument("--quant", choices=QUANT_MODES, default="none",
+    run.add_argument("--quant", choices=QUANT_SCHEMES, default="none",
                      help="both models' weights: none (float32), int8 or int4 (default: %(default)s)")
     run.add_argument("--out", metavar="DIR", help="run folder (default: .cache/evals/DATASET-nN-seedS in the repo)")
     run.add_argument("--context-budget", type=_count(1), default=DEFAULT_CONTEXT_BUDGET, metavar="TOKENS",
