@@ -10,7 +10,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[dev,triton,ray]'
 	touch $@
 
-.PHONY: run test test-slow services bench router eval-report thinking-table
+.PHONY: run test test-slow test-ray services bench router eval-report thinking-table
 run: $(VENV)/.installed
 	$(VENV)/bin/sluice serve --demo
 
@@ -29,6 +29,12 @@ services:
 
 test-slow: $(VENV)/.installed
 	$(PY) -m pytest -q -m slow
+
+# Sluice on Ray Serve: two replicas of a tiny model on a local Ray, PostgreSQL and Redis
+# (cache affinity against round robin, a replica killed under load). About 4 minutes on
+# 2 cores, most of it Ray and the replicas starting; test-slow runs it too.
+test-ray: $(VENV)/.installed services
+	$(PY) -m pytest -q -m slow tests/test_ray_serve.py
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/engine_bench.py

@@ -167,6 +167,10 @@ def cmd_serve(args, config: ServerConfig) -> int:
     from gateway.service import Gateway
     from retrieval import CollectionStore
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.ray:
+        from gateway.serve_ray import run
+        run(config, *_folders(args), args.host, args.port)
+        return 0
     registry = _registry(args, config)
     _, data = _folders(args)
     engine = embedder = banner = None
@@ -244,6 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", parents=[where], help="run the HTTP gateway")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--ray", action="store_true", help="serve as replicas on Ray Serve, as the config's [replicas] "
+                                                          "says (docs/scale.md); collections are ingested beforehand")
     serve.set_defaults(run=cmd_serve)
     serve.epilog = "With --demo: fetch the models, ingest docs/*.md and README.md as collection 'docs', serve."
 
