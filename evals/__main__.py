@@ -16,12 +16,15 @@ import os
 import sys
 from pathlib import Path
 
+import msgspec
+
 from engine.config import QUANT_SCHEMES, EngineConfig, ModelEntry, SpecConfig
 from engine.llm_engine import LLMEngine
 from models.store import StoreError
 from evals.budgets import write_budget_table
 from evals.datasets import DATASETS, SPLITS, DatasetError, files_for, parse_mix
 from evals.labels import LABELS_FILE, write_labels
+from evals.proxy import PROXY_FILE, PROXY_REPORT, agreement, read_thresholds, score_run
 from evals.report import write_report
 from evals.runner import (DEFAULT_CONTEXT_BUDGET, DEFAULT_K, DEFAULT_MAX_TOKENS, MODES, ROUTED_MODES, RunConfig,
                           RunError, build_collection, load_dataset, open_run, pipeline_for, read_config,
@@ -72,7 +75,7 @@ def build_parser(prog: str = "python -m evals") -> argparse.ArgumentParser:
                           "trained on one is measured on the other (default: %(default)s)")
     run.add_argument("--mix", default="1:1", metavar="SQUAD:GSM8K",
                      help="mixed only: SQuAD questions to GSM8K problems (default: %(default)s)")
-    run.add_argument("--modes", nargs="+", choices=[*MODES, *ROUTED_MODES], default=list(MODES),
+    run.add_argument("--modes", nargs="*", choices=[*MODES, *ROUTED_MODES], default=list(MODES),
                      help="answering modes, one after another (default: %(default)s); routed and "
                           "routed+cascade need --router")
     run.add_argument("--router", metavar="FILE", help="a trained router (sluice train-router RUN); without it "
@@ -104,10 +107,20 @@ def build_parser(prog: str = "python -m evals") -> argparse.ArgumentParser:
     for name, what in (("report", "rewrite summary.json, report.md and the plots"), ("labels", "rewrite labels.jsonl")):
         p = sub.add_parser(name, help=f"{what} from a run folder's records")
         p.add_argument("folder", metavar="RUN")
+        if name == "labels":
+            p.add_argument("--proxy", metavar="RUN2", help="also label the run's proxy-scored questions that have no "
+                                                           "generated answers, at the thresholds `proxy` fitted on RUN2")
         if name == "report":
             p.add_argument("--router", metavar="FILE", help="also draw this trained router's curves, on the "
                                                             "run's questions it was not trained on")
         p.set_defaults(run=cmd_report if name == "report" else cmd_labels)
+
+    p = sub.add_parser("proxy", help="score every SQuAD-style question of a run by the reference answer's teacher-forced "
+                                     "log-probability under each model (one prefill, no generation), and report how "
+                                     "well that agrees with the run's generated correctness (proxy.json)")
+    p.add_argument("folder", metavar="RUN")
+    p.add_argument("--memory-gb", type=float, default=12.0, help="engine memory for weights and KV (default: %(default)s)")
+    p.set_defaults(run=cmd_proxy)
 
     p = sub.add_parser("budgets", help="exact match by thinking budget, from runs that differ in their budget")
     p.add_argument("folders", nargs="+", metavar="RUN", help="run folders over the same questions")
@@ -185,7 +198,29 @@ def cmd_report(args) -> int:
 def cmd_labels(args) -> int:
     folder = Path(args.folder)
     read_config(folder)            # a run folder, or a clear error
-    print(f"{write_labels(folder)} labels: {folder / LABELS_FILE}")
+    thresholds = read_thresholds(Path(args.proxy)) if args.proxy else None
+    print(f"{write_labels(folder, thresholds)} labels: {folder / LABELS_FILE}")
+    return 0
+
+
+def cmd_proxy(args) -> int:
+    folder = Path(args.folder)
+    config = read_config(folder)
+    dataset = load_dataset(config)
+    embedder = Embedder() if dataset.documents else None
+    collection = build_collection(folder, dataset, embedder) if dataset.documents else None
+    try:
+        pipeline = pipeline_for(_engine(config, [MODES["small"], MODES["large"]], args.memory_gb), config)
+        scores = score_run(folder, pipeline, config, dataset.examples, collection)
+    finally:
+        if collection is not None:
+            collection.close()
+    found = agreement(folder, scores)
+    (folder / PROXY_REPORT).write_bytes(msgspec.json.format(msgspec.json.encode(found)) + b"\n")
+    print("| model | questions | threshold | agreement | generated correct | kappa |\n|---|---|---|---|---|---|")
+    for a in found:
+        print(f"| {a.model} | {a.questions} | {a.threshold:.3f} | {a.agreement:.3f} | {a.base_rate:.3f} | {a.kappa:.3f} |")
+    print(f"{len(scores)} proxy scores: {folder / PROXY_FILE}; agreement: {folder / PROXY_REPORT}", file=sys.stderr)
     return 0
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import msgspec
 
 from evals.records import Record, RecordLog
-from evals.runner import RECORDS_FILE
+from evals.proxy import read_scores
+from evals.runner import RECORDS_FILE, load_dataset, read_config
 from router.confidence import EARLY_TOKENS, quantiles
 from router.data import Confidence
 
@@ -42,6 +43,7 @@ class Label:
     large_score: float | None = None
     large_tokens: Tokens | None = None
     early: dict[str, Confidence] = field(default_factory=dict)   # of the small answer's first k tokens, where it had more
+    source: str = "generated"         # or "proxy": from the reference's log-probability, no answer generated
 
 
 def confidence(logprobs: list[float]) -> Confidence | None:
@@ -69,9 +71,32 @@ def labels(log: RecordLog) -> list[Label]:
     return out
 
 
-def write_labels(folder: Path) -> int:
-    """(Re)write labels.jsonl from the run folder's log; returns how many labels it holds."""
+def proxy_labels(folder: Path, thresholds: dict[str, float], skip: set[str]) -> list[Label]:
+    """Labels from the run's proxy scores (evals/proxy.py) at these thresholds, for the
+    questions not in `skip`; no confidence features, since no answer was generated."""
+    scores: dict[str, dict[str, float]] = {}
+    hits: dict[str, list[float]] = {}
+    for s in read_scores(folder):
+        if s.mean_logprob is not None and s.id not in skip:
+            scores.setdefault(s.id, {})[s.model] = s.mean_logprob
+            hits[s.id] = s.retrieval_scores
+    questions = {e.id: e for e in load_dataset(read_config(folder)).examples}
+    out = []
+    for qid, by_model in scores.items():
+        if set(by_model) >= {"small", "large"} and qid in questions:
+            small, large = (by_model[m] >= thresholds[m] for m in ("small", "large"))
+            e = questions[qid]
+            out.append(Label(qid, e.kind, e.question, small, float(small), Tokens(0, 0, 0, 0), None, hits[qid],
+                             large, float(large), None, source="proxy"))
+    return out
+
+
+def write_labels(folder: Path, thresholds: dict[str, float] | None = None) -> int:
+    """(Re)write labels.jsonl from the run folder's log, and with `thresholds` from its proxy
+    scores where no answer was generated; returns how many labels it holds."""
     rows = labels(RecordLog(folder / RECORDS_FILE))
+    if thresholds is not None:
+        rows += proxy_labels(folder, thresholds, {r.id for r in rows})
     encoder = msgspec.json.Encoder()
     (folder / LABELS_FILE).write_bytes(b"".join(encoder.encode(r) + b"\n" for r in rows))
     return len(rows)

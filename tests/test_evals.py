@@ -22,7 +22,7 @@ from evals.report import write_report
 from evals.router_metrics import CurvePoint, apgr, cascade_sweep, cost_at_quality, oracle_scores, threshold_sweep
 from evals.runner import (DEFAULT_CONTEXT_BUDGET, DEFAULT_K, DEFAULT_MAX_TOKENS, MODES, RECORDS_FILE, RunConfig,
                           build_collection, load_dataset, open_run, pipeline_for, run_modes)
-from pipeline import Price, cost, default_prices, parse_price
+from pipeline import Price, Query, cost, default_prices, parse_price
 from retrieval import Collection
 from tests.conftest import make_tiny_model
 from tests.test_gateway_support import embedder  # noqa: F401  (the shared all-MiniLM embedder)
@@ -480,3 +480,60 @@ def test_thinking_budget_table_and_budgets_by_difficulty(tmp_path):
     assert (by_difficulty["em"], by_difficulty["thinking_tokens"], by_difficulty["large_share"]) == (0.75, 12.5, 0.5)
     assert by_difficulty["pareto"] and "| 0 / 0 / 64 | 0.750 | 12 |" in text
     assert (tmp_path / "out" / "budgets.png").stat().st_size > 0
+
+
+def test_proxy_scores_the_reference_as_transformers_does_and_labels_from_it(tmp_path, data, engine, embedder,
+                                                                            monkeypatch):
+    import torch
+    import transformers
+    from evals.labels import LABELS_FILE
+    from evals.proxy import agreement, read_scores, score_run
+    config = config_for("squad", files_for("squad", None, str(data)))
+    folder = tmp_path / "run"
+    dataset = run(folder, config, engine, embedder)
+    collection = build_collection(folder, dataset, embedder, progress=False)
+    try:
+        pipeline = pipeline_for(engine, config)
+        scores = score_run(folder, pipeline, config, dataset.examples, collection, progress=False)
+        assert sorted((s.id, s.model) for s in scores) == sorted((e.id, m) for e in dataset.examples
+                                                                 for m in ("small", "large"))
+        # The reference's mean log-probability after the served prompt, as transformers computes it.
+        example, model = dataset.examples[0], "large"
+        query = Query(example.question, mode=model, max_output_tokens=config.max_tokens, thinking_budget=0)
+        plan = pipeline.plan(MODES[model].terms(config), query, collection, "x")
+        reference = engine.worker(model).tokenizer.encode(example.answers[0])
+        hf = transformers.AutoModelForCausalLM.from_pretrained(engine.config.models[model].source, dtype=torch.float32)
+        ids = torch.tensor([plan.prompt_ids + reference])
+        logprobs = hf(ids).logits[0, :-1].log_softmax(-1).gather(1, ids[0, 1:, None])[:, 0]
+        ours = next(s for s in scores if (s.id, s.model) == (example.id, model))
+        assert ours.mean_logprob == pytest.approx(logprobs[-len(reference):].mean().item(), abs=2e-4)
+        assert ours.retrieval_scores == [round(h.score, 4) for h in plan.context.hits]
+        # Resumed: nothing is scored again.
+        monkeypatch.setattr(engine, "score", lambda *a, **kw: pytest.fail("scored again"))
+        assert len(score_run(folder, pipeline, config, dataset.examples, collection, progress=False)) == len(scores)
+    finally:
+        collection.close()
+    found = {a.model: a for a in agreement(folder, read_scores(folder))}
+    assert set(found) == {"small", "large"}
+    for a in found.values():     # never worse than always saying "right" or always "wrong"
+        assert a.questions == len(dataset.examples)
+        assert a.agreement >= max(a.base_rate, 1 - a.base_rate)
+    # Proxy labels for questions without generated answers: drop the records of two of them.
+    log = RecordLog(folder / RECORDS_FILE)
+    kept = [r for r in log.of_mode("small") if r.id not in {"s1", "s2"}]
+    log.close()
+    (folder / RECORDS_FILE).unlink()
+    log = RecordLog(folder / RECORDS_FILE)
+    for r in kept:
+        log.append(r)
+    log.close()
+    thresholds = {m: a.threshold for m, a in found.items()}
+    assert write_labels(folder, thresholds) == len(dataset.examples)
+    rows = [json.loads(line) for line in (folder / LABELS_FILE).read_text().splitlines()]
+    proxied = {r["id"]: r for r in rows if r["source"] == "proxy"}
+    assert set(proxied) == {"s1", "s2"}
+    by_score = {(s.id, s.model): s.mean_logprob for s in read_scores(folder)}
+    for qid, r in proxied.items():
+        assert r["small_correct"] == (by_score[qid, "small"] >= thresholds["small"])
+        assert r["large_correct"] == (by_score[qid, "large"] >= thresholds["large"])
+        assert r["confidence"] is None and r["retrieval_scores"]
