@@ -150,3 +150,10 @@ def postgres_url() -> str:
 @pytest.fixture
 def redis_url() -> str:
     return server(Redis).fresh_database()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def ledger_at(request, tmp_path) -> str:
+    """Where a ledger lives, for the tests that run on every database: a SQLite file, or a
+    fresh PostgreSQL database."""
+    return str(tmp_path / "ledger.sqlite") if request.param == "sqlite" else server(Postgres).fresh_database()
