@@ -13,7 +13,7 @@ import pytest
 
 from gateway.config import ServerConfig
 from gateway.errors import GatewayError
-from gateway.limits import month_of
+from gateway.limits import dollars, month_of
 from gateway.storage import open_storage
 from gateway.tenants import load_tenant
 from tests.services import Redis, redis_url, server  # noqa: F401
@@ -103,10 +103,10 @@ def test_spend_cap_reserves_the_worst_case_and_counts_committed_rows(storage, tm
     spend.reserve(alpha, 0.375)
     e = refusal(spend.reserve, alpha, 0.375)
     assert e.status == 402 and e.code == "spend_cap_reached"
-    assert "has $0.250000 left of its monthly cap of $1.00" in e.message
+    assert f"has {dollars(0.25)} left of its monthly cap of {dollars(1.0)}" in e.message
     commit(0.5)                                            # the first cost more than its share...
     spend.release(alpha, 0.375)                            # ...and gives back its reservation
-    assert "has $0.125000 left" in refusal(spend.reserve, alpha, 0.25).message
+    assert f"has {dollars(0.125)} left" in refusal(spend.reserve, alpha, 0.25).message
     commit(0.5)
     spend.release(alpha, 0.375)
     e = refusal(spend.check_open, alpha)
@@ -153,7 +153,7 @@ def test_a_commit_while_the_mirror_is_seeded_is_not_lost(tmp_path, redis_url):
 
     ledger.spent = spent_then_a_commit_lands
     e = refusal(spend.reserve, alpha, 0.5)
-    assert "has $0.400000 left" in e.message               # not 1.0: the late row counts
+    assert f"has {dollars(0.4)} left" in e.message         # not 1.0: the late row counts
 
 
 def test_a_dead_replicas_reservations_are_dropped_when_its_heartbeat_lapses(tmp_path, redis_url):
@@ -162,7 +162,7 @@ def test_a_dead_replicas_reservations_are_dropped_when_its_heartbeat_lapses(tmp_
     ledger, _, alive = open_storage(ServerConfig(limits=redis_url), tmp_path)
     dying = RedisSpendGuard(ledger, connect(redis_url), heartbeat_ms=300)
     dying.reserve(alpha, 0.9)
-    assert "has $0.100000 left" in refusal(alive.reserve, alpha, 0.5).message
+    assert f"has {dollars(0.1)} left" in refusal(alive.reserve, alpha, 0.5).message
     time.sleep(0.5)
     refusal(alive.reserve, alpha, 0.5)                     # alive, its heartbeat keeps it held
     ledger.after_commit.clear()
