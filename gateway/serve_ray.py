@@ -74,11 +74,12 @@ class SluiceReplica:
                  "server": None, "state": {}}
         outbox: asyncio.Queue = asyncio.Queue()
         gone = asyncio.Event()
-        first = [True]
+        body_read = False
 
         async def receive() -> dict:
-            if first[0]:
-                first[0] = False
+            nonlocal body_read
+            if not body_read:
+                body_read = True
                 return {"type": "http.request", "body": request.body, "more_body": False}
             await gone.wait()
             return {"type": "http.disconnect"}
@@ -134,7 +135,10 @@ class SluiceIngress:
             return await _respond(send, 200, (await self.metrics()).encode(), CONTENT_TYPE)
         if scope["method"] == "GET" and scope["path"] == "/replicas":
             return await _respond(send, 200, json.dumps(await self.replica_info()).encode(), "application/json")
-        data = await _read_body(receive, self.max_body)
+        try:
+            data = await _read_body(receive, self.max_body)
+        except ClientGone:
+            return
         if data is None:
             return await _error(send, 413, f"the request body is larger than {self.max_body} bytes", "body_too_large")
         key = await asyncio.to_thread(self.keys.key, scope["path"], scope["headers"], data)
@@ -207,13 +211,17 @@ def merge_metrics(texts: dict[str, str]) -> str:
     return "".join("\n".join(headers[f] + samples[f]) + "\n" for f in headers)
 
 
+class ClientGone(Exception):
+    """The client closed the connection before its request was read."""
+
+
 async def _read_body(receive, limit: int) -> bytes | None:
     """The whole request body, or None once it passes `limit` bytes."""
     chunks, size = [], 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            raise asyncio.CancelledError
+            raise ClientGone
         chunks.append(message.get("body", b""))
         size += len(chunks[-1])
         if size > limit:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
+import msgspec
 import pytest
 
 pytest.importorskip("ray")
@@ -124,3 +126,27 @@ def test_replicas_metrics_merge_into_one_family_each_labelled_by_replica():
         "# HELP sluice_inflight in flight", "# TYPE sluice_inflight gauge",
         'sluice_inflight{replica="r1"} 1', 'sluice_inflight{replica="r2"} 0']
     assert all(re.match(r"^(# (HELP|TYPE) .*|\w+\{.*\} \d+)$", line) for line in merged.splitlines())
+
+
+def test_the_deploy_files_load_and_build_the_application(tmp_path):
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+    from gateway.config import ConfigError, load_server_config
+    from gateway.serve_ray import application, build
+    root = Path(__file__).parent.parent / "deploy"
+    config = load_server_config(root / "sluice.toml")
+    assert config.ledger.startswith("postgresql://") and config.limits.startswith("redis://")
+    assert (config.replicas.min, config.replicas.max, config.replicas.gpus) == (1, 2, 1.0)
+    schema = ServeDeploySchema.parse_obj(yaml.safe_load((root / "serve.yaml").read_text()))
+    [app] = schema.applications
+    assert app.import_path == "gateway.serve_ray:build" and set(app.args) == {"config", "tenants", "data"}
+    built = build({"config": str(root / "sluice.toml"), "tenants": str(tmp_path), "data": str(tmp_path)})
+    replica = built._bound_deployment.init_args[0]._bound_deployment
+    assert replica._deployment_config.autoscaling_config.max_replicas == 2
+    assert replica.ray_actor_options["num_gpus"] == 1.0
+    assert replica._deployment_config.request_router_config.request_router_kwargs == {"policy": "affinity",
+                                                                                       "slack": 4}
+    compose = yaml.safe_load((root / "compose.yaml").read_text())
+    assert set(compose["services"]) == {"postgres", "redis", "sluice"}
+    with pytest.raises(ConfigError, match="shared ledger and limits"):
+        application(msgspec.structs.replace(config, ledger="sqlite:///ledger.sqlite"), tmp_path, tmp_path)

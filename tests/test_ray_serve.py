@@ -32,26 +32,30 @@ pytestmark = pytest.mark.slow
 TOPICS, QUESTIONS, WORDS = 5, 20, 60
 
 
-@pytest.fixture(scope="module")
-def cluster():
+def start_ray() -> str:
     """A local Ray with Serve's HTTP proxy on a free loopback port; its URL."""
-    ray = pytest.importorskip("ray")
+    import ray
     from ray import serve
     ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    yield f"http://127.0.0.1:{port}"
+    return f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray = pytest.importorskip("ray")
+    from ray import serve
+    yield start_ray()
     serve.shutdown()
     ray.shutdown()
 
 
-@pytest.fixture(scope="module")
-def site(tmp_path_factory) -> tuple[EngineConfig, Path, Path]:
-    """A tiny model with a KV cache of 16 blocks of 16 tokens, the tenants folder, and a data
-    folder holding collection 'topics': one passage of 60 words per topic, each topic its own words."""
-    root = tmp_path_factory.mktemp("ray")
+def make_site(root: Path, kv_blocks: int) -> tuple[EngineConfig, Path, Path]:
+    """A tiny model with `kv_blocks` KV blocks of 16 tokens, a tenants folder, and a data folder
+    holding collection 'topics': one passage of 60 words per topic, each topic its own words."""
     small = _no_eos(make_tiny_model(root / "small", "qwen2", seed=1))
-    engine = EngineConfig(models={"small": ModelEntry(str(small))}, block_size=16, max_kv_blocks=16,
+    engine = EngineConfig(models={"small": ModelEntry(str(small))}, block_size=16, max_kv_blocks=kv_blocks,
                           memory_budget_gb=1.0, num_threads=1)
     (root / "tenants").mkdir()
     (root / "tenants" / "alpha.toml").write_text(tenant_toml(KEYS["alpha"], context=WORDS + 60, allowed=("small",)))
@@ -60,6 +64,12 @@ def site(tmp_path_factory) -> tuple[EngineConfig, Path, Path]:
         topic_words(t)[i % 20] for i in range(WORDS))) for t in range(TOPICS)])
     store.close()
     return engine, root / "tenants", root / "data"
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> tuple[EngineConfig, Path, Path]:
+    """A KV cache that holds about three topics' prompts: two replicas hold all five between them."""
+    return make_site(tmp_path_factory.mktemp("ray"), kv_blocks=16)
 
 
 def topic_words(t: int) -> list[str]:
