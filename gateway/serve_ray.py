@@ -274,6 +274,7 @@ def build(args: dict[str, str]) -> serve.Application:
 
 def run(config: ServerConfig, tenants: Path, data: Path, host: str, port: int) -> None:
     """`sluice serve --ray`: join the Ray cluster RAY_ADDRESS names, or start one on this machine."""
+    app = application(config, tenants, data)      # a config that cannot work fails before Ray starts
     ray.init()
     serve.start(http_options={"host": host, "port": port})
-    serve.run(application(config, tenants, data), name="sluice", route_prefix="/", blocking=True)
+    serve.run(app, name="sluice", route_prefix="/", blocking=True)
