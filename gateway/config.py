@@ -2,6 +2,7 @@
 tenant files: a bad file is reported as "<file>: field '<name>': <what was expected>"."""
 from __future__ import annotations
 
+import os
 import tomllib
 from pathlib import Path
 from typing import Annotated, Literal, TypeVar
@@ -9,6 +10,9 @@ from typing import Annotated, Literal, TypeVar
 import msgspec
 
 from engine.config import EngineConfig, ModelEntry, SpecConfig
+from engine.llm_engine import LLMEngine
+from engine.model_runner import ModelRunner
+from engine.worker import weight_bytes
 from gateway.errors import explain
 from pipeline.prices import Dollars, Price, default_prices
 
@@ -21,10 +25,48 @@ class ConfigError(ValueError):
     """A configuration file that cannot be used; the message names the file and the field."""
 
 
+# The default memory budget (weights plus KV cache, all reserved at start-up) is this share of
+# the memory available then: the rest is for the embedder, the OS and a process beside the
+# server (an eval run, a second server).
+MEMORY_SHARE = 0.4
+
+
+def available_memory_gb(meminfo: Path = Path("/proc/meminfo")) -> float:
+    """GiB a new process can take without swapping (Linux's MemAvailable); without /proc,
+    the machine's physical memory."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 2**20        # kB
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+
+
+def default_memory_budget_gb() -> float:
+    return round(MEMORY_SHARE * available_memory_gb(), 1)
+
+
+def memory_plan(engine: LLMEngine) -> str:
+    """What the memory budget holds, for the start-up log: each model's weights and KV blocks."""
+    config = engine.config
+    parts = []
+    for name, w in engine.workers.items():
+        weights = weight_bytes(w.model)
+        blocks = len(w.block_manager.blocks)
+        kv = blocks * ModelRunner.kv_bytes_per_block(w.cfg, config.block_size, config.kv_cache_dtype == "int8")
+        parts.append(f"{name}: weights {weights / 2**30:.2f} GiB ({config.models[name].quant}), {blocks} KV blocks "
+                     f"of {config.block_size} tokens = {kv / 2**30:.2f} GiB ({config.kv_cache_dtype})")
+    return f"memory budget {config.memory_budget_gb:g} GiB: " + "; ".join(parts)
+
+
 def default_engine() -> EngineConfig:
     # The small model drafts for the large one: greedy answers are the large model's own.
-    return EngineConfig(models={"small": ModelEntry("qwen2.5-coder-0.5b"),
-                                "large": ModelEntry("qwen2.5-coder-1.5b")}, memory_budget_gb=12.0,
+    # int8 weights: within a point of float32 exact match at a third of the memory (the
+    # quantization quality table in the README).
+    return EngineConfig(models={"small": ModelEntry("qwen2.5-coder-0.5b", quant="int8"),
+                                "large": ModelEntry("qwen2.5-coder-1.5b", quant="int8")},
+                        memory_budget_gb=default_memory_budget_gb(),
                         speculative=SpecConfig(target="large", draft="small"))
 
 
@@ -82,14 +124,18 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                              f"every model under [engine.models] needs one")
 
 
-def load_toml(path: Path, kind: type[T]) -> T:
-    """Read and validate one TOML file into `kind`, or raise ConfigError naming file and field."""
+def load_toml(path: Path, kind: type[T], defaults: dict | None = None) -> T:
+    """Read and validate one TOML file into `kind`, or raise ConfigError naming file and field.
+    `defaults` fills tables the file has but leaves a key out of: {"engine": {...}}."""
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: cannot read: {e}") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    for table, values in (defaults or {}).items():
+        if isinstance(data.get(table), dict):
+            data[table] = values | data[table]
     try:
         return msgspec.convert(data, kind)
     except msgspec.ValidationError as e:
@@ -97,4 +143,8 @@ def load_toml(path: Path, kind: type[T]) -> T:
 
 
 def load_server_config(path: str | Path | None) -> ServerConfig:
-    return ServerConfig() if path is None else load_toml(Path(path), ServerConfig)
+    """An [engine] table without memory_budget_gb gets the default from the memory available,
+    as a server with no config does (not EngineConfig's fixed one)."""
+    if path is None:
+        return ServerConfig()
+    return load_toml(Path(path), ServerConfig, {"engine": {"memory_budget_gb": default_memory_budget_gb()}})
