@@ -11,12 +11,15 @@ the cache-affine router. Three parts:
   the replica's own account (timings.total); the rest of the latency is the ingress (the
   prefix key: embedding and search) and Serve's proxy and handle hops. On a 2-core machine
   the replicas, the ingress, Serve's proxy and the client share the two cores.
+- ingress: what computing a request's prefix key costs the ingress (tenant, embedding,
+  search, trimming, hashing), one request at a time, in this process.
 - affinity: tests/test_ray_serve.py's workload (20 questions, 5 topics in turn, 2 replicas
   whose KV cache holds about 3 topics): share of prompt tokens served from the prefix cache,
   affine router against round robin, from the replicas' engine counters.
 
-    .venv/bin/python benchmarks/scale_bench.py [--parts ledger replicas affinity] [--clients 8] [--seconds 30]
-Prints the figures; writes benchmarks/results/scale_bench.json.
+    .venv/bin/python benchmarks/scale_bench.py [--parts ledger replicas ingress affinity] [--clients 8] [--seconds 30]
+Prints the figures; writes them into benchmarks/results/scale_bench.json (the parts run
+replace theirs, the others stay), with the 1-minute load average before and after each part.
 """
 from __future__ import annotations
 
@@ -31,6 +34,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from common import RESULTS, machine, percentile
+
+PARTS = ["ledger", "replicas", "ingress", "affinity"]
 
 
 def row(i: int):
@@ -118,6 +123,27 @@ def bench_replicas(url: str, root: Path, clients: int, seconds: float, tokens: i
     return out
 
 
+def bench_ingress(root: Path) -> dict:
+    from gateway.config import Price, ServerConfig
+    from gateway.serve_requests import PrefixKeys
+    from tests.test_gateway_support import auth
+    from tests.test_ray_serve import TOPICS, make_site, topic_words
+    import torch
+    torch.set_num_threads(1)                              # as the ingress runs (serve_ray.SluiceIngress)
+    engine, tenants, data = make_site(root / "ingress", kv_blocks=16)
+    keys = PrefixKeys(ServerConfig(engine=engine, prices={"small": Price(1.0, 1.0, 1.0)}), tenants, data)
+    headers = [(b"authorization", auth("alpha")["Authorization"].encode())]
+    rng, times = random.Random(0), []
+    for i in range(110):
+        body = json.dumps({"question": " ".join(rng.sample(topic_words(i % TOPICS), 4)), "collection": "topics"})
+        start = time.perf_counter()
+        assert keys.key("/v1/ask", headers, body.encode()) is not None
+        times.append((time.perf_counter() - start) * 1000)
+    times = times[10:]                                    # the first calls load the tokenizer, warm up
+    return {"keys": len(times), "ms_per_key": {"p50": round(percentile(times, 0.5), 2),
+                                               "p99": round(percentile(times, 0.99), 2)}}
+
+
 def bench_affinity(url: str, root: Path) -> dict:
     from tests.test_ray_serve import deploy, hit_rate, make_site
     site = make_site(root / "affinity", kv_blocks=16)
@@ -130,35 +156,40 @@ def bench_affinity(url: str, root: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--parts", nargs="+", default=["ledger", "replicas", "affinity"],
-                        choices=["ledger", "replicas", "affinity"])
+    parser.add_argument("--parts", nargs="+", default=PARTS, choices=PARTS)
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--tokens", type=int, default=16)
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="scale-bench-"))
+    out = RESULTS / "scale_bench.json"
+    results: dict = json.loads(out.read_text()) if out.exists() else {}
+    results["machine"] = machine()
     # Others' work on this machine slows every figure: the load average says how busy it was.
-    results: dict = {"machine": machine(), "load_average_at_start": [round(x, 2) for x in os.getloadavg()]}
-    if "ledger" in args.parts:
-        results["ledger"] = bench_ledger(root)
-        print(json.dumps(results["ledger"], indent=1), flush=True)
-    if {"replicas", "affinity"} & set(args.parts):
-        import ray
-        from ray import serve
-        from tests.test_ray_serve import start_ray
-        url = start_ray()
-        try:
-            if "replicas" in args.parts:
-                results["replicas"] = bench_replicas(url, root, args.clients, args.seconds, args.tokens)
-            if "affinity" in args.parts:
-                results["affinity"] = bench_affinity(url, root)
-                print(json.dumps(results["affinity"]), flush=True)
-        finally:
+    loads = results.setdefault("load_average_1m", {})
+    url = None
+    try:
+        for part in PARTS:
+            if part not in args.parts:
+                continue
+            if part in ("replicas", "affinity") and url is None:
+                from tests.test_ray_serve import start_ray
+                url = start_ray()
+            before = os.getloadavg()[0]
+            results[part] = {"ledger": lambda: bench_ledger(root),
+                             "replicas": lambda: bench_replicas(url, root, args.clients, args.seconds, args.tokens),
+                             "ingress": lambda: bench_ingress(root),
+                             "affinity": lambda: bench_affinity(url, root)}[part]()
+            loads[part] = [round(before, 2), round(os.getloadavg()[0], 2)]
+            print(part, json.dumps(results[part]), flush=True)
+    finally:
+        if url is not None:
+            import ray
+            from ray import serve
             serve.shutdown()
             ray.shutdown()
-    results["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "scale_bench.json").write_text(json.dumps(results, indent=2) + "\n")
+    out.write_text(json.dumps(results, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -112,6 +112,10 @@ class SluiceReplica:
 
 class SluiceIngress:
     def __init__(self, replicas: DeploymentHandle, config: ServerConfig, tenants: str, data: str):
+        import torch
+        # One thread embeds a question in about 20 ms; two on a busy host spin against the
+        # replicas' threads (500 ms measured on 2 cores).
+        torch.set_num_threads(1)
         self.replicas, self.streams = replicas, replicas.options(stream=True)
         self.max_body = config.max_body_bytes
         self.keys = PrefixKeys(config, Path(tenants), Path(data))

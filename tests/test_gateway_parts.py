@@ -42,7 +42,8 @@ async def test_ledger_commits_every_concurrent_row_and_keeps_the_monthly_spend(l
     # A bad row (a request id used twice) fails alone; the rows committed with it stand.
     results = await asyncio.gather(ledger.record(row(0, request_id="req_1")), ledger.record(row(1000)),
                                    return_exceptions=True)
-    assert "UNIQUE" in str(results[0]).upper() and results[1] is None
+    assert isinstance(results[0], ledger.db.Error) and results[1] is None
+    assert "UNIQUE" in str(results[0]).upper() and "request_id" in str(results[0])
     assert len(ledger.rows()) == 301
     ledger.close()
 
