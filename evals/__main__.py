@@ -157,12 +157,13 @@ def cmd_run(args) -> int:
     routed = routed_modes(args.threshold)
     modes = [MODES[m] if m in MODES else routed[m] for m in args.modes]
     try:
-        pipeline = pipeline_for(_engine(config, modes, args.memory_gb), config, router, embedder)
-        run_modes(folder, config, dataset.examples, modes, pipeline, collection, args.concurrency)
+        if modes:                # none: just the folder and its collection, for `proxy`
+            pipeline = pipeline_for(_engine(config, modes, args.memory_gb), config, router, embedder)
+            run_modes(folder, config, dataset.examples, modes, pipeline, collection, args.concurrency)
     finally:
         if collection is not None:
             collection.close()
-    return _finish(folder, router, embedder)
+    return _finish(folder, router, embedder) if modes else 0
 
 
 def _engine(config: RunConfig, modes, memory_gb: float) -> LLMEngine:
