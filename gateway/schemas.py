@@ -73,7 +73,8 @@ class Trimmed(Struct):
     budget: int
 
 
-class Route(Struct):
+class RouteSummary(Struct):
+    """The route as a client sees it (router.policy.Route is the whole decision record)."""
     model: str
     route_reason: str
     difficulty: str | None
@@ -102,7 +103,7 @@ class AskResponse(Struct):
 
 class MetaEvent(Struct):
     id: str
-    route: Route
+    route: RouteSummary
     citations: list[Citation]
     trimmed: Trimmed
 
@@ -180,7 +181,7 @@ class ChatUsage(Struct):
 
 class SluiceInfo(Struct):
     """What /v1/ask reports beyond OpenAI's fields: the route, passages, cost and timings."""
-    route: Route
+    route: RouteSummary
     citations: list[Citation]
     trimmed: Trimmed
     cost: float | None = None

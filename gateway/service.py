@@ -28,7 +28,7 @@ import anyio
 from engine.async_engine import AsyncEngine, EngineFailure
 from engine.llm_engine import LLMEngine
 from gateway import schemas as s
-from gateway.config import ServerConfig
+from gateway.config import ServerConfig, memory_plan
 from gateway.errors import GatewayError, retry_after
 from gateway.ledger import UsageRow
 from gateway.limits import Admission, month_of
@@ -64,9 +64,9 @@ class Meta:
     trimmed: s.Trimmed
 
     @property
-    def route(self) -> s.Route:
+    def route(self) -> s.RouteSummary:
         d = self.decision
-        return s.Route(d.model, d.reason, d.difficulty, d.confidence, d.escalated)
+        return s.RouteSummary(d.model, d.reason, d.difficulty, d.confidence, d.escalated)
 
 
 @dataclass
@@ -163,6 +163,7 @@ class Gateway:
         self.async_engine = AsyncEngine(self.engine)
         await self.async_engine.start()
         log.info("ready: serving %s", ", ".join(self.engine.workers))
+        log.info(memory_plan(self.engine))
 
     def _load_blocking(self) -> None:
         config = self.config
