@@ -1,6 +1,7 @@
 """What weight quantization costs in quality: perplexity on a fixed SQuAD text and exact
 match / F1 on the same SQuAD questions answered from their gold paragraph, for each model at
-none, int8 and int4. Prints a table and writes benchmarks/results/quant_quality.json.
+none, int8 and int4 (and with --kv, each KV cache dtype). Prints a table and writes
+benchmarks/results/quant_quality.json.
 
 The data is read from $SLUICE_DATA or ../shared/data (never copied into the repository).
 """
@@ -39,7 +40,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
     ap.add_argument("--quants", nargs="+", default=["none", "int8", "int4"])
-    ap.add_argument("--questions", type=int, default=100)
+    ap.add_argument("--kv", nargs="+", default=["float32"], choices=["float32", "int8"], help="KV cache dtypes")
+    ap.add_argument("--questions", type=int, default=100, help="0: perplexity only")
     ap.add_argument("--ppl-tokens", type=int, default=2048)
     ap.add_argument("--data", type=Path, default=Path(os.environ.get("SLUICE_DATA", ROOT.parent / "shared" / "data")))
     ap.add_argument("--out", type=Path, default=RESULTS / "quant_quality.json")
@@ -47,29 +49,32 @@ def main() -> None:
     contexts, questions = squad(args.data, args.questions, seed=0)
     rows = []
     for model in args.models:
-        for quant in args.quants:
-            engine = LLMEngine(EngineConfig(models={"m": ModelEntry(model, quant=quant)}, max_kv_blocks=2048),
-                               progress=False)
+        for quant, kv in [(q, kv) for q in args.quants for kv in args.kv]:
+            engine = LLMEngine(EngineConfig(models={"m": ModelEntry(model, quant=quant)}, max_kv_blocks=2048,
+                                            kv_cache_dtype=kv), progress=False)
             tok = engine.worker("m").tokenizer
             text_ids = tok.encode("\n\n".join(contexts[:40]))[:args.ppl_tokens]
             ppl = math.exp(-sum(lp := engine.score(text_ids)) / len(lp))
-            prompts = [tok.apply_chat_template(build_prompt(q, [Chunk("gold", 0, ctx)], QA_INSTRUCTIONS).messages)
-                       for ctx, q, _ in questions]
-            outs = engine.generate(prompts, SamplingParams(max_tokens=32, stop=["\n"]), progress=True)
-            answers = [c.text.strip() for c in outs]
-            em = 100 * sum(exact_match(a, g) for a, (_, _, g) in zip(answers, questions)) / len(questions)
-            f = 100 * sum(f1(a, g) for a, (_, _, g) in zip(answers, questions)) / len(questions)
-            rows.append({"model": model, "quant": quant, "perplexity": ppl, "exact_match": em, "f1": f})
+            em = f = None
+            if questions:
+                prompts = [tok.apply_chat_template(build_prompt(q, [Chunk("gold", 0, ctx)], QA_INSTRUCTIONS).messages)
+                           for ctx, q, _ in questions]
+                outs = engine.generate(prompts, SamplingParams(max_tokens=32, stop=["\n"]), progress=True)
+                answers = [c.text.strip() for c in outs]
+                em = 100 * sum(exact_match(a, g) for a, (_, _, g) in zip(answers, questions)) / len(questions)
+                f = 100 * sum(f1(a, g) for a, (_, _, g) in zip(answers, questions)) / len(questions)
+            rows.append({"model": model, "quant": quant, "kv": kv, "perplexity": ppl, "exact_match": em, "f1": f})
             console.print(rows[-1])
             del engine
     table = Table(title=f"Quantization quality: perplexity on {args.ppl_tokens} SQuAD tokens; "
                         f"EM/F1 on {args.questions} SQuAD questions with their gold paragraph")
-    for col in ("model", "quant", "perplexity", "EM", "F1", "EM vs none"):
+    for col in ("model", "quant", "kv", "perplexity", "EM", "F1", "EM vs the model's first row"):
         table.add_column(col)
     for r in rows:
-        base = next((x for x in rows if x["model"] == r["model"] and x["quant"] == "none"), r)
-        table.add_row(r["model"], r["quant"], f"{r['perplexity']:.3f}", f"{r['exact_match']:.1f}", f"{r['f1']:.1f}",
-                      f"{r['exact_match'] - base['exact_match']:+.1f}")
+        base = next(x for x in rows if x["model"] == r["model"])
+        scores = [f"{r['exact_match']:.1f}", f"{r['f1']:.1f}", f"{r['exact_match'] - base['exact_match']:+.1f}"] \
+            if questions else ["-"] * 3
+        table.add_row(r["model"], r["quant"], r["kv"], f"{r['perplexity']:.3f}", *scores)
     console.print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"questions": args.questions, "ppl_tokens": args.ppl_tokens, "rows": rows},
