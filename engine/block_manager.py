@@ -57,25 +57,37 @@ class BlockManager:
     def can_allocate(self, seq: Sequence) -> bool:
         return self.num_free >= seq.num_blocks(self.block_size)
 
-    def allocate(self, seq: Sequence) -> None:
-        """Give a waiting sequence blocks for all its tokens, reusing cached prefix blocks."""
-        assert not seq.block_table
-        bs, parent = self.block_size, b""
-        # The last full block is always recomputed when everything hits: the step needs at
-        # least one token to produce logits from.
-        for i in range((len(seq) - 1) // bs if self.prefix_caching else 0):
-            ids = seq.token_ids[i * bs:(i + 1) * bs]
-            parent = block_hash(parent, ids, seq.salt)
-            self.queries += 1
+    def _cached_blocks(self, token_ids: list[int], salt: bytes) -> list[int]:
+        """The cached blocks holding the leading full blocks of token_ids. The last full block
+        is never among them when everything hits: a step needs at least one token to produce
+        logits from."""
+        bs, parent, found = self.block_size, b"", []
+        for i in range((len(token_ids) - 1) // bs if self.prefix_caching else 0):
+            ids = token_ids[i * bs:(i + 1) * bs]
+            parent = block_hash(parent, ids, salt)
             block_id = self.cached.get(parent)
             if block_id is None or self.blocks[block_id].token_ids != ids:
                 break
-            self.hits += 1
+            found.append(block_id)
+        return found
+
+    def num_cached_tokens(self, seq: Sequence) -> int:
+        """How many of a new sequence's tokens the prefix cache would serve now."""
+        return len(self._cached_blocks(seq.token_ids, seq.salt)) * self.block_size
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give a waiting sequence blocks for all its tokens, reusing cached prefix blocks."""
+        assert not seq.block_table
+        hits = self._cached_blocks(seq.token_ids, seq.salt)
+        full = (len(seq) - 1) // self.block_size if self.prefix_caching else 0
+        self.queries += len(hits) + (len(hits) < full)      # lookups up to and with the first miss
+        self.hits += len(hits)
+        for block_id in hits:
             self.free.pop(block_id, None)
             self.blocks[block_id].ref_count += 1
-            seq.block_table.append(block_id)
+        seq.block_table = list(hits)
         seq.num_hashed_blocks = len(seq.block_table)
-        seq.num_cached_tokens = seq.num_computed_tokens = len(seq.block_table) * bs
+        seq.num_cached_tokens = seq.num_computed_tokens = len(seq.block_table) * self.block_size
         self.resize(seq, len(seq))
 
     def resize(self, seq: Sequence, num_tokens: int) -> bool:
