@@ -3,6 +3,7 @@ architecture (read from a Hugging Face ``config.json``)."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +26,7 @@ class ThinkingConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 
 QUANT_SCHEMES = ("none", "int8", "int4")     # weight-only
+FLOAT_DTYPES = ("float32", "bfloat16")       # compute dtypes, and unquantized KV
 
 
 class ModelEntry(msgspec.Struct, forbid_unknown_fields=True):
@@ -76,11 +78,23 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
     max_num_batched_tokens: int = 512      # per step and model: decodes + prefill chunks
     max_num_seqs: int = 64
     prefix_caching: bool = True
-    kv_cache_dtype: str = "float32"        # "int8" halves KV memory (one scale per token and head)
+    # "auto": unquantized, in the compute dtype (float32 on the CPU, bfloat16 on CUDA); an explicit
+    # float dtype must equal the compute dtype. "int8" quarters float32 KV (one scale per token and head).
+    kv_cache_dtype: str = "auto"
     # Steps a waiting request may be overtaken by later, smaller ones before it blocks them.
     max_wait_steps: int = 32
     num_threads: int | None = None
     speculative: SpecConfig | None = None
+    # Where the engine runs: "auto" (CUDA when available, else the CPU), "cpu", "cuda" or "cuda:N".
+    device: str = "auto"
+    # Compute dtype: "auto" is bfloat16 on CUDA and float32 on the CPU (dense bf16 matmuls are ~50x
+    # slower there); or "float32", "bfloat16".
+    dtype: str = "auto"
+    # On CUDA the memory budget (weights first, then KV) is this share of the device's free memory at
+    # start-up; memory_budget_gb is the CPU's budget.
+    gpu_memory_utilization: float = 0.9
+    # Decode-only steps replay CUDA graphs captured at start-up per padded batch size; False: eager.
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -92,8 +106,16 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
                                  f"({', '.join(self.models)})")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"engine config: block_size must be a power of two, got {self.block_size}")
-        if self.kv_cache_dtype not in ("float32", "int8"):
-            raise ValueError(f"engine config: kv_cache_dtype must be float32 or int8, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in ("auto", *FLOAT_DTYPES, "int8"):
+            raise ValueError(f"engine config: kv_cache_dtype must be auto, float32, bfloat16 or int8, "
+                             f"got {self.kv_cache_dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", self.device):
+            raise ValueError(f"engine config: device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.dtype not in ("auto", *FLOAT_DTYPES):
+            raise ValueError(f"engine config: dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"engine config: gpu_memory_utilization must be in (0, 1], "
+                             f"got {self.gpu_memory_utilization}")
         if self.max_num_batched_tokens < self.block_size:
             raise ValueError("engine config: max_num_batched_tokens must be at least block_size")
 
