@@ -62,6 +62,7 @@ class SpecConfig(msgspec.Struct, forbid_unknown_fields=True):
     # step; None: measured as it runs.
     verify_cost: float | None = None
     draft_cost: float | None = None
+    draft_prefill_cost: float | None = None     # per token the draft model must catch up on
     probe_every: int = 16              # steps a sequence waits with speculation off before trying again
     # Measure decoding with and without drafts (model and lookup) side by side and keep the
     # faster, per batch size: the off switch when the cost model is wrong on this machine.
