@@ -49,10 +49,10 @@ def verify(logits: torch.Tensor, draft: list[int], draft_probs: torch.Tensor | N
         p = probs(logits[i], params)
         q = draft_probs[i] if draft_probs is not None else None     # None: a deterministic proposal
         q_d = q[d].item() if q is not None else 1.0
-        if torch.rand((), generator=generator).item() * q_d < p[d].item():
+        if torch.rand((), generator=generator, device=p.device).item() * q_d < p[d].item():
             out.append(d)
             continue
-        residual = (p - q).clamp(min=0) if q is not None else p.index_fill(0, torch.tensor([d]), 0.0)
+        residual = (p - q).clamp(min=0) if q is not None else p.index_fill(0, torch.tensor([d], device=p.device), 0.0)
         if residual.sum() <= 0:        # p == q: nothing left to correct towards
             residual = p
         out.append(int(torch.multinomial(residual / residual.sum(), 1, generator=generator)))
