@@ -71,9 +71,9 @@ class BlockManager:
             found.append(block_id)
         return found
 
-    def num_cached_tokens(self, seq: Sequence) -> int:
+    def num_cached_tokens(self, token_ids: list[int], salt: bytes) -> int:
         """How many of a new sequence's tokens the prefix cache would serve now."""
-        return len(self._cached_blocks(seq.token_ids, seq.salt)) * self.block_size
+        return len(self._cached_blocks(token_ids, salt)) * self.block_size
 
     def allocate(self, seq: Sequence) -> None:
         """Give a waiting sequence blocks for all its tokens, reusing cached prefix blocks."""

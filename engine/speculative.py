@@ -11,6 +11,7 @@ their KV lies past num_computed_tokens, so rollback is returning surplus blocks.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -37,47 +38,88 @@ class SpecStats:
                 "by_source": {s: {"proposed": p, "accepted": a} for s, (p, a) in self.by_source.items()}}
 
 
+@dataclass
+class _Bucket:
+    """The governor's state for one batch-size bucket."""
+    tokens: dict[str, float] = field(default_factory=dict)     # discounted tokens per arm
+    seconds: dict[str, float] = field(default_factory=dict)    # discounted seconds per arm
+    best: str | None = None
+    arm: str | None = None          # the arm running now
+    left: int = 0                   # steps it still runs as a probe
+    steps: int = 0
+    probing: bool = False           # the arm running is on trial
+    best_before_probe: str | None = None
+    next_probe: int = 0             # the step at which the next re-try starts
+    period: int = 0
+    probes: int = 0
+
+    def rate(self, arm: str) -> float | None:
+        return self.tokens[arm] / self.seconds[arm] if self.seconds.get(arm) else None
+
+
 class Governor:
-    """Whether drafting (model and prompt lookup) pays, measured rather than predicted: the
-    target's goodput (tokens gained per second of drafting plus target step) of recent
-    decode-only steps with drafts and without, per batch-size bucket. Every `period` steps the
-    arm not in use runs for `probe` steps, so a change is noticed. The cost model (best_k)
-    still picks k inside the "on" arm; this guards against it being wrong."""
+    """Which drafting pays, measured rather than predicted, per batch-size bucket. The arms
+    are plain decoding, prompt lookup alone, and every source (the cost model then picks per
+    sequence, the draft model included). An arm's goodput is tokens per second of drafting
+    plus target step over decode-only steps, recent ones weighted most; the draft model's
+    catch-up prefills land in it, so a source is judged by everything it spends.
+
+    A bucket first runs each arm for `probe` steps, so it decides within probe x arms steps.
+    Then it runs the best (5% hysteresis) and re-tries the others, `probe` steps each, every
+    `period` steps; a re-try that leaves the choice as it was doubles the period (up to
+    `max_period`), so a losing arm costs less and less, and one that changes it resets it."""
 
     BUCKETS = {1: "1", 2: "2-3", 3: "4-7", 4: "8-15", 5: "16+"}     # sequences decoding in the step
 
-    def __init__(self, period: int = 32, probe: int = 4, margin: float = 1.05):
-        self.period, self.probe, self.margin = period, probe, margin
-        self.rates: dict[tuple[int, bool], float] = {}      # (bucket, drafting) -> tokens/s
-        self.steps: dict[int, int] = {}
-        self.choice: dict[int, bool] = {}                   # bucket -> drafting, outside probes
+    def __init__(self, arms: list[str], probe: int = 3, period: int = 32, max_period: int = 1024,
+                 margin: float = 1.05, decay: float = 0.7):
+        self.arms, self.probe, self.period, self.max_period = arms, probe, period, max_period
+        self.margin, self.decay = margin, decay
+        self.buckets: dict[int, _Bucket] = {}
 
     @staticmethod
     def bucket(decoding: int) -> int:
         return min(decoding, 16).bit_length()               # a key of BUCKETS
 
-    def drafting(self, decoding: int) -> bool:
-        """Draft this step? Counts the step for the bucket's probing schedule."""
-        b = self.bucket(decoding)
-        n = self.steps[b] = self.steps.get(b, 0) + 1
-        best = self.choice.get(b, True)
-        return (not best) if n % self.period >= self.period - self.probe else best
+    def arm(self, decoding: int) -> str:
+        """The arm for this step (counting it for the bucket's schedule)."""
+        b = self.buckets.setdefault(self.bucket(decoding), _Bucket(period=self.period))
+        b.steps += 1
+        if b.left > 0:
+            b.left -= 1
+            return b.arm
+        if untried := [a for a in self.arms if a not in b.seconds]:
+            return self._probe(b, untried[0])
+        if b.probing:                   # the first tries or a re-try just ended
+            b.probing = False
+            b.period = min(2 * b.period, self.max_period) if b.best == b.best_before_probe else self.period
+            b.next_probe = b.steps + b.period
+        elif b.steps >= b.next_probe and (others := [a for a in self.arms if a != b.best]):
+            b.probes += 1
+            return self._probe(b, others[(b.probes - 1) % len(others)])
+        b.arm = b.best
+        return b.arm
 
-    def record(self, decoding: int, drafted: bool, tokens: int, seconds: float) -> None:
+    def _probe(self, b: _Bucket, arm: str) -> str:
+        if not b.probing:
+            b.best_before_probe, b.probing = b.best, True
+        b.arm, b.left = arm, self.probe - 1
+        return arm
+
+    def record(self, decoding: int, arm: str, tokens: int, seconds: float) -> None:
         if seconds <= 0 or tokens <= 0:
             return
-        b, rate = self.bucket(decoding), tokens / seconds
-        old = self.rates.get((b, drafted))
-        self.rates[(b, drafted)] = rate if old is None else 0.7 * old + 0.3 * rate
-        on, off = self.rates.get((b, True)), self.rates.get((b, False))
-        if on is not None and off is not None:
-            # Hysteresis: the arm in use keeps its place unless the other beats it by the margin.
-            self.choice[b] = on * self.margin >= off if self.choice.get(b, True) else on >= off * self.margin
+        b = self.buckets.setdefault(self.bucket(decoding), _Bucket(period=self.period))
+        b.tokens[arm] = self.decay * b.tokens.get(arm, 0.0) + tokens
+        b.seconds[arm] = self.decay * b.seconds.get(arm, 0.0) + seconds
+        best = max(b.seconds, key=b.rate)
+        if b.best is None or b.best not in b.seconds or b.rate(best) > b.rate(b.best) * self.margin:
+            b.best = best
 
     def as_dict(self) -> dict:
-        rate = {arm: round(r, 2) for arm, r in self.rates.items()}
-        return {self.BUCKETS[b]: {"drafting": self.choice.get(b, True), "tok_s_drafting": rate.get((b, True)),
-                                  "tok_s_plain": rate.get((b, False))} for b in sorted(self.steps)}
+        return {self.BUCKETS[k]: {"arm": b.best, "probe_period": b.period,
+                                  "tok_s": {a: round(b.rate(a), 2) for a in b.seconds}}
+                for k, b in sorted(self.buckets.items())}
 
 
 def prompt_lookup(tokens: list[int], k: int, max_ngram: int = 4, min_ngram: int = 2) -> list[int]:
@@ -115,13 +157,19 @@ class Speculator:
             raise ValueError(f"draft model {draft.name!r} cannot draft for {target.name!r}: their tokenizers differ")
         self.config, self.target, self.draft = config, target, draft
         self.stats = SpecStats()
-        self.governor = Governor() if config.govern else None
+        arms = ["plain"] + ["lookup"] * config.prompt_lookup + \
+            ["lookup+model" if config.prompt_lookup else "model"] * (draft is not None)
+        self.governor = Governor(arms) if config.govern else None
         self.step_draft_seconds = 0.0
+        self.step_arm = arms[-1]
         self.shadows: dict[int, Sequence] = {}     # target seq_id -> its sequence in the draft model
         # Costs relative to a plain target step (target_step seconds): measured unless configured.
         self.draft_cost = 0.35 if config.draft_cost is None else config.draft_cost
         self.verify_cost = 0.05 if config.verify_cost is None else config.verify_cost
+        self.draft_prefill_cost = 0.02 if config.draft_prefill_cost is None else config.draft_prefill_cost
         self.target_step: float | None = None
+        # Output lengths of the target's finished requests: how long an answer still runs.
+        self.lengths: deque[int] = deque(maxlen=256)
 
     def propose(self) -> None:
         """Give decode-ready sequences of the target a draft for this step (or none)."""
@@ -129,7 +177,7 @@ class Speculator:
         by_model: list[tuple[Sequence, int]] = []
         decoding = [s for s in self.target.scheduler.running if s.status is Status.RUNNING and not s.in_prefill]
         self.step_draft_seconds = 0.0
-        drafting = self.governor.drafting(len(decoding)) if self.governor and decoding else True
+        self.step_arm = arm = self.governor.arm(len(decoding)) if self.governor and decoding else self.step_arm
         for seq in decoding:
             if seq.spec is None:
                 continue
@@ -145,13 +193,11 @@ class Speculator:
                     seq.draft, st.source = st.external[made:made + min(room, cfg.max_external_k)], "external"
                     continue
                 st.external = []
-            if not drafting:
-                continue
             options = []
-            if cfg.prompt_lookup and (k := self._k(st, "lookup", 0.0, room)) and \
+            if "lookup" in arm and (k := self._k(st, "lookup", 0.0, room)) and \
                     (found := prompt_lookup(seq.token_ids, k, cfg.max_ngram, cfg.min_ngram)):
                 options.append(("lookup", found, _rate(st.acceptance["lookup"], len(found), self.verify_cost)))
-            if self.draft is not None and (k := self._k(st, "model", self.draft_cost, room)):
+            if "model" in arm and (k := self._k(st, "model", self.draft_cost, room)) and self._model_pays(seq, k):
                 options.append(("model", k, _rate(st.acceptance["model"], k, self.draft_cost + self.verify_cost)))
             if not options:
                 st.idle_steps += 1
@@ -170,14 +216,38 @@ class Speculator:
         k = best_k(st.acceptance[source], cost_per_draft, self.verify_cost, self.config.max_k)
         return min(room, k or int(st.idle_steps >= self.config.probe_every))
 
+    def _model_pays(self, seq: Sequence, k: int) -> bool:
+        """Whether the draft model earns back what it must first spend on this sequence: a
+        prefill of every token its cache lacks (the whole prompt, for a new one), against what
+        drafting saves per token times the tokens the answer is expected still to run."""
+        shadow = self.shadows.get(seq.seq_id)
+        have = shadow.num_computed_tokens if shadow is not None else \
+            self.draft.block_manager.num_cached_tokens(seq.token_ids, seq.salt)
+        catch_up = max(0, len(seq) - 1 - have)
+        if catch_up <= k:                       # in step: nothing to pay back
+            return True
+        rate = _rate(seq.spec.acceptance["model"], k, self.draft_cost + self.verify_cost)
+        saved_per_token = 1 - 1 / rate          # target steps
+        made = len(seq) - seq.num_prompt_tokens
+        return saved_per_token * self.expected_remaining(made, _room(seq, self.target.scheduler.max_model_len)) \
+            > catch_up * self.draft_prefill_cost
+
+    def expected_remaining(self, made: int, room: int) -> float:
+        """Tokens an answer that has `made` so far is expected still to produce: the mean over
+        recent finished answers longer than that; with fewer than 8 of those, as many again as
+        it has made (so the draft model starts once the answer has run long enough to pay for
+        it: at most twice the cost of knowing the length in advance)."""
+        longer = [n - made for n in self.lengths if n > made]
+        return min(room, sum(longer) / len(longer) if len(longer) >= 8 else made)
+
     def _draft_with_model(self, wanted: list[tuple[Sequence, int]]) -> None:
         start = time.perf_counter()
         active = [(seq, sh, k) for seq, k in wanted if (sh := self._sync_shadow(seq, k)) is not None]
-        rounds = 0
         while active:
             items = [ScheduledSeq(sh, len(sh) - sh.num_computed_tokens) for _, sh, _ in active]
+            round_start = time.perf_counter()
             sampled, rows = self.draft.runner.run(items, return_probs=True)
-            rounds += 1
+            self._observe_draft_round(time.perf_counter() - round_start, items)
             for (seq, sh, k), item in zip(active, items):
                 if sh.error:          # the draft model failed on it: no draft, a fresh shadow next time
                     seq.draft, seq.draft_probs, seq.spec.source = [], None, None
@@ -193,8 +263,19 @@ class Speculator:
         elapsed = time.perf_counter() - start
         self.stats.draft_seconds += elapsed
         self.step_draft_seconds += elapsed
-        if self.target_step and rounds and self.config.draft_cost is None:
-            self.draft_cost = 0.8 * self.draft_cost + 0.2 * (elapsed / rounds) / self.target_step
+
+    def _observe_draft_round(self, seconds: float, items: list[ScheduledSeq]) -> None:
+        """A draft-model pass, in target steps: one token per sequence is a draft step (its
+        cost), more are catch-up prefill (its cost per extra token)."""
+        if not self.target_step:
+            return
+        extra = sum(i.num_tokens for i in items) - len(items)
+        if extra <= 0:
+            if self.config.draft_cost is None:
+                self.draft_cost = 0.8 * self.draft_cost + 0.2 * seconds / self.target_step
+        elif self.config.draft_prefill_cost is None:
+            per_token = max(0.0, seconds / self.target_step - self.draft_cost) / extra
+            self.draft_prefill_cost = 0.7 * self.draft_prefill_cost + 0.3 * per_token
 
     def _sync_shadow(self, seq: Sequence, k: int) -> Sequence | None:
         """The draft model's copy of `seq`, its cache valid for the prefix both agree on, with
@@ -247,8 +328,7 @@ class Speculator:
         external = any(i.seq.spec is not None and i.seq.spec.source == "external" for i in scheduled if i.num_draft)
         if self.governor and decode_only and not external:
             tokens = sum(len(sampled[i.seq.seq_id][0]) for i in scheduled if i.seq.seq_id in sampled)
-            # Judged by what the step did: an "on" step whose sequences all chose k = 0 was plain.
-            self.governor.record(len(scheduled), drafted_tokens > 0, tokens, seconds + self.step_draft_seconds)
+            self.governor.record(len(scheduled), self.step_arm, tokens, seconds + self.step_draft_seconds)
         if not drafted_tokens:
             self.target_step = seconds if self.target_step is None else 0.8 * self.target_step + 0.2 * seconds
         elif self.target_step and self.config.verify_cost is None:
@@ -256,6 +336,9 @@ class Speculator:
             self.verify_cost = 0.8 * self.verify_cost + 0.2 * extra
 
     def release(self, seq: Sequence, failed: bool = False) -> None:
+        """The request is done (or its shadow failed): its draft-model blocks go back."""
+        if seq.is_finished and seq.spec is not None and seq.finish_reason != "abort":
+            self.lengths.append(len(seq) - seq.num_prompt_tokens)
         shadow = self.shadows.pop(seq.seq_id, None)
         if shadow is not None:
             self.draft.runner.clear(self.draft.block_manager.free_seq(shadow, forget=failed))

@@ -177,13 +177,16 @@ class GatewayMetrics:
                       ("model",), lambda: spec("tokens_per_verify_pass")))
         governor = lambda: {m: s["speculation"]["governor"] for m, s in engine_stats().items()
                             if s.get("speculation") and s["speculation"].get("governor")}
-        r.add(Sampled("sluice_spec_governor_drafting", "1 where the governor keeps drafting on, by batch-size bucket",
-                      ("model", "batch"), lambda: {(m, b): int(v["drafting"]) for m, g in governor().items()
+        r.add(Sampled("sluice_spec_governor_arm", "1 for the drafting arm the governor runs, by batch-size bucket "
+                      "(plain, lookup, model, lookup+model)", ("model", "batch", "arm"),
+                      lambda: {(m, b, v["arm"]): 1 for m, g in governor().items() for b, v in g.items() if v["arm"]}))
+        r.add(Sampled("sluice_spec_governor_goodput", "decode tokens per second the governor measured per arm",
+                      ("model", "batch", "arm"),
+                      lambda: {(m, b, arm): rate for m, g in governor().items() for b, v in g.items()
+                               for arm, rate in v["tok_s"].items()}))
+        r.add(Sampled("sluice_spec_governor_probe_period", "steps between re-tries of the arms not in use",
+                      ("model", "batch"), lambda: {(m, b): v["probe_period"] for m, g in governor().items()
                                                    for b, v in g.items()}))
-        r.add(Sampled("sluice_spec_governor_goodput", "decode tokens per second the governor measured, drafting or "
-                      "plain", ("model", "batch", "arm"),
-                      lambda: {(m, b, arm): v[f"tok_s_{arm}"] for m, g in governor().items() for b, v in g.items()
-                               for arm in ("drafting", "plain") if v[f"tok_s_{arm}"] is not None}))
         r.add(Sampled("sluice_tenants_loaded", "tenants with a usable file", (), lambda: {(): tenant_state()[0]}))
         r.add(Sampled("sluice_tenant_file_error", "1 for each tenant file whose current content is refused",
                       ("file",), lambda: {(f,): 1 for f in tenant_state()[1]}))

@@ -282,7 +282,9 @@ def test_speculative_decoding_reports_its_acceptance_rate(tmp_path, tmp_path_fac
     assert re.search(r'^sluice_spec_acceptance_rate\{model="large"\} [0-9.e-]+$', text, re.M), text
     assert re.search(r'^sluice_spec_proposed_tokens_total\{model="large"\} [1-9]', text, re.M)
     assert 'sluice_spec_acceptance_rate{model="small"}' not in text
-    assert re.search(r'^sluice_spec_governor_drafting\{model="large",batch="1"\} [01]$', text, re.M), text
+    assert re.search(r'^sluice_spec_governor_arm\{model="large",batch="1",arm="(plain|lookup|lookup\+model)"\} 1$',
+                     text, re.M), text
+    assert re.search(r'^sluice_spec_governor_goodput\{model="large",batch="1",arm="plain"\} [0-9.e-]+$', text, re.M)
     assert re.search(r'^sluice_spec_draft_seconds_total\{model="large"\} [0-9.e-]+$', text, re.M)
 
 

@@ -167,30 +167,81 @@ def test_verification_cost_is_measured_and_switches_speculation_off():
     assert best_k(0.3, 0.0, spec.verify_cost, 8) == 0 and best_k(0.8, 0.0, spec.verify_cost, 8) > 0
 
 
-def test_governor_keeps_the_faster_arm_and_keeps_probing():
+def test_governor_decides_within_its_bound_and_a_loser_costs_ever_less():
     from engine.speculative import Governor
-    g = Governor(period=8, probe=2)
-    speed = {True: 5.0, False: 10.0}            # drafting at half the plain rate: it must go off
-    arms = []
-    for _ in range(64):
-        drafted = g.drafting(1)
-        arms.append(drafted)
-        g.record(1, drafted, tokens=int(speed[drafted]), seconds=1.0)
-    assert g.choice[g.bucket(1)] is False and arms[-8:].count(True) == 2       # off, probing 2 in 8
-    speed = {True: 20.0, False: 10.0}           # now drafting doubles it: back on
-    for _ in range(64):
-        drafted = g.drafting(1)
-        g.record(1, drafted, tokens=int(speed[drafted]), seconds=1.0)
-    assert g.choice[g.bucket(1)] is True
-    assert g.bucket(4) not in g.choice           # batch sizes are judged apart
-    assert g.as_dict()["1"] == {"drafting": True, "tok_s_drafting": pytest.approx(20.0, abs=0.5),
-                                      "tok_s_plain": pytest.approx(10.0, abs=0.5)}
+    arms = ["plain", "lookup", "lookup+model"]
+    g = Governor(arms, probe=3, period=8, max_period=256)
+    speed = {"plain": 10.0, "lookup": 12.0, "lookup+model": 3.0}     # the draft model loses badly
+    ran = []
+    for _ in range(9):
+        ran.append(arm := g.arm(1))
+        g.record(1, arm, tokens=int(speed[arm]), seconds=1.0)
+    assert ran == ["plain"] * 3 + ["lookup"] * 3 + ["lookup+model"] * 3     # each arm tried, in order
+    ran = []
+    for _ in range(2000):
+        ran.append(arm := g.arm(1))
+        g.record(1, arm, tokens=int(speed[arm]), seconds=1.0)
+    assert ran[0] == "lookup" and g.buckets[g.bucket(1)].best == "lookup"
+    # Re-tries double their period while they confirm the choice: 2,000 steps hold a handful.
+    assert 3 <= ran.count("lookup+model") <= 3 * 8 and ran[-300:].count("lookup") >= 290
+    speed["lookup+model"] = 30.0                 # now the draft model pays: picked at its next re-try
+    ran = []
+    for _ in range(600):
+        ran.append(arm := g.arm(1))
+        g.record(1, arm, tokens=int(speed[arm]), seconds=1.0)
+    assert ran[-100:].count("lookup+model") >= 95
+    assert g.bucket(4) not in g.buckets          # batch sizes are judged apart
+    assert g.as_dict()["1"]["arm"] == "lookup+model" and g.as_dict()["1"]["probe_period"] <= 256
+    assert g.as_dict()["1"]["tok_s"]["plain"] == pytest.approx(10.0)
+
+
+def test_draft_model_starts_only_where_its_catch_up_pays(pair):
+    from engine.sequence import Sequence, SpecState
+    large, small = pair
+    spec = engine(large, small, prompt_lookup=False, govern=False).speculator
+    spec.draft_cost, spec.verify_cost, spec.draft_prefill_cost = 0.35, 0.05, 0.02
+
+    def seq(prompt_len: int, made: int) -> Sequence:
+        s = Sequence(list(range(7, 7 + prompt_len)), SamplingParams(max_tokens=512), spec=SpecState())
+        s.token_ids += [3] * made
+        return s
+    # No answers seen yet: the draft model waits until the answer has run as long as its
+    # catch-up would take to pay back (0.18 target steps saved per token at acceptance 0.7).
+    assert not spec._model_pays(seq(300, 1), 2) and spec._model_pays(seq(300, 40), 2)
+    # Short answers seen (RAG): a long prompt never gets the draft model, even at its first step.
+    spec.lengths.extend([10] * 16)
+    assert not spec._model_pays(seq(300, 1), 2) and not spec._model_pays(seq(300, 8), 2)
+    # Long answers seen (reasoning): a short prompt gets it from its first step.
+    spec.lengths.extend([200] * 32)
+    assert spec._model_pays(seq(60, 1), 2)
+    assert spec.expected_remaining(made=1, room=50) == 50          # never past the room left
+    # A shadow that is in step costs nothing more to use.
+    s = seq(300, 1)
+    spec.shadows[s.seq_id] = Sequence(list(s.token_ids), s.params, num_computed_tokens=len(s) - 1)
+    assert spec._model_pays(s, 2)
+    spec.shadows.clear()
+
+
+def test_short_answers_keep_the_draft_model_off_in_the_engine(pair):
+    """Through the engine: after short answers, a request with a long prompt is answered with
+    no draft-model proposal at all, and its output is plain greedy's."""
+    large, small = pair
+    e = engine(large, small, prompt_lookup=False, govern=False, draft_prefill_cost=0.05)
+    e.generate(prompts(10, seed=41), SamplingParams(max_tokens=3, ignore_eos=True), model="large")
+    before = e.stats()["large"]["speculation"]["by_source"]["model"]["proposed"]
+    long_prompt = [5 + (i * 7) % 50 for i in range(200)]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    got = e.generate([long_prompt], params, model="large")[0].token_ids
+    assert e.stats()["large"]["speculation"]["by_source"]["model"]["proposed"] == before
+    assert got == engine(large).generate([long_prompt], params, model="large")[0].token_ids
+    assert e.stats()["small"]["kv_blocks_free"] == 256           # no shadow was ever made for it
 
 
 def test_governor_turns_losing_speculation_off_in_the_engine(pair):
     large, small = pair
     e = engine(large, small, prompt_lookup=False)      # every drafting step pays the model's second
     e.speculator.governor.period, e.speculator.governor.probe = 8, 4
+    e.speculator.lengths.extend([120] * 8)             # long answers: the draft model starts at once
     # Make every draft-model round cost a second of goodput: drafting then loses to plain decoding.
     slow = e.speculator._draft_with_model
 
@@ -204,4 +255,4 @@ def test_governor_turns_losing_speculation_off_in_the_engine(pair):
     assert [c.token_ids for c in e.generate(ps, SamplingParams(max_tokens=120, ignore_eos=True),
                                             model="large")] == plain
     gov = e.stats()["large"]["speculation"]["governor"]["1"]
-    assert gov["drafting"] is False and gov["tok_s_plain"] > gov["tok_s_drafting"]
+    assert gov["arm"] == "plain" and gov["tok_s"]["plain"] > gov["tok_s"]["model"]
