@@ -120,6 +120,11 @@ class BlockManager:
             self.cached.setdefault(parent, block.block_id)
         seq.num_hashed_blocks = max(full, seq.num_hashed_blocks)
 
+    def reset_cache(self) -> None:
+        """Forget every cached block no sequence holds: a cold prefix cache, for measurements."""
+        for block_id in self.free:
+            self._uncache(self.blocks[block_id])
+
     def free_seq(self, seq: Sequence, forget: bool = False) -> list[int]:
         """Give the sequence's blocks back. With `forget` (its step failed, its KV may hold
         NaNs) the blocks no other sequence holds also leave the prefix cache; returns those."""
