@@ -187,15 +187,22 @@ def _fused_rows(cfg: ModelConfig) -> dict[str, tuple[str, int]]:
             "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", cfg.intermediate_size)}
 
 
-def load_model(folder: Path, cfg: ModelConfig | None = None, linear_weights: bool = True) -> CausalLM:
-    """Build the model from a Hugging Face safetensors folder (float32). Without
-    `linear_weights` the Linears' weights are neither read nor filled: for a caller that swaps
-    them for cached quantized ones, so a quantized model never reads its float weights."""
+def load_model(folder: Path, cfg: ModelConfig | None = None, linear_weights: bool = True,
+               device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> CausalLM:
+    """Build the model from a Hugging Face safetensors folder straight onto `device` in `dtype`,
+    one tensor at a time (the host never holds a second copy of the model). Without
+    `linear_weights` the Linears' weights are neither read nor allocated (they stay on "meta"):
+    for a caller that swaps them for cached quantized ones, so a quantized model never reads
+    its float weights."""
     cfg = cfg or ModelConfig.from_folder(folder)
     with torch.device("meta"):
         model = CausalLM(cfg)
-    model.to_empty(device="cpu")
-    model.rotary = Rotary(cfg)  # its buffers were left empty on the meta device
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if linear_weights or name != "weight_t":
+                setattr(module, name, nn.Parameter(torch.empty(p.shape, device=device, dtype=dtype),
+                                                   requires_grad=False))
+    model.rotary = Rotary(cfg).to(device)  # its buffers were left empty on the meta device; float32 tables
     params = dict(model.named_parameters())
     fused = _fused_rows(cfg)
     filled = dict.fromkeys(params, 0)   # output units loaded per parameter
@@ -221,7 +228,7 @@ def load_model(folder: Path, cfg: ModelConfig | None = None, linear_weights: boo
                 linear = name.endswith(".weight") and (parts[-2] in fused or f"{name[:-7]}.weight_t" in params)
                 if linear and not linear_weights:
                     continue
-                tensor = f.get_tensor(hf_name).float()
+                tensor = f.get_tensor(hf_name)     # copy_ casts it to the model's dtype and device
                 if len(parts) >= 2 and parts[-2] in fused:
                     fused_name, first = fused[parts[-2]]
                     put(".".join(parts[:-2] + [fused_name, parts[-1]]), tensor, first)

@@ -1,17 +1,79 @@
 """Runs one model over a scheduled step: flatten the sequences into one batch (token ids,
-positions, slot mapping, block tables, context lengths), one forward pass, then sample."""
+positions, slot mapping, block tables, context lengths), one forward pass, then sample.
+
+Every device difference of the engine lives here (and in the kernels' dispatcher): `Device`
+resolves where the engine runs, its memory budget and how a step's host-built index tensors
+reach it; the runner keeps the KV cache on it, samples greedy rows there with one read back
+per step, and on CUDA replays decode steps from graphs. On the CPU the same code runs with
+every copy a no-op."""
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-from engine.config import ModelConfig
+import kernels
+from engine.config import EngineConfig, ModelConfig
 from engine.model import CausalLM, StepBatch
 from engine.sampler import probs as sampling_probs
 from engine.sampler import sample, verify
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence, isolated
+
+log = logging.getLogger("sluice.engine")
+
+
+@dataclass(frozen=True)
+class Device:
+    """Where the engine runs and in what dtype."""
+    device: torch.device = torch.device("cpu")
+    dtype: torch.dtype = torch.float32
+    cuda_graphs: bool = False
+
+    @classmethod
+    def resolve(cls, config: EngineConfig) -> Device:
+        """"auto" is CUDA when torch sees a GPU, else the CPU; the compute dtype "auto" is
+        bfloat16 on CUDA and float32 on the CPU."""
+        name = config.device if config.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+        device = torch.device(name)
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"engine config: device {config.device!r} but torch sees no CUDA device "
+                                 f"(torch {torch.__version__})")
+            # An explicit index: generators and tensors report one, and compare equal to it.
+            device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+        dtype = getattr(torch, config.dtype) if config.dtype != "auto" else (
+            torch.bfloat16 if device.type == "cuda" else torch.float32)
+        kv = config.kv_cache_dtype
+        if kv not in ("auto", "int8") and getattr(torch, kv) != dtype:
+            raise ValueError(f"engine config: kv_cache_dtype {kv!r} differs from the compute dtype "
+                             f"({str(dtype).removeprefix('torch.')}); use auto or int8")
+        return cls(device, dtype, config.cuda_graphs and device.type == "cuda")
+
+    def memory_budget(self, config: EngineConfig) -> int:
+        """Bytes for every model's weights plus KV. On CUDA: gpu_memory_utilization of the
+        device's free memory, read before any weights load (the rest is left for activations
+        and graphs); on the CPU: memory_budget_gb."""
+        if self.device.type == "cuda":
+            return int(torch.cuda.mem_get_info(self.device)[0] * config.gpu_memory_utilization)
+        return int(config.memory_budget_gb * 2**30)
+
+    def upload(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """A step's host-built int64 index tensors on the device: on CUDA one pinned,
+        non-blocking copy of all of them; on the CPU they are already there."""
+        if self.device.type == "cpu":
+            return tensors
+        flat = torch.cat([t.reshape(-1) for t in tensors]).pin_memory().to(self.device, non_blocking=True)
+        return [part.view(t.shape) for part, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
+
+    def generator(self, seq: Sequence) -> torch.Generator | None:
+        """The request's seeded generator, on this device (same seed, same output per device)."""
+        gen = seq.generator
+        if gen is not None and gen.device != self.device:
+            gen = seq.generator = torch.Generator(self.device).manual_seed(seq.params.seed)
+        return gen
 
 
 def _padded(rows: list[list[int]]) -> torch.Tensor:
@@ -21,20 +83,42 @@ def _padded(rows: list[list[int]]) -> torch.Tensor:
     return torch.tensor([r + r[:1] * (width - len(r)) for r in rows], dtype=torch.long)
 
 
+@dataclass
+class _Graphs:
+    """Decode steps captured per padded batch size, and the static tensors they read and write."""
+    buckets: list[int]
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    context_lens: torch.Tensor
+    block_tables: torch.Tensor
+    hidden: torch.Tensor
+    graphs: dict[int, torch.cuda.CUDAGraph] = field(default_factory=dict)
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, cfg: ModelConfig, num_blocks: int, block_size: int, kv_int8: bool = False,
-                 bans: Callable[[Sequence, int], list[int]] | None = None):
+                 bans: Callable[[Sequence, int], list[int]] | None = None, device: Device = Device()):
         """bans(seq, i): token ids the model may not write at index i of seq (StopChecker.bans)."""
-        self.model, self.cfg, self.block_size, self.bans = model, cfg, block_size, bans
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        dtype = torch.int8 if kv_int8 else torch.float32
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype),
-                           *((torch.ones(shape[:-1]), torch.ones(shape[:-1])) if kv_int8 else (None, None)))
+        self.model, self.cfg, self.block_size, self.bans, self.device = model, cfg, block_size, bans, device
+        # With graphs, one more block than the block manager hands out: padded rows of a
+        # captured batch write and read it, so they never touch a sequence's KV.
+        self.scratch = num_blocks if device.cuda_graphs else None
+        shape = (num_blocks + (self.scratch is not None), block_size, cfg.num_kv_heads, cfg.head_dim)
+        dtype, dev = torch.int8 if kv_int8 else device.dtype, device.device
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=dev), torch.zeros(shape, dtype=dtype, device=dev),
+                           *((torch.ones(shape[:-1], device=dev), torch.ones(shape[:-1], device=dev))
+                             if kv_int8 else (None, None)))
                           for _ in range(cfg.num_layers)]
+        self.graphs: _Graphs | None = None
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return self.kv_caches[0][0].dtype
 
     @staticmethod
-    def kv_bytes_per_block(cfg: ModelConfig, block_size: int, kv_int8: bool = False) -> int:
-        per_head = cfg.head_dim + 4 if kv_int8 else cfg.head_dim * 4     # int8 values + one fp32 scale
+    def kv_bytes_per_block(cfg: ModelConfig, block_size: int, kv_int8: bool = False, float_bytes: int = 4) -> int:
+        per_head = cfg.head_dim + 4 if kv_int8 else cfg.head_dim * float_bytes   # int8 values + one fp32 scale
         return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * per_head
 
     def clear(self, block_ids: list[int]) -> None:
@@ -43,10 +127,11 @@ class ModelRunner:
         for t in (t for layer in self.kv_caches for t in layer if t is not None):
             t[block_ids] = 0
 
-    def prepare(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, StepBatch,
-                                                              list[tuple[ScheduledSeq, int]]]:
+    def prepare(self, scheduled: list[ScheduledSeq], pad_to: int = 0) -> tuple[torch.Tensor, torch.Tensor, StepBatch,
+                                                                              list[tuple[ScheduledSeq, int]]]:
         """Flatten the step: single-token decodes first (one batched attention call), then
-        chunks (prefills and speculative verifications). Returns each item with its first row."""
+        chunks (prefills and speculative verifications). Returns each item with its first row.
+        pad_to: a decode-only step padded to a captured batch size with rows on the scratch block."""
         decodes = [s for s in scheduled if s.is_decode]
         chunks = [s for s in scheduled if not s.is_decode]
         bs = self.block_size
@@ -58,21 +143,91 @@ class ModelRunner:
             ids.extend(seq.tokens(start, end))
             positions.append(pos := torch.arange(start, end))
             slots.append(torch.tensor(seq.block_table)[pos // bs] * bs + pos % bs)
-        batch = StepBatch(torch.cat(slots), len(decodes), self.kv_caches)
+        tables = [s.seq.block_table for s in decodes]
+        lens = [len(s.seq) for s in decodes]
+        if pad := max(pad_to - len(decodes), 0):
+            ids += [0] * pad
+            positions.append(torch.zeros(pad, dtype=torch.long))
+            slots.append(torch.full((pad,), self.scratch * bs))
+            tables += [[self.scratch]] * pad
+            lens += [1] * pad
+        host = [torch.tensor(ids), torch.cat(positions), torch.cat(slots)]
         if decodes:
-            batch.decode_block_tables = _padded([s.seq.block_table for s in decodes])
-            batch.decode_context_lens = torch.tensor([len(s.seq) for s in decodes])
+            host += [_padded(tables), torch.tensor(lens)]
         if chunks:
-            batch.prefill_block_tables = _padded([s.seq.block_table for s in chunks])
-            batch.prefill_context_lens = torch.tensor([s.seq.num_computed_tokens + s.num_tokens for s in chunks])
-            batch.prefill_query_start = torch.tensor([0] + [s.num_tokens for s in chunks]).cumsum(0)
-        return torch.tensor(ids), torch.cat(positions), batch, rows
+            host += [_padded([s.seq.block_table for s in chunks]),
+                     torch.tensor([s.seq.num_computed_tokens + s.num_tokens for s in chunks]),
+                     torch.tensor([0] + [s.num_tokens for s in chunks]).cumsum(0)]
+        input_ids, positions, slot_mapping, *rest = self.device.upload(host)
+        batch = StepBatch(slot_mapping, len(decodes) + pad, self.kv_caches)
+        if decodes:
+            batch.decode_block_tables, batch.decode_context_lens, *rest = rest
+        if chunks:
+            batch.prefill_block_tables, batch.prefill_context_lens, batch.prefill_query_start = rest
+        return input_ids, positions, batch, rows
+
+    @torch.inference_mode()
+    def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """CUDA graphs of the decode step for batch sizes 1, 2, 4, 8, 16, 32, ... up to
+        max_num_seqs, largest first, sharing one memory pool (nano-vllm's recipe). A kernel
+        that cannot be captured (decode attention fell back to its reference, which reads
+        lengths on the host) leaves this model eager, logged."""
+        if not self.device.cuda_graphs:
+            return
+        dev, bs = self.device.device, self.block_size
+        buckets = sorted({b for b in (1, 2, 4, 8, *range(16, max_num_seqs, 16)) if b < max_num_seqs} | {max_num_seqs})
+        n, width = buckets[-1], -(-max_model_len // bs)
+        g = _Graphs(buckets, torch.zeros(n, dtype=torch.long, device=dev), torch.zeros(n, dtype=torch.long, device=dev),
+                    torch.full((n,), self.scratch * bs, device=dev), torch.ones(n, dtype=torch.long, device=dev),
+                    torch.full((n, width), self.scratch, device=dev),
+                    torch.zeros(n, self.cfg.hidden_size, dtype=self.device.dtype, device=dev))
+        pool = None
+        try:
+            for b in reversed(buckets):
+                batch = StepBatch(g.slot_mapping[:b], b, self.kv_caches, decode_block_tables=g.block_tables[:b],
+                                  decode_context_lens=g.context_lens[:b])
+                g.hidden[:b] = self.model(g.input_ids[:b], g.positions[:b], batch)    # warm up: compile, launch
+                if "paged_decode_attention" in kernels.FALLBACKS:
+                    raise RuntimeError("decode attention runs its reference twin, which cannot be captured")
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool):
+                    g.hidden[:b] = self.model(g.input_ids[:b], g.positions[:b], batch)
+                pool = pool or graph.pool()
+                g.graphs[b] = graph
+            torch.cuda.synchronize(dev)
+        except Exception as e:
+            log.warning("CUDA graphs off for a %s model (%s); its decode steps run eagerly", self.cfg.arch, e)
+            return
+        self.graphs = g
+
+    def _bucket(self, scheduled: list[ScheduledSeq]) -> int:
+        """The captured batch size a decode-only step pads to; 0: run it eagerly."""
+        g = self.graphs
+        if (g is None or len(scheduled) > g.buckets[-1] or not all(s.is_decode for s in scheduled)
+                or max(len(s.seq.block_table) for s in scheduled) > g.block_tables.shape[1]):
+            return 0
+        return next(b for b in g.buckets if b >= len(scheduled))
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: StepBatch, bucket: int) -> torch.Tensor:
+        if not bucket:
+            return self.model(input_ids, positions, batch)
+        g = self.graphs
+        g.input_ids[:bucket] = input_ids
+        g.positions[:bucket] = positions
+        g.slot_mapping[:bucket] = batch.slot_mapping
+        g.context_lens[:bucket] = batch.decode_context_lens
+        # Columns past this step's widest table keep stale blocks: the kernel reads no entry
+        # past a row's context length.
+        g.block_tables[:bucket, :batch.decode_block_tables.shape[1]] = batch.decode_block_tables
+        g.graphs[bucket].replay()
+        return g.hidden[:bucket]
 
     @torch.inference_mode()
     def all_logprobs(self, item: ScheduledSeq) -> torch.Tensor:
-        """Log-probabilities over the vocabulary at every position of one chunk (scoring)."""
+        """Log-probabilities over the vocabulary at every position of one chunk (scoring), on
+        the host."""
         input_ids, positions, batch, _ = self.prepare([item])
-        return torch.log_softmax(self.model.logits(self.model(input_ids, positions, batch)), dim=-1)
+        return torch.log_softmax(self.model.logits(self.model(input_ids, positions, batch)).float(), dim=-1).cpu()
 
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledSeq], return_probs: bool = False):
@@ -81,8 +236,9 @@ class ModelRunner:
         accepted drafts plus one. With return_probs, also seq_id -> the distribution a token was
         sampled from (for the rejection rule). A sequence whose share fails (non-finite logits,
         a sampling error) gets its `error` set and no entry."""
-        input_ids, positions, batch, rows = self.prepare(scheduled)
-        hidden = self.model(input_ids, positions, batch)
+        bucket = self._bucket(scheduled)
+        input_ids, positions, batch, rows = self.prepare(scheduled, bucket)
+        hidden = self._forward(input_ids, positions, batch, bucket)
         # Each sampling item's last row, or a verification's k + 1: one LM-head pass over all
         # of them, as the head is the largest matrix.
         sampling = [(item, row + item.num_tokens - 1 - item.num_draft, 1 + item.num_draft)
@@ -90,22 +246,33 @@ class ModelRunner:
         out: dict[int, tuple[list[int], list[float]]] = {}
         probs: dict[int, torch.Tensor] = {}
         needed = [row + j for _, row, n in sampling for j in range(n)]
-        all_logits = self.model.logits(hidden[needed]) if needed else hidden[:0]
-        finite = torch.isfinite(all_logits).all(-1).tolist()
+        all_logits = (self.model.logits(hidden[needed]) if needed else hidden[:0]).float()
+        # The one read back of the step: every row's finiteness, its greedy token and that
+        # token's log-probability, which is all a plain greedy request needs.
+        top = all_logits.argmax(-1)
+        finite, top, top_lp = torch.stack([torch.isfinite(all_logits).all(-1).double(), top.double(),
+                                           torch.log_softmax(all_logits, -1).gather(1, top[:, None])[:, 0].double()]
+                                          ).tolist()
         at = 0
         for item, _, n in sampling:
-            seq, logits, rows_finite, at = item.seq, all_logits[at:at + n], finite[at:at + n], at + n
+            seq, logits, at = item.seq, all_logits[at:at + n], at + n
             with isolated(seq):
-                if not all(rows_finite):
+                if not all(finite[at - n:at]):
                     raise FloatingPointError("the model's logits for this request are not finite")
-                for j in range(n if self.bans and seq.thinking else 0):     # row j predicts index len + j
+                banned = self.bans is not None and seq.thinking is not None
+                if seq.params.greedy and not item.num_draft and not banned:
+                    out[seq.seq_id] = ([int(top[at - n])], [top_lp[at - n]])
+                    continue
+                for j in range(n if banned else 0):     # row j predicts index len + j
                     logits[j, self.bans(seq, len(seq) + j)] = float("-inf")
+                generator = self.device.generator(seq)
                 if item.num_draft:
-                    tokens = verify(logits, seq.draft[:item.num_draft], seq.draft_probs, seq.params, seq.generator)
+                    tokens = verify(logits, seq.draft[:item.num_draft], seq.draft_probs, seq.params, generator)
                 else:
-                    tokens = [sample(logits[0], seq.params, seq.generator)]
+                    tokens = [sample(logits[0], seq.params, generator)]
                     if return_probs and not seq.params.greedy:
                         probs[seq.seq_id] = sampling_probs(logits[0], seq.params)[None]
-                lp = torch.log_softmax(logits[:len(tokens)], -1).gather(1, torch.tensor(tokens)[:, None])
+                lp = torch.log_softmax(logits[:len(tokens)], -1).gather(
+                    1, torch.tensor(tokens, device=logits.device)[:, None])
                 out[seq.seq_id] = (tokens, lp.squeeze(1).tolist())
         return (out, probs) if return_probs else out

@@ -6,7 +6,7 @@ Formats (shared with the Triton kernels in kernels/):
         asymmetric per group: w ~= (q - zero) * scale.
 On CPU the matmuls run on torch's packed int8/int4 ops, which are fast only with bf16
 activations, so activations are cast to bf16 just around them; norms, attention and sampling
-stay in float32. Elsewhere they run on the kernels package.
+stay in float32. Elsewhere (CUDA) they run on the kernels package, from the stored format as is.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from engine.model import CausalLM, Linear
+from kernels import int4_matmul, int8_matmul
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,30 +42,40 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 
 class QuantLinear(nn.Module):
-    """A Linear whose weight is int8 or int4; built from the shared format above."""
+    """A Linear whose weight is int8 or int4; built from the shared format above. `packed`: on
+    the CPU, torch's packed ops (int4 converted once here into their layout); otherwise the
+    kernels package (the Triton kernels on CUDA) on the shared format as stored."""
 
-    def __init__(self, mode: str, tensors: dict[str, torch.Tensor], bias: torch.Tensor | None, group: int):
+    def __init__(self, mode: str, tensors: dict[str, torch.Tensor], bias: torch.Tensor | None, group: int,
+                 packed: bool = True, device: torch.device | str = "cpu"):
         super().__init__()
-        self.mode, self.group = mode, group
+        self.mode, self.group, self.packed = mode, group, packed
         self.register_buffer("bias", bias, persistent=False)
-        if mode == "int8":
-            self.register_buffer("w", tensors["w"], persistent=False)
-            self.register_buffer("scales", tensors["scales"].to(torch.bfloat16), persistent=False)
+        if not packed:
+            for name in ("w", "scales", "zeros")[:2 if mode == "int8" else 3]:
+                self.register_buffer(name, tensors[name].to(device), persistent=False)
+        elif mode == "int8":
+            self.register_buffer("w", tensors["w"].to(device), persistent=False)
+            self.register_buffer("scales", tensors["scales"].to(device, torch.bfloat16), persistent=False)
         else:
             q = unpack_int4(tensors["w"]).to(torch.int32)
-            self.register_buffer("w", torch._convert_weight_to_int4pack_for_cpu(q, 1), persistent=False)
+            self.register_buffer("w", torch._convert_weight_to_int4pack_for_cpu(q, 1).to(device), persistent=False)
             # torch's int4 op computes (q - 8) * scale + zero_point.
             scales, zeros = tensors["scales"], tensors["zeros"]
-            packed = torch.stack([scales, (8 - zeros) * scales], -1).transpose(0, 1).contiguous()
-            self.register_buffer("scales_and_zeros", packed.to(torch.bfloat16), persistent=False)
+            packed_sz = torch.stack([scales, (8 - zeros) * scales], -1).transpose(0, 1).contiguous()
+            self.register_buffer("scales_and_zeros", packed_sz.to(device, torch.bfloat16), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xb = x.to(torch.bfloat16)
-        if self.mode == "int8":
-            y = torch._weight_int8pack_mm(xb, self.w, self.scales)
+        if not self.packed:
+            y = (int8_matmul(x, self.w, self.scales) if self.mode == "int8"
+                 else int4_matmul(x, self.w, self.scales, self.zeros, self.group))
         else:
-            y = torch._weight_int4pack_mm_for_cpu(xb, self.w, self.group, self.scales_and_zeros)
-        y = y.float()
+            xb = x.to(torch.bfloat16)
+            if self.mode == "int8":
+                y = torch._weight_int8pack_mm(xb, self.w, self.scales)
+            else:
+                y = torch._weight_int4pack_mm_for_cpu(xb, self.w, self.group, self.scales_and_zeros)
+            y = y.to(x.dtype)
         return y if self.bias is None else y + self.bias
 
 
@@ -97,10 +108,12 @@ def apply_quantization(model: CausalLM, mode: str, group: int = 128, cache: Path
             tmp = cache.with_suffix(".tmp")
             save_file(tensors, tmp)
             tmp.rename(cache)
+    device = model.norm.weight.device
     for name, module in list(model.named_modules()):
         if isinstance(module, Linear):
             parent, _, child = name.rpartition(".")
             own = {k.removeprefix(name + "."): v for k, v in tensors.items() if k.startswith(name + ".")}
             bias = None if module.bias is None else module.bias.data
-            setattr(model.get_submodule(parent) if parent else model, child, QuantLinear(mode, own, bias, group))
+            layer = QuantLinear(mode, own, bias, group, packed=device.type == "cpu", device=device)
+            setattr(model.get_submodule(parent) if parent else model, child, layer)
     return model

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig, ModelEntry, ThinkingConfig
 from engine.model import CausalLM, load_model
-from engine.model_runner import ModelRunner
+from engine.model_runner import Device, ModelRunner
 from engine.quantize import apply_quantization
 from engine.scheduler import Scheduler
 from engine.stop_checker import StopChecker
@@ -39,19 +39,22 @@ def weight_bytes(model: CausalLM, per_token: bool = False) -> int:
 
 
 def load_workers(config: EngineConfig, progress: bool = True) -> dict[str, Worker]:
-    """Every model of the config, through the model store; what the weights leave of the
-    memory budget becomes KV blocks, split between the models by kv_share."""
-    loaded = {name: _load(entry, progress) for name, entry in config.models.items()}
+    """Every model of the config, through the model store, onto the configured device; what the
+    weights leave of the memory budget becomes KV blocks, split between the models by kv_share."""
+    device = Device.resolve(config)
+    budget = device.memory_budget(config)       # before the weights: on CUDA, free memory now
+    loaded = {name: _load(entry, progress, device) for name, entry in config.models.items()}
     weights = sum(weight_bytes(model) for _, model, _ in loaded.values())
-    free = config.memory_budget_gb * 2**30 - weights
+    free = budget - weights
     if free <= 0:
-        raise ValueError(f"memory_budget_gb={config.memory_budget_gb} does not even hold the weights "
-                         f"({weights / 2**30:.2f} GiB); raise it")
+        raise ValueError(f"the memory budget ({budget / 2**30:.2f} GiB on {device.device}) does not even hold the "
+                         f"weights ({weights / 2**30:.2f} GiB); raise memory_budget_gb (CPU) or "
+                         f"gpu_memory_utilization (CUDA)")
     shares = sum(entry.kv_share for entry in config.models.values())
     kv_int8 = config.kv_cache_dtype == "int8"
     workers = {}
     for name, (cfg, model, tok) in loaded.items():
-        per_block = ModelRunner.kv_bytes_per_block(cfg, config.block_size, kv_int8)
+        per_block = ModelRunner.kv_bytes_per_block(cfg, config.block_size, kv_int8, device.dtype.itemsize)
         blocks = int(free * config.models[name].kv_share / shares // per_block)
         blocks = min(blocks, config.max_kv_blocks or blocks)
         if blocks < 2:
@@ -62,17 +65,22 @@ def load_workers(config: EngineConfig, progress: bool = True) -> dict[str, Worke
         # sequence can always make progress.
         stop = StopChecker(cfg, tok, thinking, min(cfg.max_position, blocks * config.block_size))
         scheduler = Scheduler(bm, stop, config.max_num_batched_tokens, config.max_num_seqs, config.max_wait_steps)
-        runner = ModelRunner(model, cfg, blocks, config.block_size, kv_int8, stop.bans)
+        runner = ModelRunner(model, cfg, blocks, config.block_size, kv_int8, stop.bans, device)
+        runner.capture_graphs(config.max_num_seqs, scheduler.max_model_len)
         workers[name] = Worker(name, cfg, model, tok, bm, scheduler, runner, thinking, stop)
     return workers
 
 
-def _load(entry: ModelEntry, progress: bool) -> tuple[ModelConfig, CausalLM, Tokenizer]:
+def _load(entry: ModelEntry, progress: bool, device: Device) -> tuple[ModelConfig, CausalLM, Tokenizer]:
     folder = resolve(entry.source, progress=progress)
     cfg = ModelConfig.from_folder(folder)
     cache = derived_path(folder, f"{entry.quant}-g{entry.group_size}.safetensors")
-    quantized = entry.quant != "none" and cache.exists()    # no float weights to read
-    model = load_model(folder, cfg, linear_weights=not quantized)
+    if entry.quant != "none" and not cache.exists():
+        # Quantized once, from float32 weights on the host: one stored format, whatever device
+        # and dtype the engine runs in.
+        apply_quantization(load_model(folder, cfg), entry.quant, entry.group_size, cache)
+    # A quantized model never reads its float linear weights.
+    model = load_model(folder, cfg, linear_weights=entry.quant == "none", device=device.device, dtype=device.dtype)
     if entry.quant != "none":
         model = apply_quantization(model, entry.quant, entry.group_size, cache)
     return cfg, model, Tokenizer(folder)

@@ -62,7 +62,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """
     block_size, kvh, dh = k_cache.shape[1:]
     max_len = int(context_lens.max())
-    pos = torch.arange(max_len)
+    pos = torch.arange(max_len, device=q.device)
     S, heads = q.shape[:2]
     slots = _slots(block_tables, pos, block_size).view(-1)            # [S * L]
     k = _gather(k_cache, slots, k_scale, q.dtype).view(S, max_len, kvh, dh).transpose(1, 2)  # [S, kvh, L, dh]
@@ -91,7 +91,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     for s, ctx in enumerate(context_lens.tolist()):
         lo, hi = starts[s], starts[s + 1]
         q_len = hi - lo
-        pos = torch.arange(ctx)
+        pos = torch.arange(ctx, device=q.device)
         slots = _slots(block_tables[s], pos, block_size)
         k = _gather(k_cache, slots, k_scale, q.dtype).transpose(0, 1)   # [kvh, ctx, dh]
         v = _gather(v_cache, slots, v_scale, q.dtype).transpose(0, 1)
@@ -107,7 +107,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         # heads sharing a KV head become that head's rows, as in decode, so KV is not copied
         # (about 2x faster for a few verified tokens over a passage-sized context).
         qs = q[lo:hi].view(q_len, kvh, groups, -1).permute(1, 2, 0, 3).reshape(kvh, groups * q_len, -1)
-        qpos = torch.arange(ctx - q_len, ctx)
+        qpos = torch.arange(ctx - q_len, ctx, device=q.device)
         mask = (pos[None, :] <= qpos[:, None]).repeat(groups, 1)    # causal, offset by prefix
         o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale)
         out[lo:hi] = o.view(kvh, groups, q_len, -1).permute(2, 0, 1, 3).reshape(q_len, q.shape[1], -1)
