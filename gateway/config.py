@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Annotated, Literal, TypeVar
 
 import msgspec
+import torch
 
 from engine.config import EngineConfig, ModelEntry, SpecConfig
 from engine.llm_engine import LLMEngine
@@ -54,9 +55,11 @@ def memory_plan(engine: LLMEngine) -> str:
     for name, w in engine.workers.items():
         weights = weight_bytes(w.model)
         blocks = len(w.block_manager.blocks)
-        kv = blocks * ModelRunner.kv_bytes_per_block(w.cfg, config.block_size, config.kv_cache_dtype == "int8")
+        kv_dtype = w.runner.kv_dtype
+        kv = blocks * ModelRunner.kv_bytes_per_block(w.cfg, config.block_size, kv_dtype == torch.int8,
+                                                     kv_dtype.itemsize)
         parts.append(f"{name}: weights {weights / 2**30:.2f} GiB ({config.models[name].quant}), {blocks} KV blocks "
-                     f"of {config.block_size} tokens = {kv / 2**30:.2f} GiB ({config.kv_cache_dtype})")
+                     f"of {config.block_size} tokens = {kv / 2**30:.2f} GiB ({str(kv_dtype).removeprefix('torch.')})")
     return f"memory budget {config.memory_budget_gb:g} GiB: " + "; ".join(parts)
 
 
