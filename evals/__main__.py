@@ -70,6 +70,8 @@ def build_parser(prog: str = "python -m evals") -> argparse.ArgumentParser:
                      metavar="DIR", help="folder of the standard data files (default: $SLUICE_DATA or %(default)s)")
     run.add_argument("-n", "--sample", type=_count(1), metavar="N", help="questions to draw (default: all)")
     run.add_argument("--seed", type=int, default=0, help="seed of the draw (default: %(default)s)")
+    run.add_argument("--limit", type=_count(1), metavar="N", help="answer only the first N of the run's questions "
+                     "this time; a later invocation without it (or with a larger N) goes on with the rest")
     run.add_argument("--split", choices=SPLITS, default="all",
                      help="draw from the train or test half only, a fixed split by question id, so a router "
                           "trained on one is measured on the other (default: %(default)s)")
@@ -82,6 +84,9 @@ def build_parser(prog: str = "python -m evals") -> argparse.ArgumentParser:
                                                       "cascade uses the default, uncalibrated confidence rule")
     run.add_argument("--threshold", type=float, default=0.5,
                      help="escalation threshold of the cascade modes, as a tenant's (default: %(default)s)")
+    run.add_argument("--margin", type=float, default=0.05,
+                     help="routed modes with a router that has arms: the cheapest arm whose P(correct) is within "
+                          "this of the best arm's, as a tenant's arm_margin (default: %(default)s)")
     run.add_argument("--small", default=DEFAULT_MODELS["small"], metavar="MODEL",
                      help="the small model: a store name, a Hugging Face folder or a GGUF file (default: %(default)s)")
     run.add_argument("--large", default=DEFAULT_MODELS["large"], metavar="MODEL",
@@ -110,6 +115,9 @@ def build_parser(prog: str = "python -m evals") -> argparse.ArgumentParser:
         if name == "labels":
             p.add_argument("--proxy", metavar="RUN2", help="also label the run's proxy-scored questions that have no "
                                                            "generated answers, at the thresholds `proxy` fitted on RUN2")
+            p.add_argument("--arms", nargs="+", default=[], metavar="RUN3",
+                           help="runs over the same questions at other thinking budgets: their answers add arms "
+                                "(large+think256, ...) to the labels")
         if name == "report":
             p.add_argument("--router", metavar="FILE", help="also draw this trained router's curves, on the "
                                                             "run's questions it was not trained on")
@@ -119,6 +127,8 @@ def build_parser(prog: str = "python -m evals") -> argparse.ArgumentParser:
                                      "log-probability under each model (one prefill, no generation), and report how "
                                      "well that agrees with the run's generated correctness (proxy.json)")
     p.add_argument("folder", metavar="RUN")
+    p.add_argument("--limit", type=_count(1), metavar="N", help="score only the first N of the run's questions this "
+                                                               "time (resumable: a larger N goes on)")
     p.add_argument("--memory-gb", type=float, default=12.0, help="engine memory for weights and KV (default: %(default)s)")
     p.set_defaults(run=cmd_proxy)
 
@@ -154,12 +164,12 @@ def cmd_run(args) -> int:
     print(f"{len(dataset.examples)} questions; run folder {folder}", file=sys.stderr)
     embedder = Embedder() if dataset.documents or router else None
     collection = build_collection(folder, dataset, embedder) if dataset.documents else None
-    routed = routed_modes(args.threshold)
+    routed = routed_modes(args.threshold, args.margin)
     modes = [MODES[m] if m in MODES else routed[m] for m in args.modes]
     try:
         if modes:                # none: just the folder and its collection, for `proxy`
             pipeline = pipeline_for(_engine(config, modes, args.memory_gb), config, router, embedder)
-            run_modes(folder, config, dataset.examples, modes, pipeline, collection, args.concurrency)
+            run_modes(folder, config, dataset.examples[:args.limit], modes, pipeline, collection, args.concurrency)
     finally:
         if collection is not None:
             collection.close()
@@ -200,7 +210,10 @@ def cmd_labels(args) -> int:
     folder = Path(args.folder)
     read_config(folder)            # a run folder, or a clear error
     thresholds = read_thresholds(Path(args.proxy)) if args.proxy else None
-    print(f"{write_labels(folder, thresholds)} labels: {folder / LABELS_FILE}")
+    arm_runs = [Path(f) for f in args.arms]
+    for f in arm_runs:
+        read_config(f)
+    print(f"{write_labels(folder, thresholds, arm_runs)} labels: {folder / LABELS_FILE}")
     return 0
 
 
@@ -212,7 +225,7 @@ def cmd_proxy(args) -> int:
     collection = build_collection(folder, dataset, embedder) if dataset.documents else None
     try:
         pipeline = pipeline_for(_engine(config, [MODES["small"], MODES["large"]], args.memory_gb), config)
-        scores = score_run(folder, pipeline, config, dataset.examples, collection)
+        scores = score_run(folder, pipeline, config, dataset.examples[:args.limit], collection)
     finally:
         if collection is not None:
             collection.close()

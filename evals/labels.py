@@ -1,6 +1,8 @@
 """Per-question labels the router trains on (labels.jsonl in the run folder): did the small
 model answer correctly, did the large one, what each spent, and confidence features from
-the small model's token log-probabilities.
+the small model's token log-probabilities. Beside them, the same outcomes per arm
+(router.arms: `small`, `large`, `large+think256`...), named by the model and the run's
+thinking budget, so runs at other budgets over the same questions add their arms.
 
 The features are quantiles as well as the mean, which a long answer drags down even when
 every token is sure; they cover every output token (thinking too, when a budget was on).
@@ -15,8 +17,9 @@ import msgspec
 from evals.records import Record, RecordLog
 from evals.proxy import read_scores
 from evals.runner import RECORDS_FILE, load_dataset, read_config
+from router.arms import arm_name
 from router.confidence import EARLY_TOKENS, quantiles
-from router.data import Confidence
+from router.data import ArmOutcome, Confidence
 
 LABELS_FILE = "labels.jsonl"
 
@@ -44,6 +47,7 @@ class Label:
     large_tokens: Tokens | None = None
     early: dict[str, Confidence] = field(default_factory=dict)   # of the small answer's first k tokens, where it had more
     source: str = "generated"         # or "proxy": from the reference's log-probability, no answer generated
+    arms: dict[str, ArmOutcome] = field(default_factory=dict)    # by arm name: how each arm did
 
 
 def confidence(logprobs: list[float]) -> Confidence | None:
@@ -55,15 +59,29 @@ def _tokens(r: Record) -> Tokens:
     return Tokens(r.tokens("prompt"), r.tokens("cached"), r.tokens("output"), r.tokens("thinking"))
 
 
-def labels(log: RecordLog) -> list[Label]:
+def _outcome(r: Record) -> ArmOutcome:
+    return ArmOutcome(r.correct, r.score, r.tokens("prompt"), r.tokens("output"))
+
+
+def arm_outcomes(log: RecordLog, thinking: int) -> dict[str, dict[str, ArmOutcome]]:
+    """Question id -> arm -> outcome, from a run's single-model modes at its thinking budget."""
+    out: dict[str, dict[str, ArmOutcome]] = {}
+    for mode in ("small", "large"):
+        for r in log.of_mode(mode):
+            out.setdefault(r.id, {})[arm_name(mode, thinking)] = _outcome(r)
+    return out
+
+
+def labels(log: RecordLog, thinking: int = 0) -> list[Label]:
     """One label per question the small mode answered, with the large mode's outcome where it ran."""
     large = {r.id: r for r in log.of_mode("large")}
+    arms = arm_outcomes(log, thinking)
     out = []
     for s in log.of_mode("small"):
         lp = [x for c in s.calls for x in c.logprobs]
         early = {str(k): confidence(lp[:k]) for k in EARLY_TOKENS if len(lp) > k}
         item = Label(s.id, s.kind, s.question, s.correct, s.score, _tokens(s), confidence(lp), s.retrieval_scores,
-                     early=early)
+                     early=early, arms=arms[s.id])
         if s.id in large:
             big = large[s.id]
             item = replace(item, large_correct=big.correct, large_score=big.score, large_tokens=_tokens(big))
@@ -87,16 +105,21 @@ def proxy_labels(folder: Path, thresholds: dict[str, float], skip: set[str]) -> 
             small, large = (by_model[m] >= thresholds[m] for m in ("small", "large"))
             e = questions[qid]
             out.append(Label(qid, e.kind, e.question, small, float(small), Tokens(0, 0, 0, 0), None, hits[qid],
-                             large, float(large), None, source="proxy"))
+                             large, float(large), None, source="proxy",
+                             arms={"small": ArmOutcome(small, float(small)), "large": ArmOutcome(large, float(large))}))
     return out
 
 
-def write_labels(folder: Path, thresholds: dict[str, float] | None = None) -> int:
+def write_labels(folder: Path, thresholds: dict[str, float] | None = None, arm_runs: list[Path] = ()) -> int:
     """(Re)write labels.jsonl from the run folder's log, and with `thresholds` from its proxy
-    scores where no answer was generated; returns how many labels it holds."""
-    rows = labels(RecordLog(folder / RECORDS_FILE))
+    scores where no answer was generated; `arm_runs`: run folders over the same questions at
+    other thinking budgets, whose answers add arms to the labels. Returns how many labels."""
+    rows = labels(RecordLog(folder / RECORDS_FILE), read_config(folder).thinking_budget)
     if thresholds is not None:
         rows += proxy_labels(folder, thresholds, {r.id for r in rows})
+    for other in arm_runs:
+        more = arm_outcomes(RecordLog(other / RECORDS_FILE), read_config(other).thinking_budget)
+        rows = [replace(r, arms=r.arms | more.get(r.id, {})) for r in rows]
     encoder = msgspec.json.Encoder()
     (folder / LABELS_FILE).write_bytes(b"".join(encoder.encode(r) + b"\n" for r in rows))
     return len(rows)

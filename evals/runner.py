@@ -35,6 +35,8 @@ from router.policy import Policy
 DEFAULT_CONTEXT_BUDGET = 2048
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_K = 8
+# The most thinking an arm-routed mode may pick: every arm router.arms offers.
+ARM_THINKING_CAP = 1024
 SALT = b"sluice-evals"        # the prefix-cache salt of the eval's one "tenant"
 TENANT, COLLECTION = "evals", "corpus"
 CONFIG_FILE, RECORDS_FILE = "run.json", "records.jsonl"
@@ -71,17 +73,20 @@ class Mode:
     classifier: bool = False          # auto only: the tenant's [router] switches
     escalation: bool = False
     threshold: float = 0.5            # escalate when the first answer's P(correct) is below it
+    margin: float = 0.05              # arms: the cheapest within this of the best arm's P(correct)
 
     @property
     def models(self) -> tuple[str, ...]:
         """Engine models it may call."""
         return PAIR if self.model == "auto" else (self.model,)
 
-    def terms(self, config: RunConfig) -> Terms:
+    def terms(self, config: RunConfig, arms: bool = False) -> Terms:
         """The run's one tenant, as this mode sees it. No time limit on the classifier offline:
-        a run measures the router, not the machine's load."""
-        policy = Policy("small", PAIR, {"easy": 0, "medium": 0, "hard": 0}, self.threshold, self.classifier,
-                        self.escalation, classifier_timeout_s=3600.0)
+        a run measures the router, not the machine's load. `arms`: a router with arms routes
+        this mode, and may pick any of them (thinking included) at the margin `threshold`."""
+        thinking = {"easy": 0, "medium": 0, "hard": ARM_THINKING_CAP if arms else 0}
+        policy = Policy("small", PAIR, thinking, self.threshold, self.classifier, self.escalation,
+                        classifier_timeout_s=3600.0, arm_margin=self.margin)
         return Terms(TENANT, policy, config.context_budget, config.max_tokens, SALT)
 
 
@@ -89,9 +94,10 @@ MODES: dict[str, Mode] = {"small": Mode("small", "small"), "large": Mode("large"
 ROUTED_MODES = ("routed", "cascade", "routed+cascade")
 
 
-def routed_modes(threshold: float = 0.5) -> dict[str, Mode]:
-    """`routed`, `cascade` and `routed+cascade` at an escalation threshold."""
-    return {name: Mode(name, "auto", c, e, threshold)
+def routed_modes(threshold: float = 0.5, margin: float = 0.05) -> dict[str, Mode]:
+    """`routed`, `cascade` and `routed+cascade` at an escalation threshold (and, with a router
+    that has arms, an arm margin)."""
+    return {name: Mode(name, "auto", c, e, threshold, margin)
             for name, c, e in (("routed", True, False), ("cascade", False, True), ("routed+cascade", True, True))}
 
 
@@ -175,7 +181,8 @@ class Runner:
     def run(self, mode: Mode, examples: list[Example]) -> None:
         """Answer every example not yet logged for this mode; each is logged as it finishes."""
         todo = deque(e for e in examples if not self.log.done(mode.name, e.id))
-        terms = mode.terms(self.config)
+        arms = mode.model == "auto" and mode.classifier and bool(self.pipeline.arms)
+        terms = mode.terms(self.config, arms)
         inflight: dict[str, _Question] = {}
         ready: list[_Question] = []          # planned, their next call not yet in the engine
         bar = tqdm(total=len(examples), initial=len(examples) - len(todo), desc=mode.name, unit="q",
@@ -189,7 +196,7 @@ class Runner:
             while todo or inflight or ready:
                 while todo and len(inflight) + len(ready) < self.concurrency:
                     q = _Question(todo.popleft())
-                    if self._plan(q, mode, terms):
+                    if self._plan(q, mode, terms, arms):
                         ready.append(q)
                     else:
                         done(q)
@@ -229,11 +236,13 @@ class Runner:
                 self.engine.abort(request_id)
             bar.close()
 
-    def _plan(self, q: _Question, mode: Mode, terms: Terms) -> bool:
+    def _plan(self, q: _Question, mode: Mode, terms: Terms, arms: bool = False) -> bool:
         """Retrieve, route and compose as /v1/ask does; False (q.error set) when refused."""
         ex = q.example
+        # The run's thinking budget is the client's, except where the router's arms choose it.
+        thinking = None if arms else self.config.thinking_budget
         query = Query(ex.question, endpoint="eval", mode=mode.model, max_output_tokens=self.config.max_tokens,
-                      thinking_budget=self.config.thinking_budget)
+                      thinking_budget=thinking)
         start = time.perf_counter()
         try:
             plan = self.pipeline.plan(terms, query, self.collection if ex.retrieve else None, f"{mode.name}-{ex.id}")

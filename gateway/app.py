@@ -155,7 +155,7 @@ def _ask_done(meta: Meta, done: Done) -> s.AskResponse:
     d = meta.decision
     return s.AskResponse(done.request_id, done.answer, meta.citations, done.cited, d.model, d.escalated,
                          d.difficulty, d.confidence, d.reason, done.usage, done.cost, done.timings, meta.trimmed,
-                         done.finish_reason)
+                         done.finish_reason, d.arm)
 
 
 @post("/ask", status_code=200, summary="Answer a question, from a collection or not", opt={"sse": ASK_EVENTS},

@@ -40,7 +40,8 @@ CREATE TABLE IF NOT EXISTS requests(
     cost REAL NOT NULL,               -- US dollars
     retrieval_ms REAL NOT NULL, queue_ms REAL NOT NULL, ttft_ms REAL, total_ms REAL NOT NULL,
     route_reason TEXT NOT NULL, difficulty TEXT, confidence REAL, escalated INTEGER NOT NULL,
-    finish_reason TEXT);
+    finish_reason TEXT,
+    arm TEXT);                        -- the router's arm; NULL: not routed by arms
 CREATE INDEX IF NOT EXISTS requests_by_tenant ON requests(tenant, month);
 CREATE TABLE IF NOT EXISTS spend(
     tenant TEXT NOT NULL, month TEXT NOT NULL, cost REAL NOT NULL, PRIMARY KEY(tenant, month));
@@ -72,6 +73,7 @@ class UsageRow:
     confidence: float | None
     escalated: bool
     finish_reason: str | None
+    arm: str | None = None
 
 
 COLUMNS = [f.name for f in fields(UsageRow)]
@@ -112,6 +114,9 @@ class SqliteDatabase:
         self.synchronous = synchronous
         db = self._connect()
         db.executescript(f"BEGIN;{SCHEMA}COMMIT;")
+        # A ledger written before the router's arms: the column is added, its old rows NULL.
+        if "arm" not in {r[1] for r in db.execute("PRAGMA table_info(requests)")}:
+            db.execute("ALTER TABLE requests ADD COLUMN arm TEXT")
         db.close()
         self._local = threading.local()          # one reading connection per thread
         self._writer: sqlite3.Connection | None = None
@@ -156,7 +161,7 @@ class SqliteDatabase:
 
     def rows(self, tenant: str | None = None) -> list[UsageRow]:
         sql = SELECT_ROWS + (" WHERE tenant = ?" if tenant else "") + " ORDER BY id"
-        return [UsageRow(*r[:-2], bool(r[-2]), r[-1]) for r in self._reader().execute(sql, (tenant,) if tenant else ())]
+        return [UsageRow(*r[:-3], bool(r[-3]), *r[-2:]) for r in self._reader().execute(sql, (tenant,) if tenant else ())]
 
 
 def open_database(where: str | Path, synchronous: str = "NORMAL") -> Database:

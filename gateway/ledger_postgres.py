@@ -41,6 +41,7 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
          "CREATE INDEX requests_by_tenant ON requests(tenant, month)",
          """CREATE TABLE spend(tenant TEXT NOT NULL, month TEXT NOT NULL, cost DOUBLE PRECISION NOT NULL,
             PRIMARY KEY(tenant, month))"""]),
+    (2, ["ALTER TABLE requests ADD COLUMN arm TEXT"]),          # the router's arm; NULL: not routed by arms
 ]
 MIGRATION_LOCK = 0x511CE                 # the pg_advisory_lock key migrations hold
 INSERT = f"INSERT INTO requests({', '.join(COLUMNS)}) VALUES ({', '.join(['%s'] * len(COLUMNS))})"

@@ -80,6 +80,7 @@ class RouteSummary(Struct):
     difficulty: str | None
     confidence: float | None
     escalated: bool
+    arm: str | None = None   # the router's arm (model, thinking and context budget); None: not routed by arms
 
 
 class AskResponse(Struct):
@@ -97,6 +98,7 @@ class AskResponse(Struct):
     timings: Timings
     trimmed: Trimmed
     finish_reason: str
+    arm: str | None = None   # the router's arm (small, large, large+think256, ...); None: not routed by arms
 
 
 # SSE events of a streamed /v1/ask: meta, then token..., then done (or error).

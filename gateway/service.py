@@ -66,7 +66,7 @@ class Meta:
     @property
     def route(self) -> s.RouteSummary:
         d = self.decision
-        return s.RouteSummary(d.model, d.reason, d.difficulty, d.confidence, d.escalated)
+        return s.RouteSummary(d.model, d.reason, d.difficulty, d.confidence, d.escalated, d.arm)
 
 
 @dataclass
@@ -320,7 +320,7 @@ class Gateway:
         ctx = plan.context
         citations = [s.Citation(c.number, c.hit.chunk.id, c.hit.chunk.doc_id, c.hit.chunk.title, c.hit.score)
                      for c in ctx.citations]
-        trimmed = s.Trimmed(len(ctx.trimmed.chunks), len(ctx.trimmed.dropped), ctx.trimmed.tokens, terms.context_budget)
+        trimmed = s.Trimmed(len(ctx.trimmed.chunks), len(ctx.trimmed.dropped), ctx.trimmed.tokens, ctx.trimmed.budget)
         return Job(tenant, q, self.pipeline.answer(plan), citations, trimmed, start, time.monotonic() - t)
 
     async def _settle(self, job: Job, p: Progress, queued: float, status: str) -> Done:
@@ -349,7 +349,7 @@ class Gateway:
             job.plan.request_id, time.time(), month_of(time.time()), tenant_id, job.query.endpoint, status,
             model, ",".join(c[0] for c in calls), job.query.collection, prompt, cached, produced, thinking, spent,
             timings.retrieval, timings.queue, timings.ttft, timings.total, d.reason, d.difficulty, d.confidence,
-            d.escalated, finish))
+            d.escalated, finish, d.arm))
         m = self.metrics
         m.answers.inc(model, status)
         m.escalations.inc(amount=int(d.escalated))

@@ -48,6 +48,9 @@ class RouterSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # A trained router with an early model judges the small answer on its first tokens too,
     # and cuts a doomed one short; false: only whole answers are judged.
     early_escalation: bool = True
+    # A router trained with arms (small, large, large with thinking) takes the cheapest arm whose
+    # predicted P(correct) is within this of the best allowed arm's: 0 buys the best, 1 the cheapest.
+    arm_margin: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.05
 
 
 class Limits(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -89,7 +92,7 @@ class Tenant:
         spec, r = self.spec, self.spec.router
         policy = Policy(spec.default_model, tuple(spec.allowed_models), msgspec.structs.asdict(spec.thinking_budget),
                         spec.escalation_threshold, r.classifier, r.escalation, r.models, r.max_thinking_budget,
-                        r.classifier_timeout_ms / 1000, r.early_escalation)
+                        r.classifier_timeout_ms / 1000, r.early_escalation, r.arm_margin)
         return Terms(self.id, policy, spec.context_budget, spec.output_budget, self.salt)
 
 

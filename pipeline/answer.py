@@ -20,10 +20,11 @@ from engine.llm_engine import Completion, LLMEngine, StepOutput
 from engine.sampling_params import SamplingParams
 from pipeline.prices import Price, cost
 from retrieval import OverBudget, RagContext, RetrievalError, rag_context
+from router.arms import Arm
 from router.confidence import ConfidenceModel, EarlyExit, Verdict, judge
 from router.data import RouterError
 from router.model import RouterModel
-from router.policy import Policy, Route, route
+from router.policy import Policy, Route, route, route_arms
 
 
 class Refused(Exception):
@@ -102,6 +103,10 @@ class Pipeline:
         says why one failed to load, and every routed question falls back saying so."""
         self.engine, self.prices, self.router, self.router_error = engine, prices, router, router_error
         self.embedder, self.pair, self.k, self.max_input_chars = embedder, pair, k, max_input_chars
+        # The router's arms name the models they were labelled with (small, large); here they
+        # are the pair's, whatever the server calls them.
+        self.arms: tuple[Arm, ...] = () if router is None or router.arms is None or pair is None else tuple(
+            replace(a, model=dict(zip(("small", "large"), pair)).get(a.model, a.model)) for a in router.arms.arms)
 
     @property
     def confidence(self) -> ConfidenceModel:
@@ -153,7 +158,17 @@ class Pipeline:
                                f"budget of {terms.context_budget}", code="over_context_budget") from None
         except RetrievalError as e:
             raise Refused(422, str(e), code="retrieval_refused") from None
-        r = self.route(terms, q, self._predictor(q, vector, [h.score for h in context.hits]))
+        scores = [h.score for h in context.hits]
+        r = self.route(terms, q, self._predictor(q, vector, scores), self._arm_cost(context.trimmed.tokens))
+        if r.context_budget is not None and r.context_budget < terms.context_budget and collection is not None:
+            # The arm answers best from fewer passages (its context-budget curve): the same
+            # search, trimmed to the arm's budget.
+            try:
+                context = rag_context(collection, q.question, r.context_budget, self.engine.worker(first).tokenizer,
+                                      self.k, q.messages, vector)
+                r = replace(r, reason=f"{r.reason}; context trimmed to the arm's {r.context_budget} tokens")
+            except RetrievalError:       # the question alone is over the arm's budget: the tenant's stands
+                r = replace(r, context_budget=None)
         try:
             params = SamplingParams(temperature=q.temperature, top_p=q.top_p, seed=q.seed, max_tokens=max_tokens,
                                     stop=q.stop, thinking_budget=r.thinking_budget or None)
@@ -161,13 +176,17 @@ class Pipeline:
             raise Refused(422, str(e), code="bad_sampling_parameters") from None
         return Plan(request_id, terms, r, context, self.prompt_ids(context, r.model, params), params)
 
-    def route(self, terms: Terms, q: Query, predict: Callable | None) -> Route:
-        """The one place a route is chosen: the tenant's policy, then the client's override
-        (an explicit model, an explicit thinking budget, 0 included), each once."""
+    def route(self, terms: Terms, q: Query, predict: Callable | None,
+              arm_cost: Callable[[Arm], float] | None = None) -> Route:
+        """The one place a route is chosen: the tenant's policy (among the trained router's
+        arms when it has them), then the client's override (an explicit model, an explicit
+        thinking budget, 0 included), each once."""
         if q.mode != "auto":
             r = Route(q.mode, "requested by the client", source="client")
         elif self.pair is None:
             r = Route(terms.policy.default_model, "router not installed; tenant default", source="no_router")
+        elif self.arms:
+            r = route_arms(terms.policy, self.arms, *self.pair, predict, arm_cost)
         else:
             r = route(terms.policy, *self.pair, predict)
         if q.thinking_budget is not None and q.thinking_budget != r.thinking_budget:
@@ -182,7 +201,17 @@ class Pipeline:
             return predict
         if vector is None:
             return None
+        if self.arms:
+            return lambda: self.router.arms.predict(q.question, vector[0], scores)
         return lambda: self.router.classifier.predict(q.question, vector[0], scores)
+
+    def _arm_cost(self, context_tokens: int) -> Callable[[Arm], float] | None:
+        """An arm's expected dollars at the server's prices: the context as trimmed (to the
+        arm's budget at most), and the output its labels spent on average (thinking included)."""
+        if not self.arms:
+            return None
+        return lambda arm: cost(self.prices[arm.model], min(context_tokens, arm.context_budget or context_tokens), 0,
+                                round(self.router.arms.tokens[arm.name][1]))
 
     def prompt_ids(self, context: RagContext, model: str, params: SamplingParams) -> list[int]:
         """The context's messages in `model`'s own chat template."""

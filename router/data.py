@@ -22,6 +22,14 @@ class Confidence(msgspec.Struct):
     length: int
 
 
+class ArmOutcome(msgspec.Struct):
+    """How one arm (router.arms) did on a question: generated, or from the proxy (no tokens)."""
+    correct: bool
+    score: float
+    prompt: int | None = None
+    output: int | None = None          # generated tokens, thinking included
+
+
 class Label(msgspec.Struct):
     id: str
     question: str
@@ -30,6 +38,7 @@ class Label(msgspec.Struct):
     retrieval_scores: list[float]
     large_correct: bool | None = None
     early: dict[str, Confidence] = {}   # of the small answer's first k tokens, by k, where it had more
+    arms: dict[str, ArmOutcome] = {}    # by arm name (router.arms): every arm the label's runs answered with
 
     @property
     def difficulty(self) -> str | None:

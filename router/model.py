@@ -1,5 +1,5 @@
-"""A trained router on disk: the difficulty classifier and the confidence model in one
-joblib file, stamped with FEATURE_VERSION so a router trained on other features is refused
+"""A trained router on disk: the difficulty classifier, the arm model (router.arms) and the
+confidence model in one joblib file, stamped with FEATURE_VERSION so a router trained on other features is refused
 with a clear error instead of routing on garbage."""
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import joblib
 import numpy as np
 import sklearn
 
+from router.arms import ArmModel, ArmReport, train_arms
 from router.classifier import ClassifierReport, DifficultyClassifier, train_classifier
 from router.confidence import ConfidenceModel, ConfidenceReport, EarlyExit, EarlyReport, train_confidence, train_early
 from router.data import RouterError, read_labels
@@ -23,12 +24,14 @@ class RouterModel:
     classifier: DifficultyClassifier
     confidence: ConfidenceModel
     early: EarlyExit | None = None      # a verdict on the answer's first tokens; None: whole answers only
+    arms: ArmModel | None = None        # mode=auto picks among arms; None: by difficulty between two models
     feature_version: int = FEATURE_VERSION
     trained_on: frozenset[str] = field(default_factory=frozenset)   # question ids: evals keep them out
 
     def save(self, path: str | Path) -> None:
         joblib.dump({"feature_version": self.feature_version, "sklearn": sklearn.__version__,
                      "classifier": self.classifier, "confidence": self.confidence, "early": self.early,
+                     "arms": self.arms,
                      "trained_on": sorted(self.trained_on)}, path)
 
     @classmethod
@@ -41,7 +44,7 @@ class RouterModel:
         if version != FEATURE_VERSION:
             raise RouterError(f"{path}: router trained on feature version {version}; this code computes version "
                               f"{FEATURE_VERSION}. Train it again: sluice train-router RUN")
-        return cls(saved["classifier"], saved["confidence"], saved.get("early"), version,
+        return cls(saved["classifier"], saved["confidence"], saved.get("early"), saved.get("arms"), version,
                    frozenset(saved.get("trained_on", ())))
 
 
@@ -51,18 +54,24 @@ class TrainReport:
     classifier: ClassifierReport
     confidence: ConfidenceReport
     early: EarlyReport
+    arms: ArmReport
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
-def train(labels_path: str | Path, embedder, seed: int = 0) -> tuple[RouterModel, TrainReport]:
-    """Both models from a run's labels.jsonl (or its run folder). `embedder.encode(texts)`
-    embeds the questions, as the gateway embeds them when it searches."""
+def train(labels_path: str | Path, embedder, seed: int = 0,
+          context_budgets: dict[str, int] | None = None) -> tuple[RouterModel, TrainReport]:
+    """Every model from a run's labels.jsonl (or its run folder). `embedder.encode(texts)`
+    embeds the questions, as the gateway embeds them when it searches. `context_budgets`:
+    each engine model's context budget, for its arms (evals' context-budget curve chooses them)."""
     labels = read_labels(labels_path)
     embeddings = np.asarray(embedder.encode([l.question for l in labels]), np.float32)
     classifier, c_report = train_classifier(labels, embeddings, seed)
     confidence, k_report = train_confidence(labels, seed)
     early, e_report = train_early(labels, seed)
-    return (RouterModel(classifier, confidence, early, trained_on=frozenset(l.id for l in labels)),
-            TrainReport(len(labels), c_report, k_report, e_report))
+    arms, a_report = train_arms(labels, embeddings, seed)
+    if arms is not None and context_budgets:
+        arms = arms.with_budgets(context_budgets)
+    return (RouterModel(classifier, confidence, early, arms, trained_on=frozenset(l.id for l in labels)),
+            TrainReport(len(labels), c_report, k_report, e_report, a_report))

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
+from router.arms import Arm
 from router.classifier import Difficulty
 
 # Two workers: one classifier stuck past its time limit must not hold up the next request's.
@@ -30,6 +31,8 @@ class Policy:
     max_thinking: int | None = None     # a cap over every thinking budget
     classifier_timeout_s: float = 0.05
     early_escalation: bool = True       # judge the first answer on its first tokens too (a trained router's)
+    # Arms: the cheapest arm whose P(correct) is within this of the best arm's (route_arms).
+    arm_margin: float = 0.05
 
 
 @dataclass(frozen=True)
@@ -42,9 +45,13 @@ class Route:
     probability: float | None = None    # the classifier's calibrated probability of `difficulty`
     thinking_budget: int = 0            # 0: no thinking span
     escalate_to: str | None = None      # the model a low-confidence answer goes to; None: it stands
-    source: str = "classifier"          # what chose the model: client | no_router | classifier | policy | fallback
-    confidence: float | None = None     # calibrated chance the first answer is right, once judged
+    source: str = "classifier"          # what chose the model: client | no_router | classifier | arms | policy | fallback
+    # Calibrated chance the answer is right: the arm model's before the first call, the
+    # cascade's verdict on the first answer once judged.
+    confidence: float | None = None
     escalated: bool = False
+    arm: str | None = None              # the arm the router chose (router.arms); None: not routed by arms
+    context_budget: int | None = None   # the arm's own context budget, when below the tenant's
 
 
 def goes_large(difficulty: str, hard_thinking: int) -> bool:
@@ -74,6 +81,44 @@ def route(p: Policy, small: str, large: str, predict: Callable[[], Difficulty] |
     `predict` runs the difficulty classifier (None: none loaded)."""
     difficulty, failure = (None, "classifier off for this tenant") if not p.classifier else \
         classify(predict, p.classifier_timeout_s)
+    return _by_difficulty(p, small, large, difficulty, failure)
+
+
+def _escalation(p: Policy, model: str, small: str, large: str) -> str | None:
+    large_ok = large in p.allowed and p.force != "never_large"
+    return large if (p.escalation and large_ok and model == small != large and p.escalation_threshold > 0) else None
+
+
+def route_arms(p: Policy, arms: tuple[Arm, ...], small: str, large: str,
+               predict: Callable[[], dict[str, float]] | None, cost: Callable[[Arm], float]) -> Route:
+    """The cheapest arm whose predicted P(correct) is within the tenant's margin of the best
+    arm's, among those the tenant allows: its models, its largest [thinking_budget] (and
+    max_thinking_budget) as a cap on thinking, never_large / always_large. `predict` gives
+    P(correct) per arm name; `cost(arm)` the expected dollars at the server's prices. When the
+    arm model is off, slow or broken, the tenant's default as `route` falls back."""
+    probs, failure = (None, "classifier off for this tenant") if not p.classifier else \
+        classify(predict, p.classifier_timeout_s)
+    if probs is None:
+        return _by_difficulty(p, small, large, None, failure)
+    cap = max(p.thinking.values()) if p.max_thinking is None else min(max(p.thinking.values()), p.max_thinking)
+    force_large = p.force == "always_large" and large in p.allowed
+    ok = [a for a in arms if a.model in p.allowed and a.thinking <= cap and a.name in probs
+          and not (p.force == "never_large" and a.model == large) and not (force_large and a.model != large)]
+    if not ok:
+        return _by_difficulty(p, small, large, None, "no arm this tenant allows")
+    best = max(ok, key=lambda a: probs[a.name])
+    floor = probs[best.name] - p.arm_margin
+    arm = min((a for a in ok if probs[a.name] >= floor), key=cost)
+    why = f"arms: {arm.name} (P(right) {probs[arm.name]:.2f}, ${cost(arm):.6f})"
+    why += (f" is the cheapest within {p.arm_margin:.2f} of the best, {best.name} ({probs[best.name]:.2f})"
+            if arm != best else " is the best")
+    if len(ok) < len(arms):
+        why = f"{why}; of {len(ok)} arms this tenant allows"
+    return Route(arm.model, why, thinking_budget=arm.thinking, escalate_to=_escalation(p, arm.model, small, large),
+                 source="arms", confidence=probs[arm.name], arm=arm.name, context_budget=arm.context_budget)
+
+
+def _by_difficulty(p: Policy, small: str, large: str, difficulty: Difficulty | None, failure: str | None) -> Route:
     large_ok = large in p.allowed and p.force != "never_large"
     cap = lambda budget: budget if p.max_thinking is None else min(budget, p.max_thinking)
     source = "classifier" if difficulty is not None else "fallback"
@@ -95,7 +140,5 @@ def route(p: Policy, small: str, large: str, predict: Callable[[], Difficulty] |
     thinking = p.thinking[difficulty.label] if difficulty else p.thinking["medium"]
     if p.max_thinking is not None and thinking > p.max_thinking:
         thinking, why = p.max_thinking, f"{why}; thinking capped at {p.max_thinking}"
-    escalate = large if (p.escalation and large_ok and model == small != large
-                           and p.escalation_threshold > 0) else None
     return Route(model, why, difficulty.label if difficulty else None,
-                 difficulty.probability if difficulty else None, thinking, escalate, source)
+                 difficulty.probability if difficulty else None, thinking, _escalation(p, model, small, large), source)

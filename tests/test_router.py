@@ -33,9 +33,15 @@ class HashEmbedder:
         return out / np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-6)
 
 
+# Per kind of question (easy, medium, hard): which arms answer it right. large+think1024 is
+# right on all of them: nothing to learn, so a router leaves it out.
+ARMS_RIGHT = {"small": (True, False, False), "large": (True, True, False),
+              "large+think256": (True, False, True), "large+think1024": (True, True, True)}
+
+
 def write_labels(path, n=90, seed=0):
     """Three kinds of questions whose difficulty follows their text and retrieval scores;
-    the small model's confidence tracks whether it was right."""
+    the small model's confidence tracks whether it was right; arms as ARMS_RIGHT says."""
     rng = random.Random(seed)
     rows = []
     for i in range(n):
@@ -50,7 +56,10 @@ def write_labels(path, n=90, seed=0):
                      "small_score": float(small), "small_tokens": {"prompt": 9, "cached": 0, "output": 3, "thinking": 0},
                      "confidence": {"mean": m, "min": lo, "p10": p10, "p25": p25, "p50": p50, "length": length},
                      "retrieval_scores": [[0.9, 0.3], [0.5, 0.45], [0.2, 0.19]][kind],
-                     "large_correct": large, "large_score": float(large), "large_tokens": None})
+                     "large_correct": large, "large_score": float(large), "large_tokens": None,
+                     "arms": {a: {"correct": right[kind], "score": float(right[kind]), "prompt": 300,
+                                  "output": 20 + int(a.partition("+think")[2] or 0)}
+                              for a, right in ARMS_RIGHT.items()}})
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
@@ -199,6 +208,56 @@ def test_policy_maps_difficulty_and_honours_overrides():
     assert route(_policy(), None).reason == "no classifier trained; tenant default"
 
 
+def test_arms_predict_per_arm_correctness_and_leave_out_what_cannot_be_learnt(trained):
+    _, model, report = trained
+    arms = model.arms
+    assert [a.name for a in arms.arms] == ["small", "large", "large+think256"]
+    assert "large+think1024" in report.arms.left_out and "90 right" in report.arms.left_out["large+think1024"]
+    assert report.arms.arms["large+think256"]["output_tokens"] == 276.0
+    for kind, question in enumerate(["what is the capital of france v0", "how many apples if 17 * 23 + 4 = ? v1",
+                                     "why did the empire fall and what followed v2"]):
+        p = arms.predict(question, HashEmbedder().encode([question])[0], [[0.9, 0.3], [0.5, 0.45], [0.2, 0.19]][kind])
+        for name, right in ARMS_RIGHT.items():
+            if name in p:
+                assert (p[name] > 0.5) == right[kind], (question, name, p)
+    budgets = arms.with_budgets({"small": 512})
+    assert [a.context_budget for a in budgets.arms] == [512, None, None]
+
+
+def test_route_arms_takes_the_cheapest_arm_near_the_best_within_the_tenants_caps():
+    import time
+    from router.arms import parse_arm
+    from router.policy import route_arms
+    arms = tuple(parse_arm(n, 256 if n == "small" else None) for n in ("small", "large", "large+think256"))
+    price = {"small": 1.0, "large": 3.0, "large+think256": 6.0}
+    probs = {"small": 0.60, "large": 0.62, "large+think256": 0.70}
+    route = lambda p, predict=lambda: probs: route_arms(p, arms, "small", "large", predict, lambda a: price[a.name])
+    r = route(_policy(arm_margin=0.1))
+    assert (r.arm, r.model, r.thinking_budget, r.context_budget, r.escalate_to) == ("small", "small", 0, 256, "large")
+    assert (r.source, r.confidence) == ("arms", 0.60)
+    assert r.reason.startswith("arms: small (P(right) 0.60, $1.000000) is the cheapest within 0.10 of the best, "
+                               "large+think256 (0.70)")
+    best = route(_policy(arm_margin=0.0))
+    assert (best.arm, best.model, best.thinking_budget, best.escalate_to) == ("large+think256", "large", 256, None)
+    assert best.reason.endswith("is the best")
+    # The tenant's thinking budgets cap the arms it may get: without 256 thinking tokens, large is the best left.
+    capped = route(_policy(arm_margin=0.0, thinking={"easy": 0, "medium": 0, "hard": 64}))
+    assert capped.arm == "large" and capped.reason.endswith("of 2 arms this tenant allows")
+    assert route(_policy(arm_margin=0.0, max_thinking=0)).arm == "large"
+    assert route(_policy(arm_margin=0.0, force="never_large")).arm == "small"
+    assert route(_policy(arm_margin=1.0, force="always_large")).arm == "large"
+    assert route(_policy(arm_margin=0.0, allowed=("small",))).arm == "small"
+
+    def broken():
+        raise RuntimeError("boom")
+    fallback = route(_policy(), broken)
+    assert (fallback.arm, fallback.model, fallback.source) == (None, "small", "fallback")
+    assert fallback.reason == "classifier failed (RuntimeError: boom); tenant default"
+    slow = route(_policy(classifier_timeout_s=0.01), lambda: time.sleep(0.3) or probs)
+    assert slow.arm is None and slow.reason == "classifier slower than 10 ms; tenant default"
+    assert route(_policy(classifier=False)).reason == "classifier off for this tenant; tenant default"
+
+
 # ------------------------------------------------------------------ gateway: the cascade under mode=auto
 
 
@@ -291,6 +350,35 @@ def test_a_trained_router_routes_by_difficulty(tmp_path, llm, embedder):
     assert (hard["model"], hard["difficulty"], hard["escalated"]) == ("small", "hard", False)
     assert "no thinking for hard questions" in hard["route_reason"]
     assert (easy["model"], easy["difficulty"]) == ("small", "easy") and "kept" in easy["route_reason"]
+
+
+def test_auto_answers_through_the_arms_with_the_arm_in_the_response_and_the_ledger(tmp_path, llm, embedder):
+    from tests.test_gateway_support import DOCS
+    path = write_labels(tmp_path / "labels.jsonl")
+    model, _ = train(path, embedder)
+    assert model.arms is not None
+    model.arms = model.arms.with_budgets({"small": 60})      # the small model reads fewer passages
+    model.save(tmp_path / "router.joblib")
+    client, gw = _client(tmp_path, llm, embedder, threshold=1e-9, router=RouterConfig(str(tmp_path / "router.joblib")),
+                         extra="[router]\nclassifier_timeout_ms = 2000\narm_margin = 0.1\n")
+    with client as c:
+        wait_ready(c)
+        assert c.post("/v1/collections/kb/documents", json=DOCS, headers=auth()).status_code in (200, 201)
+        medium = _ask(c, question="how many apples if 17 * 23 + 4 = ?")
+        easy = _ask(c, question="what is the capital of france", collection="kb")
+        r = c.post("/v1/ask", json={"question": "what is the capital of france", "collection": "kb", "stream": True,
+                                    "max_output_tokens": 4}, headers=auth())
+    assert (medium["arm"], medium["model"]) == ("large", "large")
+    assert medium["route_reason"].startswith("arms: large (P(right) ") and medium["confidence"] > 0.5
+    assert (easy["arm"], easy["model"]) == ("small", "small") and easy["route_reason"].startswith("arms: small")
+    # The small arm's own context budget: the same search, trimmed to 60 tokens, not the tenant's 400.
+    assert "context trimmed to the arm's 60 tokens" in easy["route_reason"]
+    assert easy["trimmed"]["budget"] == 60 and easy["trimmed"]["tokens"] <= 60
+    meta = msgspec.json.decode(parse_sse(r.text)[0][1])
+    assert meta["route"]["arm"] == "small"
+    rows = gw.ledger.rows()
+    assert [row.arm for row in rows[-3:]] == ["large", "small", "small"]
+    assert rows[-3].route_reason == medium["route_reason"]
 
 
 def test_the_early_verdict_reads_the_shortest_prefix_that_judges_as_well(tmp_path):

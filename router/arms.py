@@ -1,0 +1,137 @@
+"""Arms: what mode=auto chooses among. An arm is a model, a thinking budget and a context
+budget of its own (the small model answers better from fewer passages: docs/evals.md, the
+context-budget curve). One model, trained on per-arm labels, predicts each arm's chance of
+answering a question right; the policy (router.policy.route_arms) takes the cheapest arm
+whose chance is within the tenant's margin of the best one's.
+
+Arm names say what they are: `small`, `large`, `large+think256`; evals name the labels of a
+run's answers the same way (`arm_name`), so a label file can hold arms from several runs.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+from sklearn.model_selection import train_test_split
+
+from router.calibration import fit_calibrated
+from router.classifier import _cv_log_loss
+from router.data import Label, RouterError
+from router.features import feature_vector
+
+NAME = re.compile(r"(?P<model>[a-z0-9_.-]+?)(?:\+think(?P<thinking>\d+))?")
+# The arms a trained router may offer, cheapest first; a router trains those its labels cover.
+ARM_NAMES = ("small", "large", "large+think256", "large+think1024")
+# Output tokens an arm is assumed to spend when no label says (a proxy label generates nothing).
+DEFAULT_OUTPUT_TOKENS = 48
+MIN_LABELS = 8
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    model: str                       # the engine's model name
+    thinking: int = 0                # thinking tokens; 0: no thinking span
+    context_budget: int | None = None   # prompt tokens; None: the tenant's (an arm's is capped by it)
+
+
+def arm_name(model: str, thinking: int = 0) -> str:
+    return f"{model}+think{thinking}" if thinking else model
+
+
+def parse_arm(name: str, context_budget: int | None = None) -> Arm:
+    m = NAME.fullmatch(name)
+    if m is None:
+        raise RouterError(f"arm {name!r}: expected MODEL or MODEL+thinkN, e.g. large+think256")
+    return Arm(name, m["model"], int(m["thinking"] or 0), context_budget)
+
+
+@dataclass(frozen=True)
+class ArmReport:
+    n_train: int
+    n_test: int
+    with_embedding: bool
+    # Per arm: labelled questions, held-out Brier score of P(correct) and the base rate's
+    # Brier (always saying the training share), mean prompt and output tokens in its labels.
+    arms: dict[str, dict]
+    left_out: dict[str, str] = field(default_factory=dict)    # arm -> why it is not offered
+
+
+@dataclass
+class ArmModel:
+    """P(correct) per arm from one question's features: one calibrated classifier per arm,
+    all on the same feature vector, so one embedding and one feature row serve every arm."""
+    arms: tuple[Arm, ...]
+    models: dict[str, object]                      # arm name -> fitted CalibratedClassifierCV
+    tokens: dict[str, tuple[float, float]]         # arm name -> mean (prompt, output) tokens in its labels
+    embed_dim: int
+    with_embedding: bool
+
+    def predict(self, question: str, embedding: np.ndarray, scores: list[float]) -> dict[str, float]:
+        if np.asarray(embedding).size != self.embed_dim:
+            raise RouterError(f"the question embedding has {np.asarray(embedding).size} dimensions; this "
+                              f"router was trained on {self.embed_dim}")
+        row = feature_vector(question, embedding, scores, self.with_embedding)[None]
+        return {a.name: _p_true(self.models[a.name], row)[0] for a in self.arms}
+
+    def predict_rows(self, rows: np.ndarray) -> dict[str, np.ndarray]:
+        return {a.name: _p_true(self.models[a.name], rows) for a in self.arms}
+
+    def with_budgets(self, budgets: dict[str, int]) -> ArmModel:
+        """The same model with context budgets per engine model (from the context-budget curve)."""
+        return replace(self, arms=tuple(replace(a, context_budget=budgets.get(a.model, a.context_budget))
+                                        for a in self.arms))
+
+
+def _p_true(model, rows: np.ndarray) -> np.ndarray:
+    return model.predict_proba(rows)[:, list(model.classes_).index(True)]
+
+
+def train_arms(labels: list[Label], embeddings: np.ndarray, seed: int = 0,
+               test_size: float = 0.25) -> tuple[ArmModel | None, ArmReport]:
+    """One classifier per arm (of ARM_NAMES) that at least MIN_LABELS labels cover with both
+    outcomes; None when fewer than two arms are left (nothing to choose between). The held-out
+    share is by question, the same for every arm; the saved model refits on all labels."""
+    x_all = np.stack([feature_vector(l.question, e, l.retrieval_scores) for l, e in zip(labels, embeddings)])
+    ids = np.array([l.id for l in labels])
+    _, test_ids = train_test_split(ids, test_size=test_size, random_state=seed) if len(ids) > 3 else (ids, ids[:0])
+    test = set(test_ids.tolist())
+    head = x_all.shape[1] - embeddings.shape[1]
+    per_arm, left_out = {}, {}
+    for name in ARM_NAMES:
+        rows = [(i, l.arms[name]) for i, l in enumerate(labels) if name in l.arms]
+        y = np.array([o.correct for _, o in rows], bool)
+        if len(rows) < MIN_LABELS or y.all() or not y.any() or min(y.sum(), (~y).sum()) < 2:
+            left_out[name] = f"{len(rows)} labels, {int(y.sum())} right: too few to learn it"
+            continue
+        per_arm[name] = ([i for i, _ in rows], y, [o for _, o in rows])
+    if len(per_arm) < 2:
+        return None, ArmReport(0, 0, False, {}, left_out)
+    # The embedding's hundreds of dimensions earn their place only if they predict better on
+    # the training share (cross-validated, summed over arms), as for the difficulty classifier.
+    loss = {cols: sum(_cv_log_loss(x_all[[i for i in idx if ids[i] not in test]][:, :cols],
+                                   y[[ids[i] not in test for i in idx]], seed) for idx, y, _ in per_arm.values())
+            for cols in (x_all.shape[1], head)}
+    with_embedding = loss[x_all.shape[1]] <= loss[head]
+    x = x_all if with_embedding else x_all[:, :head]
+    models, report, tokens = {}, {}, {}
+    n_train = n_test = 0
+    for name, (idx, y, outcomes) in per_arm.items():
+        held = np.array([ids[i] in test for i in idx])
+        entry = {"labels": len(idx), "right": int(y.sum())}
+        if held.any() and (~held).any() and len(np.unique(y[~held])) == 2 and np.bincount(y[~held]).min() >= 2:
+            p = _p_true(fit_calibrated(x[idx][~held], y[~held]), x[idx][held])
+            entry |= {"held_out": int(held.sum()), "brier": round(float(np.mean((p - y[held]) ** 2)), 4),
+                      "brier_base_rate": round(float(np.mean((y[~held].mean() - y[held]) ** 2)), 4)}
+        n_train, n_test = max(n_train, int((~held).sum())), max(n_test, int(held.sum()))
+        models[name] = fit_calibrated(x[idx], y)
+        known = [(o.prompt, o.output) for o in outcomes if o.output is not None]
+        arm = parse_arm(name)
+        tokens[name] = (float(np.mean([p for p, _ in known])) if known else 0.0,
+                        float(np.mean([o for _, o in known])) if known else DEFAULT_OUTPUT_TOKENS + arm.thinking)
+        entry |= {"prompt_tokens": round(tokens[name][0], 1), "output_tokens": round(tokens[name][1], 1)}
+        report[name] = entry
+    arms = tuple(parse_arm(n) for n in ARM_NAMES if n in models)
+    return (ArmModel(arms, models, tokens, int(embeddings.shape[1]), with_embedding),
+            ArmReport(n_train, n_test, with_embedding, report, left_out))
