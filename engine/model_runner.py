@@ -93,7 +93,17 @@ class _Graphs:
     context_lens: torch.Tensor
     block_tables: torch.Tensor
     hidden: torch.Tensor
-    graphs: dict[int, torch.cuda.CUDAGraph] = field(default_factory=dict)
+    graphs: dict[int, torch.cuda.CUDAGraph] = field(default_factory=dict)     # batch size -> graph
+
+
+def _capture(step: Callable[[], None], pool):
+    """`step` recorded as a CUDA graph (replay() runs it again on the same tensors), and the
+    memory pool the graphs share."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool):
+        step()
+    torch.cuda.synchronize()
+    return graph, pool or graph.pool()
 
 
 class ModelRunner:
@@ -186,15 +196,13 @@ class ModelRunner:
             for b in reversed(buckets):
                 batch = StepBatch(g.slot_mapping[:b], b, self.kv_caches, decode_block_tables=g.block_tables[:b],
                                   decode_context_lens=g.context_lens[:b])
-                g.hidden[:b] = self.model(g.input_ids[:b], g.positions[:b], batch)    # warm up: compile, launch
+
+                def step(b: int = b, batch: StepBatch = batch) -> None:
+                    g.hidden[:b] = self.model(g.input_ids[:b], g.positions[:b], batch)
+                step()                  # warm up: compile and launch every kernel before capture
                 if "paged_decode_attention" in kernels.FALLBACKS:
                     raise RuntimeError("decode attention runs its reference twin, which cannot be captured")
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool):
-                    g.hidden[:b] = self.model(g.input_ids[:b], g.positions[:b], batch)
-                pool = pool or graph.pool()
-                g.graphs[b] = graph
-            torch.cuda.synchronize(dev)
+                g.graphs[b], pool = _capture(step, pool)
         except Exception as e:
             log.warning("CUDA graphs off for a %s model (%s); its decode steps run eagerly", self.cfg.arch, e)
             return

@@ -1,0 +1,207 @@
+"""The engine's device code on the CPU: config resolution, the memory budget, the compute
+dtype, a Triton kernel that cannot launch, QuantLinear on the kernels' path, and the decode
+graphs' padding and static buffers (replayed eagerly here; tests/test_gpu.py captures them
+on a GPU)."""
+import logging
+import types
+
+import pytest
+import torch
+
+import kernels
+from engine import model_runner
+from engine.config import EngineConfig, ModelEntry
+from engine.llm_engine import LLMEngine
+from engine.model_runner import Device
+from engine.quantize import QuantLinear, quantize_int4, quantize_int8, unpack_int4
+from engine.sampling_params import SamplingParams
+from tests.test_engine import folder, make_engine, prompts  # noqa: F401 (fixture)
+
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+triton_only = pytest.mark.skipif(not kernels.HAS_TRITON, reason="triton is not installed")
+
+
+def config(**kw) -> EngineConfig:
+    return EngineConfig(models={"m": ModelEntry("x")}, **kw)
+
+
+def test_auto_resolves_to_the_cpu_in_float32_without_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert Device.resolve(config()) == Device(torch.device("cpu"), torch.float32, cuda_graphs=False)
+    assert Device.resolve(config(dtype="bfloat16", kv_cache_dtype="bfloat16")).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="no CUDA device"):
+        Device.resolve(config(device="cuda"))
+    with pytest.raises(ValueError, match="differs from the compute dtype"):
+        Device.resolve(config(kv_cache_dtype="bfloat16"))
+
+
+def test_auto_resolves_to_cuda_in_bfloat16_with_graphs(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert Device.resolve(config()) == Device(torch.device("cuda", 0), torch.bfloat16, cuda_graphs=True)
+    assert Device.resolve(config(device="cuda:1", cuda_graphs=False)) == \
+        Device(torch.device("cuda", 1), torch.bfloat16, cuda_graphs=False)
+    assert Device.resolve(config(dtype="float32", kv_cache_dtype="int8")).dtype == torch.float32
+    with pytest.raises(ValueError, match="differs from the compute dtype"):
+        Device.resolve(config(kv_cache_dtype="float32"))     # float32 KV under bf16 compute
+
+
+def test_bad_device_settings_are_rejected():
+    for bad, match in ((dict(device="gpu"), "device must be"), (dict(dtype="float16"), "dtype must be"),
+                       (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+                       (dict(kv_cache_dtype="fp8"), "kv_cache_dtype")):
+        with pytest.raises(ValueError, match=match):
+            config(**bad)
+
+
+def test_memory_budget_is_a_share_of_free_device_memory_on_cuda(monkeypatch):
+    seen = []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: seen.append(d) or (10 * 2**30, 80 * 2**30))
+    cuda = Device(torch.device("cuda", 0), torch.bfloat16)
+    assert cuda.memory_budget(config(gpu_memory_utilization=0.5, memory_budget_gb=1.0)) == 5 * 2**30
+    assert seen == [torch.device("cuda", 0)]
+    assert Device().memory_budget(config(memory_budget_gb=1.5)) == int(1.5 * 2**30)
+
+
+def test_weights_and_kv_follow_the_compute_dtype(folder):  # noqa: F811
+    budget = dict(memory_budget_gb=0.02, max_kv_blocks=None)
+    f32, bf16 = make_engine(folder, **budget), make_engine(folder, dtype="bfloat16", **budget)
+    w32, w16 = f32.worker("tiny"), bf16.worker("tiny")
+    assert {p.dtype for p in w16.model.parameters()} == {torch.bfloat16}
+    assert w16.runner.kv_dtype == torch.bfloat16 and w32.runner.kv_dtype == torch.float32
+    # Half the bytes per weight and per KV entry: the same budget holds more than twice the
+    # blocks (the weights take less of it too).
+    assert len(w16.block_manager.blocks) > 2 * len(w32.block_manager.blocks)
+    out = bf16.generate(prompts(2), GREEDY)
+    assert all(len(c.token_ids) == 24 and all(lp <= 0 for lp in c.logprobs) for c in out)
+
+
+class _CannotLaunch:
+    """A Triton kernel that fails at launch as an oversized kernel does on a real GPU."""
+
+    def __init__(self):
+        self.launches = 0
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            from triton.runtime.errors import OutOfResources
+            self.launches += 1
+            raise OutOfResources(1311232, 232448, "shared memory")
+        return launch
+
+
+@triton_only
+def test_a_kernel_that_cannot_launch_falls_back_to_its_reference_once(monkeypatch, caplog):
+    from kernels import norm_rope_triton
+    monkeypatch.setattr(kernels, "FALLBACKS", set())
+    monkeypatch.setattr(kernels, "_use_triton", lambda t: True)
+    monkeypatch.setattr(norm_rope_triton, "_rotary_kernel", broken := _CannotLaunch())
+    x, cos, sin = torch.randn(3, 2, 64), torch.randn(3, 32), torch.randn(3, 32)
+    want = kernels.norm_rope.apply_rotary(x, cos, sin)
+    with caplog.at_level(logging.WARNING, logger="kernels"):
+        first, second = kernels.apply_rotary(x, cos, sin), kernels.apply_rotary(x, cos, sin)
+    assert torch.equal(first, want) and torch.equal(second, want)
+    assert broken.launches == 1 and kernels.FALLBACKS == {"apply_rotary"}
+    assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
+    assert "apply_rotary cannot launch" in caplog.records[0].message
+    # The other kernels still run their Triton twins.
+    out, _ = kernels.add_rms_norm(x.view(6, 64), None, torch.ones(64), 1e-6)
+    assert kernels.FALLBACKS == {"apply_rotary"}
+    torch.testing.assert_close(out, kernels.norm_rope.add_rms_norm(x.view(6, 64), None, torch.ones(64), 1e-6)[0])
+
+
+@pytest.mark.parametrize("triton", [False, pytest.param(True, marks=triton_only)])
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quant_linear_on_the_kernels_path_matches_the_packed_one(mode, triton, monkeypatch):
+    """The layout a GPU gets (the stored format, through the dispatcher) against the dequantized
+    float twin and the CPU's packed ops; with `triton` the dispatcher runs the Triton kernel
+    (interpreted), as on CUDA."""
+    from kernels import quant_matmul_triton
+    torch.manual_seed(0)
+    w, x, b = torch.randn(48, 64), torch.randn(5, 64), torch.randn(48)
+    if mode == "int8":
+        q, s = quantize_int8(w)
+        tensors, deq = {"w": q, "scales": s}, q.float() * s[:, None]
+    else:
+        q, s, z = quantize_int4(w, 32)
+        tensors = {"w": q, "scales": s, "zeros": z}
+        deq = ((unpack_int4(q).float().view(48, 2, 32) - z[..., None]) * s[..., None]).view(48, 64)
+    launches = []
+    kernel = getattr(quant_matmul_triton, f"_{mode}_kernel")
+    monkeypatch.setattr(quant_matmul_triton, f"_{mode}_kernel",
+                        _Spy(kernel, launches))
+    monkeypatch.setattr(kernels, "_use_triton", lambda t: triton)
+    layer = QuantLinear(mode, tensors, b, 32, packed=False)
+    assert torch.equal(layer.w, q) and not hasattr(layer, "scales_and_zeros")     # the stored format, as is
+    got = layer(x)
+    assert len(launches) == triton
+    torch.testing.assert_close(got, x @ deq.T + b, rtol=1e-4, atol=1e-4)
+    packed = QuantLinear(mode, tensors, b, 32)(x)                  # bf16 activations: looser
+    torch.testing.assert_close(got, packed, rtol=0.05, atol=0.1)
+
+
+class _Spy:
+    def __init__(self, kernel, launches):
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        self.launches.append(grid)
+        return self.kernel[grid]
+
+
+class _Replays:
+    """Stands in for torch.cuda.graph off CUDA: replay() runs the captured step eagerly on
+    the same static tensors, which is what a graph replays."""
+
+    def __init__(self, monkeypatch):
+        self.monkeypatch, self.captured, self.replays = monkeypatch, [], 0
+
+    def capture(self, step, pool):
+        def replay():
+            self.replays += 1
+            step()
+        self.captured.append(step)
+        return types.SimpleNamespace(replay=replay), pool
+
+    def enable(self) -> None:
+        """Engines built from now on capture decode graphs, on the CPU in float32."""
+        self.monkeypatch.setattr(model_runner, "_capture", self.capture)
+        self.monkeypatch.setattr(Device, "resolve", classmethod(lambda cls, config: Device(cuda_graphs=True)))
+
+
+@pytest.fixture
+def emulated_graphs(monkeypatch):
+    return _Replays(monkeypatch)
+
+
+def test_decode_graph_padding_and_static_buffers_equal_eager(folder, emulated_graphs):  # noqa: F811
+    # Five live sequences padded to 8 rows (the padding writes while every block is in use),
+    # then fewer as they finish.
+    ps = prompts(5, seed=5)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (24, 24, 30, 36, 40)]
+    eager = make_engine(folder, max_num_seqs=8).generate(ps, params)
+    emulated_graphs.enable()
+    engine = make_engine(folder, max_num_seqs=8)
+    runner = engine.worker("tiny").runner
+    assert runner.graphs.buckets == [1, 2, 4, 8] and len(emulated_graphs.captured) == 4
+    # One block beyond the block manager's: the padded rows' scratch block.
+    assert runner.kv_caches[0][0].shape[0] == len(engine.worker("tiny").block_manager.blocks) + 1 == 257
+    got = engine.generate(ps, params)
+    assert [c.token_ids for c in got] == [c.token_ids for c in eager]
+    for a, b in zip(got, eager):
+        torch.testing.assert_close(a.logprobs, b.logprobs, rtol=1e-4, atol=1e-4)
+    assert emulated_graphs.replays > 0
+    assert engine.stats()["tiny"]["kv_blocks_free"] == 256
+
+
+def test_graphs_stay_off_when_decode_attention_runs_its_reference(folder, emulated_graphs, monkeypatch,  # noqa: F811
+                                                                   caplog):
+    ps = prompts(3, seed=6)
+    eager = make_engine(folder).generate(ps, GREEDY)
+    emulated_graphs.enable()
+    monkeypatch.setattr(kernels, "FALLBACKS", {"paged_decode_attention"})
+    with caplog.at_level(logging.WARNING, logger="sluice.engine"):
+        engine = make_engine(folder, max_num_seqs=4)
+    assert engine.worker("tiny").runner.graphs is None and emulated_graphs.captured == []
+    assert "CUDA graphs off" in caplog.text
+    assert [c.token_ids for c in engine.generate(ps, GREEDY)] == [c.token_ids for c in eager]
