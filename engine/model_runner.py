@@ -254,7 +254,11 @@ class ModelRunner:
         out: dict[int, tuple[list[int], list[float]]] = {}
         probs: dict[int, torch.Tensor] = {}
         needed = [row + j for _, row, n in sampling for j in range(n)]
-        all_logits = (self.model.logits(hidden[needed]) if needed else hidden[:0]).float()
+        if needed:      # an index built on the host reaches the device without a sync
+            all_logits = self.model.logits(hidden.index_select(0, self.device.upload([torch.tensor(needed)])[0]))
+        else:
+            all_logits = hidden[:0]
+        all_logits = all_logits.float()
         # The one read back of the step: every row's finiteness, its greedy token and that
         # token's log-probability, which is all a plain greedy request needs.
         top = all_logits.argmax(-1)
