@@ -5,6 +5,7 @@ regenerate a run's report or router labels.
     python -m evals report RUN_FOLDER
     python -m evals labels RUN_FOLDER
     python -m evals budgets RUN_FOLDER... --out DIR
+    python -m evals context RUN_FOLDER... --out DIR
 
 A run writes into its folder as it goes; the same command again resumes it. Exit codes:
 0 done, 2 bad arguments or files (the message says which), 130 interrupted.
@@ -22,6 +23,7 @@ from engine.config import QUANT_SCHEMES, EngineConfig, ModelEntry, SpecConfig
 from engine.llm_engine import LLMEngine
 from models.store import StoreError
 from evals.budgets import write_budget_table
+from evals.contexts import write_context_curve
 from evals.datasets import DATASETS, SPLITS, DatasetError, files_for, parse_mix
 from evals.labels import LABELS_FILE, write_labels
 from evals.proxy import PROXY_FILE, PROXY_REPORT, agreement, read_thresholds, score_run
@@ -139,6 +141,13 @@ def build_parser(prog: str = "python -m evals") -> argparse.ArgumentParser:
     p.add_argument("--router", metavar="FILE", help="also tabulate thinking budgets by difficulty, with this trained "
                                                     "router choosing model and difficulty")
     p.set_defaults(run=cmd_budgets)
+
+    p = sub.add_parser("context", help="quality by context budget per model, from runs that differ in their budget; "
+                                       "chooses each model's (its arms') budget")
+    p.add_argument("folders", nargs="+", metavar="RUN", help="run folders over the same questions")
+    p.add_argument("--kind", default="squad", help="the kind of question to tabulate (default: %(default)s)")
+    p.add_argument("--out", required=True, metavar="DIR", help="where context.md, .json and .png go")
+    p.set_defaults(run=cmd_context)
     return parser
 
 
@@ -242,6 +251,11 @@ def cmd_budgets(args) -> int:
     router = RouterModel.load(args.router) if args.router else None
     print(write_budget_table([Path(f) for f in args.folders], Path(args.out), args.kind, router,
                              Embedder() if router else None))
+    return 0
+
+
+def cmd_context(args) -> int:
+    print(write_context_curve([Path(f) for f in args.folders], Path(args.out), args.kind))
     return 0
 
 

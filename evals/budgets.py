@@ -41,8 +41,9 @@ class BudgetRun:
     records: list[Record]
 
 
-def read_runs(folders: list[Path], kind: str = "gsm8k") -> list[BudgetRun]:
-    """Each folder's small and large answers of `kind`, checked to cover the same questions."""
+def read_runs(folders: list[Path], kind: str = "gsm8k", budget: str = "thinking_budget") -> list[BudgetRun]:
+    """Each folder's small and large answers of `kind`, checked to cover the same questions;
+    `budget` names the run setting the folders differ in (thinking_budget or context_budget)."""
     runs, questions = [], None
     for folder in folders:
         config = read_config(folder)
@@ -58,7 +59,7 @@ def read_runs(folders: list[Path], kind: str = "gsm8k") -> list[BudgetRun]:
                 raise RunError(f"{folder}: its {mode} run answered {len(ids)} {kind} questions, "
                                f"{len(ids ^ questions)} of them not shared with the first folder's "
                                f"{len(questions)}; the rows must come from the same questions")
-            runs.append(BudgetRun(folder, config.models[MODES[mode].model], mode, config.thinking_budget, records))
+            runs.append(BudgetRun(folder, config.models[MODES[mode].model], mode, getattr(config, budget), records))
     if not runs:
         raise RunError(f"no {kind} answers in {', '.join(map(str, folders))}")
     return sorted(runs, key=lambda r: (list(MODES).index(r.mode), r.budget))

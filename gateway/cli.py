@@ -223,7 +223,11 @@ def cmd_train_router(args, config: ServerConfig) -> int:
     from retrieval import Embedder
     from router.model import ROUTER_FILE, train
     run = Path(args.folder)
-    model, report = train(run, Embedder(device="cpu"))
+    budgets = None
+    if args.context_curve:
+        from evals.contexts import read_chosen
+        budgets = read_chosen(Path(args.context_curve))
+    model, report = train(run, Embedder(device="cpu"), context_budgets=budgets)
     out = Path(args.out) if args.out else (run if run.is_dir() else run.parent) / ROUTER_FILE
     model.save(out)
     print(json.dumps(report.as_dict(), indent=2))
@@ -280,6 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                  "run's labels.jsonl; print held-out accuracy, ECE, confusion")
     train.add_argument("folder", metavar="RUN", help="run folder (or its labels.jsonl)")
     train.add_argument("--out", help="where to save the router (default: RUN/router.joblib)")
+    train.add_argument("--context-curve", metavar="FILE", help="context.json from `sluice eval context`: each model's "
+                                                               "chosen context budget goes to its arms")
     train.set_defaults(run=cmd_train_router)
 
     # Everything after `eval` is the evals command line (python -m evals), help included.

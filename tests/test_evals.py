@@ -482,6 +482,53 @@ def test_thinking_budget_table_and_budgets_by_difficulty(tmp_path):
     assert (tmp_path / "out" / "budgets.png").stat().st_size > 0
 
 
+def _fake_runs(tmp_path, setting: str, scores: dict) -> list[Path]:
+    """Run folders that differ only in `setting`; scores[(mode, value)]: F1 per question."""
+    from evals.records import Call, Record
+    folders = []
+    for value in sorted({v for _, v in scores}):
+        folder = tmp_path / f"{setting}{value}"
+        open_run(folder, config_for("squad", [tmp_path / "squad.json"], **{setting: value}))
+        log = RecordLog(folder / RECORDS_FILE)
+        for mode in ("small", "large"):
+            for i, f1 in enumerate(scores[(mode, value)]):
+                call = Call(mode, value // 2, 0, 5, 0, 0.001, 0.0, 0.1, 1.0, 0.5, "stop", [])
+                log.append(Record(mode, f"q{i}", "squad", f"q{i}", "", float(f1 == 1), f1, f1, f1 >= 0.5, False,
+                                  2, value // 2, [0.5], [call]))
+        log.close()
+        folders.append(folder)
+    return folders
+
+
+def test_context_curve_chooses_each_models_budget(tmp_path):
+    from evals.contexts import read_chosen, write_context_curve
+    from evals.runner import RunError
+    # The small model drowns in passages; the large one reads them all well.
+    scores = {("small", 256): [1, 1, 0, 0], ("small", 512): [1, 1, 0.5, 0], ("small", 1024): [1, 0, 0, 0],
+              ("large", 256): [1, 0, 0, 0], ("large", 512): [1, 1, 0, 0], ("large", 1024): [1, 1, 1, 0]}
+    text = write_context_curve(_fake_runs(tmp_path, "context_budget", scores), tmp_path / "out")
+    curve = json.loads((tmp_path / "out" / "context.json").read_text())
+    assert [(r["mode"], r["budget"], r["quality"]) for r in curve["rows"]] == [
+        ("small", 256, 0.5), ("small", 512, 0.625), ("small", 1024, 0.25),
+        ("large", 256, 0.25), ("large", 512, 0.5), ("large", 1024, 0.75)]
+    assert curve["chosen"] == {"small": 512, "large": 1024} == read_chosen(tmp_path / "out")
+    assert "| small (`tiny-1`) | 512 (chosen) | 0.625 |" in text
+    assert (tmp_path / "out" / "context.png").stat().st_size > 0
+    with pytest.raises(RunError, match="not a context curve"):
+        read_chosen(tmp_path / "out" / "context.md")
+
+
+def test_labels_carry_arms_from_runs_at_other_thinking_budgets(tmp_path):
+    from router.data import read_labels
+    scores = {("small", 0): [1, 0], ("large", 0): [1, 0], ("small", 256): [1, 1], ("large", 256): [0, 1]}
+    base, think = _fake_runs(tmp_path, "thinking_budget", scores)
+    assert write_labels(base, arm_runs=[think]) == 2
+    labels = {l.id: l for l in read_labels(base)}
+    assert {a: o.correct for a, o in labels["q1"].arms.items()} == {
+        "small": False, "large": False, "small+think256": True, "large+think256": True}
+    assert (labels["q0"].arms["large+think256"].correct, labels["q0"].arms["large"].output) == (False, 5)
+
+
 def test_proxy_scores_the_reference_as_transformers_does_and_labels_from_it(tmp_path, data, engine, embedder,
                                                                             monkeypatch):
     import torch

@@ -1,0 +1,94 @@
+"""Quality against context budget: one row per (model, budget) from run folders that differ
+only in their context budget (e.g. `eval run squad -n 40 --context-budget B` for B in 256,
+512, 1024, 2048). A small model can drown in passages that a large one reads well, so each
+arm of the router carries the budget its model's curve chooses (router.arms).
+
+Writes context.json (rows and the chosen budget per model), context.md and context.png.
+`chosen`: per model, the smallest budget whose quality is within CHOSEN_SLACK of that
+model's best on the curve: more passages cost prompt tokens and buy nothing past it.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from evals.budgets import read_runs  # noqa: E402
+from evals.runner import RunError  # noqa: E402
+
+CHOSEN_SLACK = 0.01           # of quality (mean F1)
+CONTEXT_FILE = "context.json"
+
+
+def context_rows(folders: list[Path], kind: str = "squad") -> list[dict]:
+    rows = []
+    for run in read_runs(folders, kind, "context_budget"):
+        rs = run.records
+        rows.append({"model": run.model, "mode": run.mode, "budget": run.budget, "questions": len(rs),
+                     "quality": float(np.mean([r.score for r in rs])), "em": float(np.mean([r.em for r in rs])),
+                     "passages": float(np.mean([r.passages for r in rs])),
+                     "prompt_tokens": float(np.mean([r.tokens("prompt") for r in rs])),
+                     "cost_per_1k": 1000 * float(np.mean([r.cost for r in rs])),
+                     "engine_s": float(np.mean([r.engine_s for r in rs])), "folder": str(run.folder)})
+    return rows
+
+
+def chosen(rows: list[dict], slack: float = CHOSEN_SLACK) -> dict[str, int]:
+    out = {}
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        mine = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["budget"])
+        best = max(r["quality"] for r in mine)
+        out[mode] = next(r["budget"] for r in mine if r["quality"] >= best - slack)
+    return out
+
+
+def markdown(rows: list[dict], picked: dict[str, int], kind: str) -> str:
+    lines = [f"# {kind} quality by context budget", "",
+             f"{rows[0]['questions']} questions, the same in every row, answered from retrieval trimmed to the "
+             "budget (prompt tokens: instructions, passages and question). Quality: mean F1. Chosen per model "
+             f"(the arm's context budget): the smallest budget within {CHOSEN_SLACK} of its best quality: "
+             + ", ".join(f"{m} {b}" for m, b in picked.items()) + ".", "",
+             "| model | budget | F1 | EM | passages | prompt tokens | engine s / q | $ / 1k |",
+             "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['mode']} (`{r['model']}`) | {r['budget']}{' (chosen)' if picked[r['mode']] == r['budget'] else ''} "
+              f"| {r['quality']:.3f} | {r['em']:.3f} | {r['passages']:.1f} | {r['prompt_tokens']:.0f} "
+              f"| {r['engine_s']:.2f} | {r['cost_per_1k']:.4f} |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def write_context_curve(folders: list[Path], out: Path, kind: str = "squad") -> str:
+    rows = context_rows(folders, kind)
+    picked = chosen(rows)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / CONTEXT_FILE).write_text(json.dumps({"kind": kind, "slack": CHOSEN_SLACK, "chosen": picked,
+                                                "rows": rows}, indent=2) + "\n")
+    text = markdown(rows, picked, kind)
+    (out / "context.md").write_text(text)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode in picked:
+        mine = [r for r in rows if r["mode"] == mode]
+        ax.plot([r["budget"] for r in mine], [r["quality"] for r in mine], "o-", label=mode)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context budget (prompt tokens)")
+    ax.set_ylabel(f"{kind} F1")
+    ax.set_title("Quality by context budget")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "context.png", dpi=120)
+    plt.close(fig)
+    return text
+
+
+def read_chosen(path: Path) -> dict[str, int]:
+    """The chosen budget per engine model from a context.json (or the folder holding one)."""
+    path = path / CONTEXT_FILE if path.is_dir() else path
+    try:
+        return {m: int(b) for m, b in json.loads(path.read_text())["chosen"].items()}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise RunError(f"{path}: not a context curve (python -m evals context RUN... --out DIR): {e}") from None
