@@ -1,0 +1,234 @@
+"""Sluice's engine on a CUDA GPU, against transformers on the same GPU and weights.
+
+    decode     tokens/s at batch 1, 16 and 64 for each model in bf16, int8 and int4, and the
+               fraction of the weight-read roofline (weights read once per step, at the
+               device-to-device copy bandwidth measured in the same run)
+    overhead   the engine's decode step (scheduling, index tensors, replay, sampling, output)
+               against the CUDA-graph replay of the same model step alone (target <= 1.15x)
+    ttft       a 1,500-token prompt whose prefix is cached against the same prompt cold
+    baseline   transformers' generate with a static KV cache (its best recipe), bf16
+
+Real weights when the model store has them cached, else random weights with the real shapes
+(said in the output; speed does not depend on the values). Prints a table and writes
+benchmarks/results/gpu_bench-<device>.json, merging models measured in earlier runs.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+from common import RESULTS, machine
+from rich.console import Console
+from rich.table import Table
+
+from engine.config import EngineConfig, ModelEntry
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from engine.worker import weight_bytes
+from models.store import DEFAULT_MODELS, cache_dir, resolve
+
+console = Console()
+# The shapes of the served models (their config.json as the store converts them), for random weights.
+SHAPES = {
+    "qwen2.5-coder-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                               num_attention_heads=14, num_key_value_heads=2),
+    "qwen2.5-coder-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                               num_attention_heads=12, num_key_value_heads=2),
+}
+VOCAB = 151936
+
+
+def copy_bandwidth_gbs() -> float:
+    """Device-to-device copy of 1 GiB, bytes read plus written, best of ten."""
+    x = torch.empty(2**29, dtype=torch.int16, device="cuda")
+    y = torch.empty_like(x)
+    y.copy_(x)
+    best = float("inf")
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        y.copy_(x)
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return 2 * x.numel() * x.element_size() / best / 1e9
+
+
+def model_folder(name: str, scratch: Path) -> tuple[Path, str]:
+    """The store's folder when its weights are cached here, else random bf16 weights with the
+    real shapes and a word-level tokenizer over the same vocabulary size."""
+    if (cache_dir() / "models" / name / ".sluice-complete").is_file():
+        return resolve(name, progress=False), "real"
+    folder = scratch / name
+    if not (folder / "model.safetensors").is_file():
+        import transformers
+        from tokenizers import Tokenizer, models, pre_tokenizers
+        cfg = transformers.Qwen2Config(vocab_size=VOCAB, max_position_embeddings=32768, rope_theta=1e6,
+                                       tie_word_embeddings=False, eos_token_id=VOCAB - 1, **SHAPES[name])
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+        model.save_pretrained(folder)
+        del model
+        tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB - 1)} | {"<eos>": VOCAB - 1}, unk_token="t0"))
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        tok.save(str(folder / "tokenizer.json"))
+        (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
+    return folder, "random"
+
+
+def free_cuda() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(1000, 30000) for _ in range(n)]
+
+
+def engine_decode(engine: LLMEngine, batch: int, tokens: int) -> dict:
+    """Steady-state decode of `batch` requests (all prefilled first), then the replay alone of
+    the captured graph the steps used."""
+    rng = random.Random(batch)
+    for _ in range(batch):
+        engine.add_request(ids(rng, 32), SamplingParams(max_tokens=tokens, ignore_eos=True))
+    started: set[str] = set()
+    while len(started) < batch:
+        started |= {o.request_id for o in engine.step() if o.new_token_ids}
+    n, steps, start = 0, 0, time.perf_counter()
+    while engine.has_work():
+        n += sum(len(o.new_token_ids) for o in engine.step())
+        steps += 1
+    elapsed = time.perf_counter() - start
+    out = {"tok_s": n / elapsed, "step_ms": 1e3 * elapsed / steps}
+    graphs = engine.worker("m").runner.graphs
+    if graphs is not None:
+        graph = graphs.graphs[next(b for b in graphs.buckets if b >= batch)]
+        graph.replay()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(50):
+            graph.replay()
+        torch.cuda.synchronize()
+        out["replay_ms"] = 1e3 * (time.perf_counter() - start) / 50
+        out["engine_over_replay"] = out["step_ms"] / out["replay_ms"]
+    return out
+
+
+def ttft(engine: LLMEngine) -> dict:
+    """A 1,500-token shared prefix: cached (same salt as the request that filled it) against
+    cold (a new salt each time, so nothing is shared)."""
+    rng = random.Random(7)
+    prefix, p = ids(rng, 1500), SamplingParams(max_tokens=1)
+    engine.generate([prefix + ids(rng, 24)], p, salt=b"warm")
+    warm = [engine.generate([prefix + ids(rng, 24)], p, salt=b"warm")[0] for _ in range(3)]
+    cold = [engine.generate([prefix + ids(rng, 24)], p, salt=f"cold{i}".encode())[0] for i in range(3)]
+    assert all(c.num_cached_tokens >= 1488 for c in warm), "prefix cache missed"
+    return {"cached_s": sorted(c.ttft for c in warm)[1], "cold_s": sorted(c.ttft for c in cold)[1]}
+
+
+def hf_decode(folder: Path, batches: list[int], tokens: int) -> dict:
+    """transformers' generate with a static KV cache (which compiles its decoding step), bf16."""
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda().eval()
+    out = {}
+    for batch in batches:
+        prompt = torch.tensor([ids(random.Random(batch), 32) for _ in range(batch)], device="cuda")
+
+        def gen(n: int) -> float:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, cache_implementation="static", pad_token_id=0)
+            torch.cuda.synchronize()
+            return time.perf_counter() - start
+        gen(tokens)                         # compiles
+        first, total = gen(1), gen(tokens)
+        out[batch] = {"tok_s": batch * (tokens - 1) / (total - first)}
+        console.print(f"  transformers static cache, batch {batch}: {out[batch]['tok_s']:.0f} tok/s")
+    del model
+    free_cuda()
+    return out
+
+
+def run_model(name: str, args, bw: float) -> dict:
+    folder, weights = model_folder(name, args.scratch)
+    console.print(f"[bold]{name}[/]: {weights} weights ({folder})")
+    result = {"weights": weights, "quants": {}}
+    for quant in args.quants:
+        t0 = time.perf_counter()
+        engine = LLMEngine(EngineConfig(models={"m": ModelEntry(str(folder), quant=quant)}, device="cuda",
+                                        max_num_seqs=max(args.batches), max_num_batched_tokens=2048,
+                                        gpu_memory_utilization=args.gpu_memory_utilization,
+                                        cuda_graphs=not args.eager), progress=False)
+        read = weight_bytes(engine.worker("m").model, per_token=True)
+        r = {"load_s": time.perf_counter() - t0, "read_gb_per_step": read / 1e9, "decode": {}}
+        for batch in args.batches:
+            d = engine_decode(engine, batch, args.decode_tokens)
+            # Decode reads the weights once per step, whatever the batch.
+            d["roofline_fraction"] = (read / (bw * 1e9)) / (d["step_ms"] / 1e3)
+            r["decode"][batch] = d
+            console.print(f"  {quant} batch {batch}: {d['tok_s']:.0f} tok/s, step {d['step_ms']:.2f} ms"
+                          + (f" (replay {d['replay_ms']:.2f} ms)" if "replay_ms" in d else "")
+                          + f", {d['roofline_fraction']:.0%} of the weight-read roofline")
+        r["ttft"] = ttft(engine)
+        console.print(f"  {quant} TTFT cached {r['ttft']['cached_s'] * 1e3:.1f} ms / cold {r['ttft']['cold_s'] * 1e3:.1f} ms")
+        result["quants"][quant] = r
+        del engine
+        free_cuda()
+    if args.hf_batches:
+        result["transformers_static"] = hf_decode(folder, args.hf_batches, args.decode_tokens)
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=list(SHAPES), choices=[m for m in DEFAULT_MODELS if m in SHAPES])
+    ap.add_argument("--quants", nargs="+", default=["none", "int8", "int4"], choices=["none", "int8", "int4"])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64])
+    ap.add_argument("--hf-batches", nargs="*", type=int, default=[1, 16], help="none: skip transformers")
+    ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="leaves room for transformers")
+    ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--scratch", type=Path, default=Path("/tmp/sluice-gpu-bench"), help="random-weight folders")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit(f"gpu_bench needs a CUDA GPU, and torch {torch.__version__} sees none here; "
+                 "the CPU figures come from engine_bench.py and quant_bench.py")
+    device = torch.cuda.get_device_name()
+    out = RESULTS / f"gpu_bench-{re.sub(r'[^a-z0-9]+', '-', device.lower()).strip('-')}.json"
+    bw = copy_bandwidth_gbs()
+    console.print(f"{device}: device-to-device copy {bw:.0f} GB/s (read + written)")
+    results = json.loads(out.read_text()) if out.exists() else {"models": {}}
+    results |= {"machine": machine() | {"device": device, "torch": torch.__version__, "copy_bandwidth_gbs": bw}}
+    for name in args.models:
+        results["models"][name] = run_model(name, args, bw)
+    table = Table(title=f"Sluice on {device} (copy bandwidth {bw:.0f} GB/s)")
+    for col in ("model", "weights", "batch", "tok/s", "roofline", "step / replay", "transformers static", "TTFT cached / cold"):
+        table.add_column(col)
+    for name, r in results["models"].items():
+        hf = r.get("transformers_static", {})
+        for quant, q in r["quants"].items():
+            for batch, d in q["decode"].items():
+                base = hf.get(batch) or hf.get(str(batch))
+                table.add_row(name, f"{quant} ({r['weights']})", str(batch), f"{d['tok_s']:.0f}",
+                              f"{d['roofline_fraction']:.0%}",
+                              f"{d['engine_over_replay']:.2f}x" if "engine_over_replay" in d else "eager",
+                              f"{base['tok_s']:.0f} ({d['tok_s'] / base['tok_s']:.1f}x)" if base and quant == "none"
+                              else "",
+                              f"{q['ttft']['cached_s'] * 1e3:.0f} / {q['ttft']['cold_s'] * 1e3:.0f} ms")
+    console.print(table)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    console.print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
