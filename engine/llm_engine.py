@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+import kernels
+
 from engine.config import EngineConfig
 from engine.detokenizer import Detokenizer
 from engine.sampling_params import SamplingParams
@@ -218,7 +220,9 @@ class LLMEngine:
         out = {name: {"running": len(w.scheduler.running), "waiting": len(w.scheduler.waiting),
                       "kv_blocks_total": len(w.block_manager.blocks), "kv_blocks_free": w.block_manager.num_free,
                       "prefix_cache_queries": w.block_manager.queries, "prefix_cache_hits": w.block_manager.hits,
-                      "preemptions": w.scheduler.num_preemptions} for name, w in self.workers.items()}
+                      "preemptions": w.scheduler.num_preemptions, "device": str(w.runner.device.device),
+                      "cuda_graph_batch_sizes": w.runner.graphs.buckets if w.runner.graphs else [],
+                      "kernel_fallbacks": sorted(kernels.FALLBACKS)} for name, w in self.workers.items()}
         if self.speculator:
             spec = self.speculator
             out[spec.target.name]["speculation"] = spec.stats.as_dict() | {

@@ -191,7 +191,8 @@ def test_decode_graph_padding_and_static_buffers_equal_eager(folder, emulated_gr
     for a, b in zip(got, eager):
         torch.testing.assert_close(a.logprobs, b.logprobs, rtol=1e-4, atol=1e-4)
     assert emulated_graphs.replays > 0
-    assert engine.stats()["tiny"]["kv_blocks_free"] == 256
+    stats = engine.stats()["tiny"]
+    assert stats["kv_blocks_free"] == 256 and stats["cuda_graph_batch_sizes"] == [1, 2, 4, 8]
 
 
 def test_graphs_stay_off_when_decode_attention_runs_its_reference(folder, emulated_graphs, monkeypatch,  # noqa: F811
@@ -204,4 +205,7 @@ def test_graphs_stay_off_when_decode_attention_runs_its_reference(folder, emulat
         engine = make_engine(folder, max_num_seqs=4)
     assert engine.worker("tiny").runner.graphs is None and emulated_graphs.captured == []
     assert "CUDA graphs off" in caplog.text
+    stats = engine.stats()["tiny"]
+    assert (stats["device"], stats["cuda_graph_batch_sizes"], stats["kernel_fallbacks"]) == \
+        ("cpu", [], ["paged_decode_attention"])
     assert [c.token_ids for c in engine.generate(ps, GREEDY)] == [c.token_ids for c in eager]
