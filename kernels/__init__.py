@@ -35,12 +35,16 @@ def _dispatch(reference: Callable) -> Callable:
     cannot launch is logged once and replaced by the reference, so no request fails for it."""
     name = reference.__name__
 
+    @functools.cache
+    def twin() -> Callable:
+        return getattr(importlib.import_module(reference.__module__ + "_triton"), name)
+
     @functools.wraps(reference)
     def call(*args, **kwargs):
         if name in FALLBACKS or not _use_triton(args[0]):
             return reference(*args, **kwargs)
         try:
-            return getattr(importlib.import_module(reference.__module__ + "_triton"), name)(*args, **kwargs)
+            return twin()(*args, **kwargs)
         except _launch_errors() as e:
             FALLBACKS.add(name)
             log.warning("kernel %s cannot launch on %s (%s); its reference twin runs from now on",
