@@ -110,6 +110,21 @@ def proxy_labels(folder: Path, thresholds: dict[str, float], skip: set[str]) -> 
     return out
 
 
+def provenance(folder: Path) -> dict:
+    """What a router trained on this run folder's labels came from: the run's settings and
+    each model's weights (the store's sha256 of its GGUF, where it is a store model)."""
+    from models.store import DEFAULT_MODELS
+    config = read_config(folder)
+    rows = [msgspec.json.decode(line) for line in (folder / LABELS_FILE).read_bytes().splitlines() if line.strip()]
+    sources = {}
+    for row in rows:
+        sources[row.get("source", "generated")] = sources.get(row.get("source", "generated"), 0) + 1
+    return {"labels": {"folder": str(folder), "by_source": sources},
+            "run": msgspec.to_builtins(config) | {"files": [Path(f).name for f in config.files]},
+            "weights": {m: {"source": s, "gguf_sha256": DEFAULT_MODELS[s].sha256 if s in DEFAULT_MODELS else None}
+                        for m, s in config.models.items()}}
+
+
 def write_labels(folder: Path, thresholds: dict[str, float] | None = None, arm_runs: list[Path] = ()) -> int:
     """(Re)write labels.jsonl from the run folder's log, and with `thresholds` from its proxy
     scores where no answer was generated; `arm_runs`: run folders over the same questions at

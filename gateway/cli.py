@@ -16,7 +16,7 @@ import msgspec
 
 from engine.llm_engine import LLMEngine
 from models.store import StoreError, resolve
-from gateway.config import ConfigError, ServerConfig, load_server_config
+from gateway.config import ConfigError, RouterConfig, ServerConfig, load_server_config
 from gateway.errors import GatewayError
 from gateway.tenants import Tenant, TenantRegistry, check_folder
 
@@ -178,6 +178,9 @@ def cmd_serve(args, config: ServerConfig) -> int:
         # Everything slow happens here, in front of the user, with progress bars: fetching
         # and converting the models on first use, then embedding the docs.
         _tenant(registry, "demo")
+        if config.router is None:          # mode=auto through the checked-in trained router
+            from router.model import TRAINED_ROUTER
+            config = msgspec.structs.replace(config, router=RouterConfig(str(TRAINED_ROUTER)))
         engine = LLMEngine(config.engine)
         embedder = _embedder()
         store = CollectionStore(data / "collections", embedder)
@@ -220,16 +223,19 @@ def cmd_eval(args, config: ServerConfig) -> int:
 
 
 def cmd_train_router(args, config: ServerConfig) -> int:
+    from evals.contexts import read_chosen
+    from evals.labels import provenance
     from retrieval import Embedder
     from router.model import ROUTER_FILE, train
     run = Path(args.folder)
-    budgets = None
-    if args.context_curve:
-        from evals.contexts import read_chosen
-        budgets = read_chosen(Path(args.context_curve))
+    folder = run if run.is_dir() else run.parent
+    budgets = read_chosen(Path(args.context_curve)) if args.context_curve else None
     model, report = train(run, Embedder(device="cpu"), context_budgets=budgets)
-    out = Path(args.out) if args.out else (run if run.is_dir() else run.parent) / ROUTER_FILE
-    model.save(out)
+    out = Path(args.out) if args.out else folder / ROUTER_FILE
+    command = " ".join(["sluice train-router", args.folder, *(["--context-curve", args.context_curve] if budgets else []),
+                        *(["--out", args.out] if args.out else [])])
+    about = provenance(folder) if (folder / "run.json").exists() else {}
+    model.save(out, {"command": command, **about, "context_budgets": budgets, "report": report.as_dict()})
     print(json.dumps(report.as_dict(), indent=2))
     print(f"router: {out}", file=sys.stderr)
     return 0

@@ -3,6 +3,7 @@ confidence model in one joblib file, stamped with FEATURE_VERSION so a router tr
 with a clear error instead of routing on garbage."""
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -17,6 +18,9 @@ from router.data import RouterError, read_labels
 from router.features import FEATURE_VERSION
 
 ROUTER_FILE = "router.joblib"
+# The router a fresh checkout serves (`make router` rebuilds it), with its sidecar router.json:
+# how it was made, from which labels and model weights, and its training report.
+TRAINED_ROUTER = Path(__file__).resolve().parent / "trained" / ROUTER_FILE
 
 
 @dataclass
@@ -28,11 +32,18 @@ class RouterModel:
     feature_version: int = FEATURE_VERSION
     trained_on: frozenset[str] = field(default_factory=frozenset)   # question ids: evals keep them out
 
-    def save(self, path: str | Path) -> None:
+    def save(self, path: str | Path, about: dict | None = None) -> None:
+        """`about`: what made it (command, labels, weights, report), saved beside it as JSON."""
+        path = Path(path)
         joblib.dump({"feature_version": self.feature_version, "sklearn": sklearn.__version__,
                      "classifier": self.classifier, "confidence": self.confidence, "early": self.early,
                      "arms": self.arms,
-                     "trained_on": sorted(self.trained_on)}, path)
+                     "trained_on": sorted(self.trained_on)}, path, compress=3)
+        if about is not None:
+            side = {"feature_version": self.feature_version, "sklearn": sklearn.__version__,
+                    "bytes": path.stat().st_size, "arms": [asdict(a) for a in self.arms.arms] if self.arms else None,
+                    **about}
+            path.with_suffix(".json").write_text(json.dumps(side, indent=2, default=str) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> RouterModel:

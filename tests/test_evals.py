@@ -519,6 +519,7 @@ def test_context_curve_chooses_each_models_budget(tmp_path):
 
 
 def test_labels_carry_arms_from_runs_at_other_thinking_budgets(tmp_path):
+    from evals.labels import provenance
     from router.data import read_labels
     scores = {("small", 0): [1, 0], ("large", 0): [1, 0], ("small", 256): [1, 1], ("large", 256): [0, 1]}
     base, think = _fake_runs(tmp_path, "thinking_budget", scores)
@@ -527,6 +528,9 @@ def test_labels_carry_arms_from_runs_at_other_thinking_budgets(tmp_path):
     assert {a: o.correct for a, o in labels["q1"].arms.items()} == {
         "small": False, "large": False, "small+think256": True, "large+think256": True}
     assert (labels["q0"].arms["large+think256"].correct, labels["q0"].arms["large"].output) == (False, 5)
+    made = provenance(base)
+    assert made["labels"]["by_source"] == {"generated": 2} and made["run"]["thinking_budget"] == 0
+    assert made["weights"]["small"] == {"source": "tiny-1", "gguf_sha256": None}
 
 
 def test_proxy_scores_the_reference_as_transformers_does_and_labels_from_it(tmp_path, data, engine, embedder,

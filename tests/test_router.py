@@ -158,9 +158,17 @@ def test_cli_train_router(trained, tmp_path, monkeypatch, capsys):
     import retrieval
     path, _, _ = trained
     monkeypatch.setattr(retrieval, "Embedder", lambda device=None: HashEmbedder())
-    assert cli.main(["train-router", str(path), "--out", str(tmp_path / "r.joblib")]) == 0
+    (tmp_path / "context.json").write_text(json.dumps({"chosen": {"small": 512, "large": 2048}}))
+    assert cli.main(["train-router", str(path), "--out", str(tmp_path / "r.joblib"),
+                     "--context-curve", str(tmp_path / "context.json")]) == 0
     assert json.loads(capsys.readouterr().out)["classifier"]["n_test"] > 0
-    assert RouterModel.load(tmp_path / "r.joblib")
+    model = RouterModel.load(tmp_path / "r.joblib")
+    assert {a.name: a.context_budget for a in model.arms.arms} == {"small": 512, "large": 2048, "large+think256": 2048}
+    # The sidecar: how to make it again, and what it holds.
+    side = json.loads((tmp_path / "r.json").read_text())
+    assert side["command"] == f"sluice train-router {path} --context-curve {tmp_path / 'context.json'} --out {tmp_path / 'r.joblib'}"
+    assert side["bytes"] == (tmp_path / "r.joblib").stat().st_size and side["context_budgets"]["small"] == 512
+    assert side["report"]["arms"]["left_out"] and [a["name"] for a in side["arms"]][0] == "small"
     assert cli.main(["train-router", str(tmp_path / "nothing")]) == 2
 
 
