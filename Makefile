@@ -10,7 +10,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[dev,triton,ray]'
 	touch $@
 
-.PHONY: run test test-slow test-ray services bench router eval-report thinking-table
+.PHONY: run test test-slow test-ray services bench router context-curve eval-report thinking-table
 run: $(VENV)/.installed
 	$(VENV)/bin/sluice serve --demo
 
@@ -39,20 +39,42 @@ test-ray: $(VENV)/.installed services
 bench: $(VENV)/.installed
 	$(PY) benchmarks/engine_bench.py
 
-# The router for the default models and the checked-in eval report (docs/eval-report/):
-# labels from the train half of SQuAD + GSM8K, then both models on 300 questions of the test
-# half. About an hour on 2 cores; `make eval-report` does both.
+# The router a fresh checkout serves (router/trained/router.joblib, committed with its sidecar
+# router.json: the commands, labels, weights and training report). SQuAD questions of the train
+# half at the eval's settings: both models' answers generated for the first $(ROUTER_GEN) (the
+# confidence model, and the proxy's thresholds with their agreement), every question labelled by
+# the proxy (the reference's log-probability, one prefill per model; PROXY_LIMIT=N stops after
+# N, a later run goes on); each arm gets its model's budget from the context curve. Hours on
+# 2 cores: generating costs about a minute a question, the proxy seconds.
 EVALS := .cache/evals
+SLUICE := $(VENV)/bin/sluice
 EVAL_SET := mixed --mix 2:1 --quant int8 --context-budget 512
+ROUTER_N ?= 1000
+ROUTER_GEN ?= 100
+ROUTER_RUN := $(EVALS)/train-squad
+ROUTER := router/trained/router.joblib
+CONTEXT_CURVE := docs/context-budget/context.json
 router: $(VENV)/.installed
-	$(VENV)/bin/sluice eval run $(EVAL_SET) -n 210 --split train --out $(EVALS)/train-mixed
-	$(VENV)/bin/sluice train-router $(EVALS)/train-mixed
+	$(SLUICE) eval run squad -n $(ROUTER_N) --split train --quant int8 --context-budget 512 --modes small large \
+		--limit $(ROUTER_GEN) --out $(ROUTER_RUN)
+	$(SLUICE) eval proxy $(ROUTER_RUN) $(if $(PROXY_LIMIT),--limit $(PROXY_LIMIT))
+	$(SLUICE) eval labels $(ROUTER_RUN) --proxy $(ROUTER_RUN)
+	$(SLUICE) train-router $(ROUTER_RUN) $(if $(wildcard $(CONTEXT_CURVE)),--context-curve $(CONTEXT_CURVE)) --out $(ROUTER)
 
-eval-report: router
-	$(VENV)/bin/sluice eval run $(EVAL_SET) -n 300 --split test --router $(EVALS)/train-mixed/router.joblib \
-		--out $(EVALS)/report-mixed-test
+# Quality by context budget per model (docs/context-budget/): 40 SQuAD questions of the train
+# half at 256 to 2,048 prompt tokens; the chosen budgets go to the router's arms.
+CONTEXT_RUNS := $(foreach b,256 512 1024 2048,$(EVALS)/context-$(b))
+context-curve: $(VENV)/.installed
+	for b in 256 512 1024 2048; do $(SLUICE) eval run squad -n 40 --split train --quant int8 \
+		--context-budget $$b --out $(EVALS)/context-$$b || exit 1; done
+	$(SLUICE) eval context $(CONTEXT_RUNS) --out docs/context-budget
+
+# The checked-in eval report (docs/eval-report/): both models on 300 questions of the test
+# half, and the trained router's modes run for real.
+eval-report: $(VENV)/.installed
+	$(SLUICE) eval run $(EVAL_SET) -n 300 --split test --router $(ROUTER) --out $(EVALS)/report-mixed-test
 	# The cascade for real at the threshold the curves chose (95% of large-only quality).
-	$(VENV)/bin/sluice eval run $(EVAL_SET) -n 300 --split test --router $(EVALS)/train-mixed/router.joblib \
+	$(SLUICE) eval run $(EVAL_SET) -n 300 --split test --router $(ROUTER) \
 		--modes routed+cascade --threshold 0.41 --out $(EVALS)/report-mixed-test
 	mkdir -p docs/eval-report
 	cd $(EVALS)/report-mixed-test && cp report.md summary.json quality_cost.png latency.png $(CURDIR)/docs/eval-report/
@@ -64,4 +86,4 @@ thinking-table: eval-report
 	for b in 64 256 1024; do $(VENV)/bin/sluice eval run gsm8k -n 100 --split test --quant int8 \
 		--thinking-budget $$b --concurrency 16 --out $(EVALS)/gsm8k-test-think$$b || exit 1; done
 	$(VENV)/bin/sluice eval budgets $(EVALS)/report-mixed-test $(THINK_RUNS) --out docs/thinking-budgets \
-		--router $(EVALS)/train-mixed/router.joblib
+		--router $(ROUTER)
