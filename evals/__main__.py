@@ -6,6 +6,7 @@ regenerate a run's report or router labels.
     python -m evals labels RUN_FOLDER
     python -m evals budgets RUN_FOLDER... --out DIR
     python -m evals context RUN_FOLDER... --out DIR
+    python -m evals heldout RUN_FOLDER --router FILE
 
 A run writes into its folder as it goes; the same command again resumes it. Exit codes:
 0 done, 2 bad arguments or files (the message says which), 130 interrupted.
@@ -13,6 +14,7 @@ A run writes into its folder as it goes; the same command again resumes it. Exit
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -24,6 +26,7 @@ from engine.llm_engine import LLMEngine
 from models.store import StoreError
 from evals.budgets import write_budget_table
 from evals.contexts import write_context_curve
+from evals.heldout import HELDOUT_FILE, write_heldout
 from evals.datasets import DATASETS, SPLITS, DatasetError, files_for, parse_mix
 from evals.labels import LABELS_FILE, write_labels
 from evals.proxy import PROXY_FILE, PROXY_REPORT, agreement, read_thresholds, score_run
@@ -148,6 +151,13 @@ def build_parser(prog: str = "python -m evals") -> argparse.ArgumentParser:
     p.add_argument("--kind", default="squad", help="the kind of question to tabulate (default: %(default)s)")
     p.add_argument("--out", required=True, metavar="DIR", help="where context.md, .json and .png go")
     p.set_defaults(run=cmd_context)
+
+    p = sub.add_parser("heldout", help="a trained router's arms on a run's labels it was not trained on: APGR, and "
+                                       "quality and expected cost per arm margin (heldout.json)")
+    p.add_argument("folder", metavar="RUN", help="a run folder with labels.jsonl (e.g. the test split's, labelled "
+                                                 "with `labels RUN --proxy TRAIN_RUN`)")
+    p.add_argument("--router", required=True, metavar="FILE")
+    p.set_defaults(run=cmd_heldout)
     return parser
 
 
@@ -256,6 +266,14 @@ def cmd_budgets(args) -> int:
 
 def cmd_context(args) -> int:
     print(write_context_curve([Path(f) for f in args.folders], Path(args.out), args.kind))
+    return 0
+
+
+def cmd_heldout(args) -> int:
+    folder = Path(args.folder)
+    report = write_heldout(folder, RouterModel.load(args.router), Embedder())
+    print(json.dumps(report, indent=2))
+    print(f"{folder / HELDOUT_FILE}", file=sys.stderr)
     return 0
 
 

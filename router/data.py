@@ -39,6 +39,7 @@ class Label(msgspec.Struct):
     large_correct: bool | None = None
     early: dict[str, Confidence] = {}   # of the small answer's first k tokens, by k, where it had more
     arms: dict[str, ArmOutcome] = {}    # by arm name (router.arms): every arm the label's runs answered with
+    source: str = "generated"           # or "proxy": no answer generated
 
     @property
     def difficulty(self) -> str | None:

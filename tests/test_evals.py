@@ -588,3 +588,28 @@ def test_proxy_scores_the_reference_as_transformers_does_and_labels_from_it(tmp_
         assert r["small_correct"] == (by_score[qid, "small"] >= thresholds["small"])
         assert r["large_correct"] == (by_score[qid, "large"] >= thresholds["large"])
         assert r["confidence"] is None and r["retrieval_scores"]
+
+
+def test_heldout_scores_the_routers_arms_on_labels_it_never_saw(tmp_path):
+    from evals.heldout import write_heldout
+    from router.model import train
+    from tests.test_router import HashEmbedder, write_labels as router_labels
+    router, _ = train(router_labels(tmp_path / "train.jsonl"), HashEmbedder())
+    folder = tmp_path / "test"
+    open_run(folder, config_for("squad", [tmp_path / "squad.json"]))
+    rows = [json.loads(line) for line in router_labels(tmp_path / "t.jsonl", n=30, seed=1).read_text().splitlines()]
+    seen = rows[0] | {"id": "q0"}                  # a question the router trained on: left out
+    (folder / "labels.jsonl").write_text("".join(json.dumps(r | {"id": f"t{i}"}) + "\n" for i, r in enumerate(rows))
+                                         + json.dumps(seen) + "\n")
+    report = write_heldout(folder, router, HashEmbedder())
+    assert json.loads((folder / "heldout.json").read_text()) == report
+    assert (report["questions"], report["left_out_as_trained_on"], report["sources"]) == (30, 1, {"generated": 30})
+    # The arms' predictions separate easy (small right) from medium questions as the labels do.
+    assert report["small_vs_large"]["router"]["apgr"] == pytest.approx(report["small_vs_large"]["oracle"]["apgr"])
+    assert (report["arms"]["small"]["quality"], report["arms"]["large"]["quality"]) == (0.3333, 0.6667)
+    best, near = report["policies"]["0.0"], report["policies"]["0.05"]
+    # Margin 0 buys the best predicted arm; within 0.05 of it, the cheapest arm that answers it:
+    # small for easy questions, large for medium, thinking for hard, all right.
+    assert best["quality"] == near["quality"] == 1.0
+    assert near["arms"] == {"small": 10, "large": 10, "large+think256": 10}
+    assert near["cost_vs_large"] < best["cost_vs_large"]
