@@ -93,3 +93,20 @@ def test_disabled_prefix_caching_never_hits():
     b = seq(range(13))
     bm.allocate(b)
     assert b.num_cached_tokens == 0 and bm.queries == 0
+
+
+def test_cached_tokens_are_counted_without_allocating_and_a_reset_forgets_them():
+    bm = BlockManager(16, 4)
+    a, held = seq(range(10)), seq(range(100, 110))
+    for s in (a, held):
+        bm.allocate(s)
+        computed(bm, s)
+    bm.free_seq(a)
+    queries = bm.queries
+    assert bm.num_cached_tokens(list(range(10)), b"") == 8          # two full blocks of a's prompt
+    assert bm.num_cached_tokens(list(range(10)), b"tenant") == 0    # another salt sees nothing
+    assert bm.queries == queries                                      # a question, not a lookup
+    bm.reset_cache()
+    assert bm.num_cached_tokens(list(range(10)), b"") == 0
+    # Blocks a running sequence holds keep their place in the cache.
+    assert bm.num_cached_tokens(list(range(100, 110)), b"") == 8
