@@ -31,6 +31,33 @@ def row(i: int, tenant: str = "alpha", cost: float = 0.5, request_id: str | None
 
 
 @pytest.mark.anyio
+async def test_ledger_keeps_the_arm_and_adds_its_column_to_an_older_ledger(ledger_at, tmp_path):
+    import dataclasses
+    import sqlite3
+    from gateway.ledger import SCHEMA
+    ledger = Ledger(ledger_at)
+    await ledger.record(dataclasses.replace(row(1), arm="large+think256"))
+    await ledger.record(row(2))
+    assert [r.arm for r in ledger.rows()] == ["large+think256", None]
+    ledger.close()
+    # A SQLite ledger written before arms existed: opened, it gains the column; old rows read NULL.
+    old = tmp_path / "old.sqlite"
+    db = sqlite3.connect(old)
+    db.executescript(SCHEMA.replace(",\n    arm TEXT)", ")"))
+    db.execute("INSERT INTO requests(request_id, ts, month, tenant, endpoint, status, model, models, prompt_tokens, "
+               "cached_tokens, completion_tokens, thinking_tokens, cost, retrieval_ms, queue_ms, total_ms, "
+               "route_reason, escalated) VALUES ('req_old', 1, '2025-06', 'alpha', 'ask', 'ok', 'small', 'small', "
+               "1, 0, 1, 0, 0.1, 0, 0, 1, 'r', 0)")
+    db.commit()
+    assert "arm" not in {c[1] for c in db.execute("PRAGMA table_info(requests)")}
+    db.close()
+    ledger = Ledger(old)
+    await ledger.record(dataclasses.replace(row(3), arm="small"))
+    assert [(r.request_id, r.arm) for r in ledger.rows()] == [("req_old", None), ("req_3", "small")]
+    ledger.close()
+
+
+@pytest.mark.anyio
 async def test_ledger_commits_every_concurrent_row_and_keeps_the_monthly_spend(ledger_at):
     ledger = Ledger(ledger_at)
     await asyncio.gather(*(ledger.record(row(i, "alpha" if i % 3 else "beta")) for i in range(300)))
