@@ -44,6 +44,7 @@ class Device:
                                  f"(torch {torch.__version__})")
             # An explicit index: generators and tensors report one, and compare equal to it.
             device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+            torch.cuda.set_device(device)       # Triton launches and graph capture use the current device
         dtype = getattr(torch, config.dtype) if config.dtype != "auto" else (
             torch.bfloat16 if device.type == "cuda" else torch.float32)
         kv = config.kv_cache_dtype

@@ -38,9 +38,12 @@ def test_auto_resolves_to_the_cpu_in_float32_without_cuda(monkeypatch):
 def test_auto_resolves_to_cuda_in_bfloat16_with_graphs(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    made_current = []
+    monkeypatch.setattr(torch.cuda, "set_device", made_current.append)
     assert Device.resolve(config()) == Device(torch.device("cuda", 0), torch.bfloat16, cuda_graphs=True)
     assert Device.resolve(config(device="cuda:1", cuda_graphs=False)) == \
         Device(torch.device("cuda", 1), torch.bfloat16, cuda_graphs=False)
+    assert made_current == [torch.device("cuda", 0), torch.device("cuda", 1)]
     assert Device.resolve(config(dtype="float32", kv_cache_dtype="int8")).dtype == torch.float32
     with pytest.raises(ValueError, match="differs from the compute dtype"):
         Device.resolve(config(kv_cache_dtype="float32"))     # float32 KV under bf16 compute
