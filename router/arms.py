@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass, field, replace
 
 import numpy as np
+from scipy.special import expit
 from sklearn.model_selection import train_test_split
 
 from router.calibration import fit_calibrated
@@ -61,22 +62,35 @@ class ArmReport:
 @dataclass
 class ArmModel:
     """P(correct) per arm from one question's features: one calibrated classifier per arm,
-    all on the same feature vector, so one embedding and one feature row serve every arm."""
+    all on the same feature vector, so one embedding and one feature row serve every arm.
+
+    Each classifier is scaling, logistic regression and a sigmoid calibration: all linear up to
+    the last step, so serving folds them into one matrix (`_fold`) and scores every arm with one
+    matrix-vector product, a few microseconds, where sklearn's predict_proba costs about a
+    millisecond per arm. Tested equal to predict_proba."""
     arms: tuple[Arm, ...]
     models: dict[str, object]                      # arm name -> fitted CalibratedClassifierCV
     tokens: dict[str, tuple[float, float]]         # arm name -> mean (prompt, output) tokens in its labels
     embed_dim: int
     with_embedding: bool
+    folded: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None   # weights, bias, a, b per arm
+
+    def __post_init__(self) -> None:
+        if self.folded is None:
+            self.folded = _fold([self.models[a.name] for a in self.arms])
 
     def predict(self, question: str, embedding: np.ndarray, scores: list[float]) -> dict[str, float]:
         if np.asarray(embedding).size != self.embed_dim:
             raise RouterError(f"the question embedding has {np.asarray(embedding).size} dimensions; this "
                               f"router was trained on {self.embed_dim}")
-        row = feature_vector(question, embedding, scores, self.with_embedding)[None]
-        return {a.name: _p_true(self.models[a.name], row)[0] for a in self.arms}
+        p = self.predict_rows(feature_vector(question, embedding, scores, self.with_embedding)[None])
+        return {name: float(v[0]) for name, v in p.items()}
 
     def predict_rows(self, rows: np.ndarray) -> dict[str, np.ndarray]:
-        return {a.name: _p_true(self.models[a.name], rows) for a in self.arms}
+        w, c, a, b = self.folded
+        f = np.asarray(rows, np.float64) @ w.T + c
+        p = expit(-(a * f + b))                        # sklearn's sigmoid calibration
+        return {arm.name: p[:, i] for i, arm in enumerate(self.arms)}
 
     def with_budgets(self, budgets: dict[str, int]) -> ArmModel:
         """The same model with context budgets per engine model (from the context-budget curve)."""
@@ -86,6 +100,24 @@ class ArmModel:
 
 def _p_true(model, rows: np.ndarray) -> np.ndarray:
     return model.predict_proba(rows)[:, list(model.classes_).index(True)]
+
+
+def _fold(models: list) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per model (fit_calibrated's: one calibrated StandardScaler + LogisticRegression on
+    classes [False, True]): the weights and bias of its decision function on raw features,
+    and its calibration's a and b."""
+    w, c, a, b = [], [], [], []
+    for model in models:
+        (calibrated,) = model.calibrated_classifiers_
+        scaler, lr = calibrated.estimator[0], calibrated.estimator[-1]
+        if list(model.classes_) != [False, True] or len(calibrated.calibrators) != 1:
+            raise RouterError("an arm's classifier is not a binary calibrated model")
+        weights = lr.coef_[0] / scaler.scale_
+        w.append(weights)
+        c.append(lr.intercept_[0] - scaler.mean_ @ weights)
+        a.append(calibrated.calibrators[0].a_)
+        b.append(calibrated.calibrators[0].b_)
+    return np.array(w), np.array(c), np.array(a), np.array(b)
 
 
 def train_arms(labels: list[Label], embeddings: np.ndarray, seed: int = 0,

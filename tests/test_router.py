@@ -228,6 +228,10 @@ def test_arms_predict_per_arm_correctness_and_leave_out_what_cannot_be_learnt(tr
         for name, right in ARMS_RIGHT.items():
             if name in p:
                 assert (p[name] > 0.5) == right[kind], (question, name, p)
+    # Serving's folded linear form is sklearn's predict_proba, for every arm at once.
+    rows = np.random.default_rng(0).standard_normal((20, arms.folded[0].shape[1])).astype(np.float32)
+    for name, p in arms.predict_rows(rows).items():
+        np.testing.assert_allclose(p, arms.models[name].predict_proba(rows)[:, 1], atol=1e-6)   # sklearn: float32
     budgets = arms.with_budgets({"small": 512})
     assert [a.context_budget for a in budgets.arms] == [512, None, None]
 
