@@ -142,6 +142,20 @@ def test_confidence_calibrated_and_default_rule(trained):
     assert default([]).value == 0.0
 
 
+def test_the_checked_in_router_loads_and_says_what_made_it():
+    """What `sluice serve --demo` serves mode=auto with: it loads with today's features, has
+    arms over the engine's models, and its sidecar matches the file (`make router` remakes both)."""
+    from router.model import TRAINED_ROUTER
+    model = RouterModel.load(TRAINED_ROUTER)
+    side = json.loads(TRAINED_ROUTER.with_suffix(".json").read_text())
+    assert side["bytes"] == TRAINED_ROUTER.stat().st_size < 200_000
+    assert side["feature_version"] == model.feature_version == FEATURE_VERSION
+    assert [a.name for a in model.arms.arms] == [a["name"] for a in side["arms"]] and {"small", "large"} <= {
+        a.model for a in model.arms.arms}
+    assert side["command"].startswith("sluice train-router ") and set(side["weights"]) == {"small", "large"}
+    assert sum(side["labels"]["by_source"].values()) == len(model.trained_on)
+
+
 def test_bad_labels_are_refused(tmp_path):
     with pytest.raises(RouterError, match="no labels file"):
         read_labels(tmp_path)
