@@ -12,7 +12,8 @@ from evals.metrics import same_answer
 from evals.records import Record, RecordLog
 from evals.router_metrics import CurvePoint, apgr, cascade_sweep, cost_at_quality, oracle_scores, threshold_sweep
 from evals.runner import MODES, RunConfig
-from router.policy import goes_large
+from router.features import feature_vector
+from router.policy import Policy, goes_large
 
 TOKEN_KINDS = ("prompt", "cached", "output", "thinking")
 TARGET = 0.95     # "cost at 95% of large-only quality"
@@ -85,9 +86,10 @@ class TrainedRouter:
     small: list[Record]
     large: list[Record]
     left_out: int                   # questions of the run that were in its training labels
-    large_need: np.ndarray          # P(the large model is worth it): the classifier's routing score
-    first_large: np.ndarray         # the classifier's route (router.policy.goes_large of its verdict)
+    large_need: np.ndarray          # the routing score: arms' P(large right) - P(small right), else the classifier's P(large worth it)
+    first_large: np.ndarray         # the route: large beyond the default arm margin, else router.policy.goes_large
     confidence: np.ndarray          # the small answer's calibrated confidence
+    by: str = "classifier"          # what routes first: the difficulty classifier, or the arms
 
     def curves(self, cost: str = "cost") -> dict[str, list[CurvePoint]]:
         """Quality-cost curves swept over the router's thresholds: the classifier alone, the
@@ -95,7 +97,7 @@ class TrainedRouter:
         sent to the small model). `cost` is "cost" (dollars) or "engine_s"."""
         qs, ql = [r.score for r in self.small], [r.score for r in self.large]
         cs, cl = [getattr(r, cost) for r in self.small], [getattr(r, cost) for r in self.large]
-        return {"router: classifier": threshold_sweep(self.large_need, qs, ql, cs, cl),
+        return {f"router: {self.by}": threshold_sweep(self.large_need, qs, ql, cs, cl),
                 "router: cascade": cascade_sweep(np.zeros(len(qs), bool), self.confidence, qs, ql, cs, cl),
                 "router: routed+cascade": cascade_sweep(self.first_large, self.confidence, qs, ql, cs, cl)}
 
@@ -116,11 +118,17 @@ def trained_router(log: RecordLog, router, embedder, hard_thinking: int = 0) -> 
     if not keep:
         return None
     small, large = [every[i] for i in keep], [large[i] for i in keep]
+    confidence = np.array([router.confidence([x for c in r.calls for x in c.logprobs]).value for r in small])
+    if router.arms is not None:       # between the run's two arms: large when it beats small by the margin
+        vectors = embedder.encode([r.question for r in small])
+        p = router.arms.predict_rows(np.stack([feature_vector(r.question, v, r.retrieval_scores, router.arms.with_embedding)
+                                               for r, v in zip(small, vectors)]))
+        need = p["large"] - p["small"]
+        return TrainedRouter(small, large, len(every) - len(keep), need, need > Policy.arm_margin, confidence, "arms")
     probs = difficulty_probabilities(router, embedder, small)
     return TrainedRouter(small, large, len(every) - len(keep),
                          np.array([sum(v for d, v in p.items() if goes_large(d, hard_thinking)) for p in probs]),
-                         np.array([goes_large(max(p, key=p.get), hard_thinking) for p in probs]),
-                         np.array([router.confidence([x for c in r.calls for x in c.logprobs]).value for r in small]))
+                         np.array([goes_large(max(p, key=p.get), hard_thinking) for p in probs]), confidence)
 
 
 def _cheapest_at(curve: list[CurvePoint], target: float) -> CurvePoint | None:

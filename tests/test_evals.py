@@ -418,7 +418,8 @@ def test_routed_and_cascade_modes_run_end_to_end(tmp_path, data, engine, embedde
     summary = write_report(folder, router, embedder)
     trained = summary["trained_router"]
     assert (trained["questions"], trained["left_out_as_trained_on"]) == (len(dataset.examples) - 1, 1)
-    assert set(trained["curves"]) == {"router: classifier", "router: cascade", "router: routed+cascade"}
+    # The router has arms: they route first, by P(large right) - P(small right).
+    assert set(trained["curves"]) == {"router: arms", "router: cascade", "router: routed+cascade"}
     assert all(c["apgr"] is None or 0 <= c["apgr"] <= 1.5 for c in trained["curves"].values())
     assert "not trained on" in (folder / "report.md").read_text()
 
