@@ -217,7 +217,7 @@ def test_streamed_ask_is_framed_as_server_sent_events(client, gateway):
     meta, done = msgspec.json.decode(frames[0][1]), msgspec.json.decode(frames[-1][1])
     assert meta["id"] == done["id"] == r.headers["x-request-id"]
     assert meta["route"] == {"model": "small", "route_reason": "router not installed; tenant default",
-                             "difficulty": None, "confidence": None, "escalated": False}
+                             "difficulty": None, "confidence": None, "escalated": False, "arm": None}
     assert meta["citations"] == [] and meta["trimmed"]["budget"] == 400
     text = "".join(msgspec.json.decode(data)["text"] for event, data in frames if event == "token")
     assert text == plain["answer"]                        # greedy: the same answer, streamed
