@@ -17,7 +17,7 @@ from scipy.special import expit
 from sklearn.model_selection import train_test_split
 
 from router.calibration import fit_calibrated
-from router.classifier import _cv_log_loss
+from router.classifier import cv_log_loss
 from router.data import Label, RouterError
 from router.features import feature_vector
 
@@ -142,10 +142,13 @@ def train_arms(labels: list[Label], embeddings: np.ndarray, seed: int = 0,
         return None, ArmReport(0, 0, False, {}, left_out)
     # The embedding's hundreds of dimensions earn their place only if they predict better on
     # the training share (cross-validated, summed over arms), as for the difficulty classifier.
-    loss = {cols: sum(_cv_log_loss(x_all[[i for i in idx if ids[i] not in test]][:, :cols],
-                                   y[[ids[i] not in test for i in idx]], seed) for idx, y, _ in per_arm.values())
-            for cols in (x_all.shape[1], head)}
-    with_embedding = loss[x_all.shape[1]] <= loss[head]
+    def summed_loss(cols: int) -> float:
+        total = 0.0
+        for idx, y, _ in per_arm.values():
+            train = np.array([ids[i] not in test for i in idx])
+            total += cv_log_loss(x_all[np.array(idx)[train]][:, :cols], y[train], seed)
+        return total
+    with_embedding = summed_loss(x_all.shape[1]) <= summed_loss(head)
     x = x_all if with_embedding else x_all[:, :head]
     models, report, tokens = {}, {}, {}
     n_train = n_test = 0

@@ -70,7 +70,7 @@ def train_classifier(labels: list[Label], embeddings: np.ndarray, seed: int = 0,
     # With or without the embedding: whichever predicts better on the training part alone
     # (cross-validated log loss), so the held-out report stays honest about the choice.
     head = x.shape[1] - embeddings.shape[1]
-    losses = {name: _cv_log_loss(x[ia][:, :cols], y[ia], seed) for name, cols in (("with_embedding", x.shape[1]),
+    losses = {name: cv_log_loss(x[ia][:, :cols], y[ia], seed) for name, cols in (("with_embedding", x.shape[1]),
                                                                                    ("without", head))}
     with_embedding = losses["with_embedding"] <= losses["without"]
     if not with_embedding:
@@ -86,7 +86,7 @@ def train_classifier(labels: list[Label], embeddings: np.ndarray, seed: int = 0,
     return DifficultyClassifier(fit_calibrated(x, y), int(embeddings.shape[1]), with_embedding), report
 
 
-def _cv_log_loss(x: np.ndarray, y: np.ndarray, seed: int) -> float:
+def cv_log_loss(x: np.ndarray, y: np.ndarray, seed: int) -> float:
     folds = int(min(3, np.unique(y, return_counts=True)[1].min()))
     if folds < 2:
         return 0.0                 # too few to compare: keep every feature (fit_calibrated will say why)
