@@ -235,7 +235,8 @@ def cmd_train_router(args, config: ServerConfig) -> int:
     command = " ".join(["sluice train-router", args.folder, *(["--context-curve", args.context_curve] if budgets else []),
                         *(["--out", args.out] if args.out else [])])
     about = provenance(folder) if (folder / "run.json").exists() else {}
-    model.save(out, {"command": command, **about, "context_budgets": budgets, "report": report.as_dict()})
+    model.save(out, {"command": command, "rebuild": args.rebuild, **about, "context_budgets": budgets,
+                     "report": report.as_dict()})
     print(json.dumps(report.as_dict(), indent=2))
     print(f"router: {out}", file=sys.stderr)
     return 0
@@ -292,6 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--out", help="where to save the router (default: RUN/router.joblib)")
     train.add_argument("--context-curve", metavar="FILE", help="context.json from `sluice eval context`: each model's "
                                                                "chosen context budget goes to its arms")
+    train.add_argument("--rebuild", metavar="COMMAND", help="the command that makes the labels and this router from "
+                                                            "nothing (e.g. `make router ...`), recorded in its sidecar")
     train.set_defaults(run=cmd_train_router)
 
     # Everything after `eval` is the evals command line (python -m evals), help included.

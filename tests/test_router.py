@@ -152,7 +152,8 @@ def test_the_checked_in_router_loads_and_says_what_made_it():
     assert side["feature_version"] == model.feature_version == FEATURE_VERSION
     assert [a.name for a in model.arms.arms] == [a["name"] for a in side["arms"]] and {"small", "large"} <= {
         a.model for a in model.arms.arms}
-    assert side["command"].startswith("sluice train-router ") and set(side["weights"]) == {"small", "large"}
+    assert side["command"].startswith("sluice train-router ") and side["rebuild"].startswith("make router")
+    assert set(side["weights"]) == {"small", "large"} and all(w["gguf_sha256"] for w in side["weights"].values())
     assert sum(side["labels"]["by_source"].values()) == len(model.trained_on)
 
 
@@ -174,7 +175,7 @@ def test_cli_train_router(trained, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(retrieval, "Embedder", lambda device=None: HashEmbedder())
     (tmp_path / "context.json").write_text(json.dumps({"chosen": {"small": 512, "large": 2048}}))
     assert cli.main(["train-router", str(path), "--out", str(tmp_path / "r.joblib"),
-                     "--context-curve", str(tmp_path / "context.json")]) == 0
+                     "--context-curve", str(tmp_path / "context.json"), "--rebuild", "make router ROUTER_GEN=5"]) == 0
     assert json.loads(capsys.readouterr().out)["classifier"]["n_test"] > 0
     model = RouterModel.load(tmp_path / "r.joblib")
     assert {a.name: a.context_budget for a in model.arms.arms} == {"small": 512, "large": 2048, "large+think256": 2048}
@@ -182,6 +183,7 @@ def test_cli_train_router(trained, tmp_path, monkeypatch, capsys):
     side = json.loads((tmp_path / "r.json").read_text())
     assert side["command"] == f"sluice train-router {path} --context-curve {tmp_path / 'context.json'} --out {tmp_path / 'r.joblib'}"
     assert side["bytes"] == (tmp_path / "r.joblib").stat().st_size and side["context_budgets"]["small"] == 512
+    assert side["rebuild"] == "make router ROUTER_GEN=5"
     assert side["report"]["arms"]["left_out"] and [a["name"] for a in side["arms"]][0] == "small"
     assert cli.main(["train-router", str(tmp_path / "nothing")]) == 2
 
