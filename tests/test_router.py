@@ -367,6 +367,7 @@ def test_a_broken_router_falls_back_to_the_tenant_default(tmp_path, llm, embedde
 def test_a_trained_router_routes_by_difficulty(tmp_path, llm, embedder):
     path = write_labels(tmp_path / "labels.jsonl")
     model, _ = train(path, embedder)
+    model.arms = None             # a router without arms routes by the difficulty classifier
     model.save(tmp_path / "router.joblib")
     client, _ = _client(tmp_path, llm, embedder, threshold=1e-9, router=RouterConfig(str(tmp_path / "router.joblib")),
                         extra="[router]\nclassifier_timeout_ms = 2000\n")
