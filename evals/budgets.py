@@ -157,12 +157,18 @@ def write_budget_table(folders: list[Path], out: Path, kind: str = "gsm8k", rout
         ax.plot([r["thinking_tokens"] for r in mine], [r["em"] for r in mine], "o-", label=mode)
         for r in mine:
             ax.annotate(str(r["budget"]), (r["thinking_tokens"], r["em"]), textcoords="offset points", xytext=(4, -10))
-    ax.set_xlabel("thinking tokens per question (mean)")
-    ax.set_ylabel(f"{kind} exact match")
-    ax.set_title("Exact match by thinking budget (labels: budget)")
+    save_plot(fig, ax, out / "budgets.png", "thinking tokens per question (mean)", f"{kind} exact match",
+              "Exact match by thinking budget (labels: budget)")
+    return text
+
+
+def save_plot(fig, ax, path: Path, xlabel: str, ylabel: str, title: str) -> None:
+    """A one-axis curve plot labelled, gridded, with its legend, written as a PNG and closed."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out / "budgets.png", dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
-    return text

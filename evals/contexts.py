@@ -18,7 +18,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from evals.budgets import read_runs  # noqa: E402
+from evals.budgets import read_runs, save_plot  # noqa: E402
 from evals.runner import RunError  # noqa: E402
 
 CHOSEN_SLACK = 0.01           # of quality (mean F1)
@@ -74,14 +74,7 @@ def write_context_curve(folders: list[Path], out: Path, kind: str = "squad") -> 
         mine = [r for r in rows if r["mode"] == mode]
         ax.plot([r["budget"] for r in mine], [r["quality"] for r in mine], "o-", label=mode)
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("context budget (prompt tokens)")
-    ax.set_ylabel(f"{kind} F1")
-    ax.set_title("Quality by context budget")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "context.png", dpi=120)
-    plt.close(fig)
+    save_plot(fig, ax, out / "context.png", "context budget (prompt tokens)", f"{kind} F1", "Quality by context budget")
     return text
 
 
