@@ -10,6 +10,7 @@ their KV lies past num_computed_tokens, so rollback is returning surplus blocks.
 """
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -221,16 +222,18 @@ class Speculator:
         prefill of every token its cache lacks (the whole prompt, for a new one), against what
         drafting saves per token times the tokens the answer is expected still to run."""
         shadow = self.shadows.get(seq.seq_id)
+        if shadow is not None and len(seq) - 1 - shadow.num_computed_tokens <= k:
+            return True                         # in step: nothing to pay back
+        rate = _rate(seq.spec.acceptance["model"], k, self.draft_cost + self.verify_cost)
+        made = len(seq) - seq.num_prompt_tokens
+        saved = (1 - 1 / rate) * self.expected_remaining(made, _room(seq, self.target.scheduler.max_model_len))
+        # Tokens of catch-up that saving pays for (a measured cost may come out as 0).
+        affordable = saved / self.draft_prefill_cost if self.draft_prefill_cost > 0 else math.inf
+        if len(seq) - 1 <= affordable:          # even a cold start pays: no need to ask the cache
+            return True
         have = shadow.num_computed_tokens if shadow is not None else \
             self.draft.block_manager.num_cached_tokens(seq.token_ids, seq.salt)
-        catch_up = max(0, len(seq) - 1 - have)
-        if catch_up <= k:                       # in step: nothing to pay back
-            return True
-        rate = _rate(seq.spec.acceptance["model"], k, self.draft_cost + self.verify_cost)
-        saved_per_token = 1 - 1 / rate          # target steps
-        made = len(seq) - seq.num_prompt_tokens
-        return saved_per_token * self.expected_remaining(made, _room(seq, self.target.scheduler.max_model_len)) \
-            > catch_up * self.draft_prefill_cost
+        return len(seq) - 1 - have < affordable
 
     def expected_remaining(self, made: int, room: int) -> float:
         """Tokens an answer that has `made` so far is expected still to produce: the mean over
