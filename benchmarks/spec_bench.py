@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import statistics
@@ -41,6 +42,8 @@ CONFIGS = {"off": None,
            "default": DEFAULT,
            "default, no governor": msgspec.structs.replace(DEFAULT, govern=False),
            "draft model": SpecConfig(DEFAULT.target, DEFAULT.draft, prompt_lookup=False, govern=False),
+           "draft model, whole vocabulary": SpecConfig(DEFAULT.target, DEFAULT.draft, prompt_lookup=False,
+                                                       govern=False, draft_vocab=0),
            "prompt lookup": SpecConfig(DEFAULT.target, None, prompt_lookup=True, govern=False)}
 
 
@@ -63,7 +66,7 @@ def cold(e: LLMEngine, spec: SpecConfig | None) -> None:
 
 def run(e: LLMEngine, prompts: list[list[int]], batch: int, params: SamplingParams) -> dict:
     """Decode tokens and seconds (after each batch's first token) per batch of prompts."""
-    tokens, seconds, outs = [], [], []
+    tokens, seconds, outs, logprobs = [], [], [], []
     for i in range(0, len(prompts), batch):
         start = time.perf_counter()
         done = e.generate(prompts[i:i + batch], params, model="large")
@@ -71,14 +74,39 @@ def run(e: LLMEngine, prompts: list[list[int]], batch: int, params: SamplingPara
         tokens.append(sum(len(c.token_ids) - 1 for c in done))
         seconds.append(wall - max(c.ttft for c in done))
         outs += [c.token_ids for c in done]
+        logprobs += [c.logprobs for c in done]
     stats = e.stats()["large"].get("speculation") or {}
-    return {"tokens": tokens, "seconds": seconds, "outputs": outs, "acceptance": stats.get("acceptance_rate"),
+    costs = e.speculator and {name: round(getattr(e.speculator, name), 4)
+                              for name in ("draft_cost", "verify_cost", "draft_prefill_cost")}
+    return {"tokens": tokens, "seconds": seconds, "outputs": outs, "logprobs": logprobs, "costs": costs,
+            "acceptance": stats.get("acceptance_rate"),
             "tokens_per_verify_pass": stats.get("tokens_per_verify_pass"),
             "by_source": stats.get("by_source"), "governor": stats.get("governor")}
 
 
+def divergences(r: dict, plain: dict) -> list[dict]:
+    """Where an output leaves plain greedy decoding's, with both runs' probability of the token
+    each chose there: a verification pass computes k + 1 rows at once, whose rounding differs
+    from one row's, and flips near-ties (two tokens at about the same probability)."""
+    out = []
+    for i, (a, b) in enumerate(zip(plain["outputs"], r["outputs"])):
+        if a != b:
+            at = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            p = lambda run, j: round(math.exp(run["logprobs"][i][j]), 4) if j < len(run["logprobs"][i]) else None
+            out.append({"prompt": i, "at": at, "plain_token": a[at:at + 1], "spec_token": b[at:at + 1],
+                        "plain_p": p(plain, at), "spec_p": p(r, at)})
+    return out
+
+
 def rate(r: dict, part: slice = slice(None)) -> float:
     return sum(r["tokens"][part]) / sum(r["seconds"][part])
+
+
+def identical(row: dict) -> str:
+    """"yes", or how many outputs differ and the probabilities plain and speculative decoding
+    gave their two tokens where they part."""
+    ds = [d for run in row["divergences"] for d in run]
+    return "yes" if not ds else f"{len(ds)} differ: " + ", ".join(f"p {d['plain_p']}/{d['spec_p']}" for d in ds[:3])
 
 
 def main() -> None:
@@ -102,7 +130,7 @@ def main() -> None:
              for name, convs in workloads(args.data, args.prompts).items() if name in args.workloads}
     params = SamplingParams(max_tokens=args.tokens)
     warm = max(1, args.prompts // 4)                 # prompts counted as warm-up
-    single = ("draft model", "prompt lookup")
+    single = ("draft model", "draft model, whole vocabulary", "prompt lookup")
     cells = [(w, b, c) for _ in range(args.repeats) for c in configs for w in loads for b in args.batches
              if c not in single or b in args.single_source_batches]
     runs: dict[tuple[str, int, str], list[dict]] = {}
@@ -124,6 +152,8 @@ def main() -> None:
                      "steady_ratio_median": statistics.median(rate(r, slice(w, None)) / rate(o, slice(w, None))
                                                               for r, o in zip(rs, offs)),
                      "identical_to_plain": all(r["outputs"] == o["outputs"] for r, o in zip(rs, offs)),
+                     "divergences": [divergences(r, o) for r, o in zip(rs, offs)],
+                     "costs": [r["costs"] for r in rs],
                      "acceptance": [r["acceptance"] for r in rs], "by_source": rs[-1]["by_source"],
                      "governor": rs[-1]["governor"],
                      "tokens_per_verify_pass": [r["tokens_per_verify_pass"] for r in rs]})
@@ -153,7 +183,7 @@ def main() -> None:
         acc = [a for a in r["acceptance"] if a is not None]
         table.add_row(r["workload"], str(r["batch"]), r["config"], f"{statistics.median(r['tok_s']):.2f}",
                       f"{r['ratio_median']:.2f}x", f"{r['warmup_ratio_median']:.2f}x", f"{r['steady_ratio_median']:.2f}x",
-                      f"{statistics.median(acc):.2f}" if acc else "-", str(r["identical_to_plain"]))
+                      f"{statistics.median(acc):.2f}" if acc else "-", identical(r))
     console.print(table)
     if escalation:
         scratch_s = sum(x["scratch_s"] for x in escalation)

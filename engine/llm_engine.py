@@ -226,5 +226,6 @@ class LLMEngine:
         if self.speculator:
             spec = self.speculator
             out[spec.target.name]["speculation"] = spec.stats.as_dict() | {
-                "governor": spec.governor.as_dict() if spec.governor else None}
+                "governor": spec.governor.as_dict() if spec.governor else None,
+                "draft_vocab": len(spec.draft_vocab.ids) if spec.draft_vocab else None}
         return out

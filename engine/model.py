@@ -46,6 +46,13 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x @ self.weight_t if self.bias is None else torch.addmm(self.bias, x, self.weight_t)
 
+    def rows(self, ids: torch.Tensor) -> Linear:
+        """This layer computing only the outputs `ids` (a copy of their weights)."""
+        sub = Linear(0, 0, bias=False)
+        sub.weight_t = nn.Parameter(self.weight_t[:, ids].contiguous(), requires_grad=False)
+        sub.bias = None if self.bias is None else nn.Parameter(self.bias[ids], requires_grad=False)
+        return sub
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):

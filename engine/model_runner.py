@@ -107,6 +107,20 @@ def _capture(step: Callable[[], None], pool):
     return graph, pool or graph.pool()
 
 
+@dataclass
+class SubVocab:
+    """An LM head over some token ids only: a drafter's cheaper head, since the head is a
+    small model's largest matrix (a fifth of Qwen2.5-0.5B's decode step). Every other token's
+    logit is -inf, so sampling, bans and the rejection rule see an ordinary distribution."""
+    ids: torch.Tensor
+    head: torch.nn.Module
+    vocab_size: int
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        sub = self.head(hidden)
+        return sub.new_full((len(hidden), self.vocab_size), float("-inf")).index_copy_(1, self.ids, sub)
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, cfg: ModelConfig, num_blocks: int, block_size: int, kv_int8: bool = False,
                  bans: Callable[[Sequence, int], list[int]] | None = None, device: Device = Device()):
@@ -231,6 +245,17 @@ class ModelRunner:
         g.graphs[bucket].replay()
         return g.hidden[:bucket]
 
+    def sub_vocab(self, first: int, keep: frozenset[int] | set[int]) -> SubVocab | None:
+        """A head over the first `first` token ids (byte-pair ranks: the most frequent merges
+        come first) and those in `keep`, in whole aligned blocks of 32 ids (as torch's packed
+        int4 layout needs); None when that is the whole vocabulary."""
+        size = self.model.cfg.vocab_size
+        starts = sorted(set(range(0, min(first, size), 32)) | {i // 32 * 32 for i in keep if 0 <= i < size})
+        ids = torch.cat([torch.arange(b, min(b + 32, size)) for b in starts]).to(self.device.device)
+        if len(ids) >= size:
+            return None
+        return SubVocab(ids, self.model.lm_head.rows(ids), size)
+
     @torch.inference_mode()
     def all_logprobs(self, item: ScheduledSeq) -> torch.Tensor:
         """Log-probabilities over the vocabulary at every position of one chunk (scoring), on
@@ -239,12 +264,13 @@ class ModelRunner:
         return torch.log_softmax(self.model.logits(self.model(input_ids, positions, batch)).float(), dim=-1).cpu()
 
     @torch.inference_mode()
-    def run(self, scheduled: list[ScheduledSeq], return_probs: bool = False):
+    def run(self, scheduled: list[ScheduledSeq], return_probs: bool = False, vocab: SubVocab | None = None):
         """seq_id -> (new tokens, their log-probabilities under the model's own distribution)
         for every item that reaches its sequence's end: one token, or for a verification the
         accepted drafts plus one. With return_probs, also seq_id -> the distribution a token was
-        sampled from (for the rejection rule). A sequence whose share fails (non-finite logits,
-        a sampling error) gets its `error` set and no entry."""
+        sampled from (for the rejection rule); with `vocab`, tokens come from it only. A
+        sequence whose share fails (non-finite logits, a sampling error) gets its `error` set
+        and no entry."""
         bucket = self._bucket(scheduled)
         input_ids, positions, batch, rows = self.prepare(scheduled, bucket)
         hidden = self._forward(input_ids, positions, batch, bucket)
@@ -256,14 +282,17 @@ class ModelRunner:
         probs: dict[int, torch.Tensor] = {}
         needed = [row + j for _, row, n in sampling for j in range(n)]
         if needed:      # an index built on the host reaches the device without a sync
-            all_logits = self.model.logits(hidden.index_select(0, self.device.upload([torch.tensor(needed)])[0]))
+            rows_needed = hidden.index_select(0, self.device.upload([torch.tensor(needed)])[0])
+            all_logits = (self.model.logits(rows_needed) if vocab is None else vocab.logits(rows_needed)).float()
         else:
-            all_logits = hidden[:0]
-        all_logits = all_logits.float()
-        # The one read back of the step: every row's finiteness, its greedy token and that
-        # token's log-probability, which is all a plain greedy request needs.
+            all_logits = hidden[:0].float()
+        # The one read back of the step: every row's finiteness (a sub-vocabulary's -inf is
+        # not a failure), its greedy token and that token's log-probability, which is all a
+        # plain greedy request needs.
         top = all_logits.argmax(-1)
-        finite, top, top_lp = torch.stack([torch.isfinite(all_logits).all(-1).double(), top.double(),
+        finite = ~(torch.isnan(all_logits) | (all_logits == float("inf"))).any(-1) if vocab is not None \
+            else torch.isfinite(all_logits).all(-1)
+        finite, top, top_lp = torch.stack([finite.double(), top.double(),
                                            torch.log_softmax(all_logits, -1).gather(1, top[:, None])[:, 0].double()]
                                           ).tolist()
         at = 0

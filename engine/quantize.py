@@ -10,6 +10,7 @@ stay in float32. Elsewhere (CUDA) they run on the kernels package, from the stor
 """
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -77,6 +78,14 @@ class QuantLinear(nn.Module):
                 y = torch._weight_int4pack_mm_for_cpu(xb, self.w, self.group, self.scales_and_zeros)
             y = y.to(x.dtype)
         return y if self.bias is None else y + self.bias
+
+    def rows(self, ids: torch.Tensor) -> QuantLinear:
+        """This layer computing only the outputs `ids` (a copy of their weights). torch's packed
+        int4 layout interleaves rows within blocks of 32: `ids` must be whole aligned blocks."""
+        sub = copy.copy(self)
+        sub._buffers = {name: None if b is None else b.index_select(1 if name == "scales_and_zeros" else 0, ids)
+                        for name, b in self._buffers.items()}
+        return sub
 
 
 def quantize_tensors(model: CausalLM, mode: str, group: int) -> dict[str, torch.Tensor]:

@@ -164,6 +164,8 @@ class Speculator:
         self.step_draft_seconds = 0.0
         self.step_arm = arms[-1]
         self.shadows: dict[int, Sequence] = {}     # target seq_id -> its sequence in the draft model
+        self.draft_vocab = draft.runner.sub_vocab(config.draft_vocab, draft.stop.eos_ids) \
+            if draft is not None and config.draft_vocab > 0 else None
         # Costs relative to a plain target step (target_step seconds): measured unless configured.
         self.draft_cost = 0.35 if config.draft_cost is None else config.draft_cost
         self.verify_cost = 0.05 if config.verify_cost is None else config.verify_cost
@@ -249,7 +251,7 @@ class Speculator:
         while active:
             items = [ScheduledSeq(sh, len(sh) - sh.num_computed_tokens) for _, sh, _ in active]
             round_start = time.perf_counter()
-            sampled, rows = self.draft.runner.run(items, return_probs=True)
+            sampled, rows = self.draft.runner.run(items, return_probs=True, vocab=self.draft_vocab)
             self._observe_draft_round(time.perf_counter() - round_start, items)
             for (seq, sh, k), item in zip(active, items):
                 if sh.error:          # the draft model failed on it: no draft, a fresh shadow next time

@@ -175,6 +175,8 @@ class GatewayMetrics:
                       ("model",), lambda: spec("draft_seconds"), "counter"))
         r.add(Sampled("sluice_spec_tokens_per_verify_pass", "tokens a verification pass gains, accepted plus one",
                       ("model",), lambda: spec("tokens_per_verify_pass")))
+        r.add(Sampled("sluice_spec_draft_vocab", "token ids the draft model may propose (its head's rows)",
+                      ("model",), lambda: spec("draft_vocab")))
         governor = lambda: {m: s["speculation"]["governor"] for m, s in engine_stats().items()
                             if s.get("speculation") and s["speculation"].get("governor")}
         r.add(Sampled("sluice_spec_governor_arm", "1 for the drafting arm the governor runs, by batch-size bucket "

@@ -5,6 +5,7 @@ import torch
 
 from engine.config import EngineConfig, ModelEntry
 from engine.llm_engine import LLMEngine
+from engine.model import Linear
 from engine.quantize import QuantLinear, quantize_int4, quantize_int8, unpack_int4
 from engine.sampling_params import SamplingParams
 from tests.conftest import make_tiny_model
@@ -70,3 +71,21 @@ def test_quantized_engine_stays_close_to_float(tmp_path, mode, monkeypatch):
         # Per-channel int8 is close enough that the first greedy token of a random model holds.
         assert got.token_ids[0] == ref.token_ids[0]
         assert abs(got.logprobs[0] - ref.logprobs[0]) < 0.1
+
+
+@pytest.mark.parametrize("mode", ["float", "int8", "int4", "int8-unpacked", "int4-unpacked"])
+def test_rows_compute_those_outputs_of_the_layer(mode):
+    """A drafter's smaller head: the layer restricted to some outputs (whole 32-row blocks, as
+    torch's packed int4 layout needs) gives exactly the full layer's values there."""
+    torch.manual_seed(0)
+    w, x = torch.randn(128, 64), torch.randn(3, 64)
+    if mode == "float":
+        layer = Linear(64, 128, bias=False)
+        layer.weight_t = torch.nn.Parameter(w.t().contiguous(), requires_grad=False)
+    else:
+        kind = mode.removesuffix("-unpacked")
+        tensors = dict(zip(("w", "scales"), quantize_int8(w))) if kind == "int8" else \
+            dict(zip(("w", "scales", "zeros"), quantize_int4(w, 32)))
+        layer = QuantLinear(kind, tensors, None, 32, packed=not mode.endswith("unpacked"))
+    ids = torch.cat([torch.arange(0, 32), torch.arange(96, 128)])
+    torch.testing.assert_close(layer.rows(ids)(x), layer(x)[:, ids], rtol=0, atol=1e-5)

@@ -256,3 +256,31 @@ def test_governor_turns_losing_speculation_off_in_the_engine(pair):
                                             model="large")] == plain
     gov = e.stats()["large"]["speculation"]["governor"]["1"]
     assert gov["arm"] == "plain" and gov["tok_s"]["plain"] > gov["tok_s"]["model"]
+
+
+def test_draft_vocab_keeps_output_and_drafts_only_its_tokens(pair):
+    """The draft model's smaller head (the first 32 ids and the block holding eos) proposes
+    only those tokens; verification keeps greedy output the target's own, and sampled requests
+    draft from the restricted distribution without error."""
+    large, small = pair
+    ps = prompts(4, seed=51)
+    plain = [c.token_ids for c in engine(large).generate(ps, GREEDY, model="large")]
+    e = engine(large, small, prompt_lookup=False, govern=False, draft_vocab=32)
+    e.speculator.lengths.extend([200] * 8)              # long answers: the draft model starts at once
+    allowed = set(range(32)) | set(range(96, 128))
+    drafted = []
+    run = e.speculator.draft.runner.run
+
+    def spy(items, **kw):
+        sampled, rows = run(items, **kw)
+        drafted.extend(t for tokens, _ in sampled.values() for t in tokens)
+        return sampled, rows
+    e.speculator.draft.runner.run = spy
+    assert [c.token_ids for c in e.generate(ps, GREEDY, model="large")] == plain
+    sampled = e.generate(ps, SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.8, seed=3), model="large")
+    assert all(c.finish_reason == "length" for c in sampled)
+    assert drafted and set(drafted) <= allowed
+    assert {t for p in plain for t in p} - allowed          # the target wrote tokens no draft could
+    assert e.stats()["large"]["speculation"]["draft_vocab"] == 64
+    assert e.stats()["large"]["speculation"]["by_source"]["model"]["proposed"] > 0
+    assert engine(large, small, draft_vocab=0).speculator.draft_vocab is None
