@@ -162,6 +162,14 @@ class GatewayMetrics:
         r.add(Sampled("sluice_prefix_cache_hit_rate", "prefix cache hits over lookups", ("model",),
                       lambda: {(m,): s["prefix_cache_hits"] / max(1, s["prefix_cache_queries"])
                                for m, s in engine_stats().items()}))
+        # Where each model runs, and the kernels that fell back to their PyTorch twins there.
+        r.add(Sampled("sluice_engine_device", "1 for the device each model runs on", ("model", "device"),
+                      lambda: {(m, s["device"]): 1 for m, s in engine_stats().items()}))
+        r.add(Sampled("sluice_engine_cuda_graphs", "decode batch sizes captured as CUDA graphs", ("model",),
+                      lambda: {(m,): len(s["cuda_graph_batch_sizes"]) for m, s in engine_stats().items()}))
+        r.add(Sampled("sluice_kernel_fallback", "1 for each kernel running its PyTorch twin after failing to launch",
+                      ("model", "kernel"),
+                      lambda: {(m, k): 1 for m, s in engine_stats().items() for k in s["kernel_fallbacks"]}))
         # Speculative decoding, for the models that verify drafts (the engine reports no others).
         spec = lambda key: {(m,): s["speculation"][key] for m, s in engine_stats().items()
                             if s.get("speculation") and s["speculation"][key] is not None}

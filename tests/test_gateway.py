@@ -286,6 +286,8 @@ def test_speculative_decoding_reports_its_acceptance_rate(tmp_path, tmp_path_fac
                      text, re.M), text
     assert re.search(r'^sluice_spec_governor_goodput\{model="large",batch="1",arm="plain"\} [0-9.e-]+$', text, re.M)
     assert re.search(r'^sluice_spec_draft_seconds_total\{model="large"\} [0-9.e-]+$', text, re.M)
+    assert 'sluice_engine_device{model="large",device="cpu"} 1' in text
+    assert 'sluice_engine_cuda_graphs{model="small"} 0' in text
 
 
 # -------------------------------------------------------------- /v1/chat/completions
