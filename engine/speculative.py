@@ -171,6 +171,11 @@ class Speculator:
         self.verify_cost = 0.05 if config.verify_cost is None else config.verify_cost
         self.draft_prefill_cost = 0.02 if config.draft_prefill_cost is None else config.draft_prefill_cost
         self.target_step: float | None = None
+        # Target seconds per prefill token: until the draft model has caught up once, its
+        # catch-up is priced from the target's own prefills, scaled by its step cost (the
+        # fixed prior above under-priced it 4x on a CPU, and a cold server paid for that).
+        self.target_prefill: float | None = None
+        self.catch_up_measured = config.draft_prefill_cost is not None
         # Output lengths of the target's finished requests: how long an answer still runs.
         self.lengths: deque[int] = deque(maxlen=256)
 
@@ -280,7 +285,9 @@ class Speculator:
                 self.draft_cost = 0.8 * self.draft_cost + 0.2 * seconds / self.target_step
         elif self.config.draft_prefill_cost is None:
             per_token = max(0.0, seconds / self.target_step - self.draft_cost) / extra
-            self.draft_prefill_cost = 0.7 * self.draft_prefill_cost + 0.3 * per_token
+            self.draft_prefill_cost = 0.7 * self.draft_prefill_cost + 0.3 * per_token if self.catch_up_measured \
+                else per_token
+            self.catch_up_measured = True
 
     def _sync_shadow(self, seq: Sequence, k: int) -> Sequence | None:
         """The draft model's copy of `seq`, its cache valid for the prefix both agree on, with
@@ -317,8 +324,8 @@ class Speculator:
 
     def observe_target_step(self, seconds: float, scheduled: list[ScheduledSeq], sampled: dict) -> None:
         """A target step's time and what it ran: acceptance per sequence and source; plain
-        steps set the unit of cost, verifying ones what each extra token adds to it;
-        decode-only steps feed the governor."""
+        decode steps set the unit of cost, verifying ones what each extra token adds to it, and
+        both feed the governor; steps with prompt chunks price prefill."""
         for item in scheduled:
             st, k = item.seq.spec, item.num_draft
             if k and st is not None and st.source is not None and item.seq.seq_id in sampled:
@@ -330,15 +337,30 @@ class Speculator:
                 self.stats.by_source[st.source][1] += accepted
         drafted_tokens = sum(i.num_draft for i in scheduled)
         decode_only = all(i.num_tokens == 1 + i.num_draft for i in scheduled)
+        if not decode_only:
+            self._observe_target_prefill(seconds, scheduled)
         external = any(i.seq.spec is not None and i.seq.spec.source == "external" for i in scheduled if i.num_draft)
         if self.governor and decode_only and not external:
             tokens = sum(len(sampled[i.seq.seq_id][0]) for i in scheduled if i.seq.seq_id in sampled)
             self.governor.record(len(scheduled), self.step_arm, tokens, seconds + self.step_draft_seconds)
-        if not drafted_tokens:
+        # Only decode steps price decoding: one prompt chunk costs hundreds of them, and taken
+        # into the unit it made drafting and verification look free for the next dozen steps.
+        if decode_only and not drafted_tokens:
             self.target_step = seconds if self.target_step is None else 0.8 * self.target_step + 0.2 * seconds
-        elif self.target_step and self.config.verify_cost is None:
+        elif decode_only and self.target_step and self.config.verify_cost is None:
             extra = max(0.0, seconds / self.target_step - 1) / drafted_tokens
             self.verify_cost = 0.8 * self.verify_cost + 0.2 * extra
+
+    def _observe_target_prefill(self, seconds: float, scheduled: list[ScheduledSeq]) -> None:
+        """A step with prompt chunks: what a prefill token costs the target, and so, before any
+        catch-up was measured, what one costs the draft model (its step's share of the target's)."""
+        extra = sum(i.num_tokens - 1 - i.num_draft for i in scheduled)
+        if extra < 16:                  # too few tokens to tell from the step's fixed cost
+            return
+        per_token = max(0.0, seconds - (self.target_step or 0.0)) / extra
+        self.target_prefill = per_token if self.target_prefill is None else 0.8 * self.target_prefill + 0.2 * per_token
+        if not self.catch_up_measured and self.target_step:
+            self.draft_prefill_cost = self.target_prefill / self.target_step * self.draft_cost
 
     def release(self, seq: Sequence, failed: bool = False) -> None:
         """The request is done (or its shadow failed): its draft-model blocks go back."""

@@ -284,3 +284,24 @@ def test_draft_vocab_keeps_output_and_drafts_only_its_tokens(pair):
     assert e.stats()["large"]["speculation"]["draft_vocab"] == 64
     assert e.stats()["large"]["speculation"]["by_source"]["model"]["proposed"] > 0
     assert engine(large, small, draft_vocab=0).speculator.draft_vocab is None
+
+
+def test_prefill_steps_price_catch_up_and_never_the_decode_step():
+    """A prompt chunk costs many decode steps: it must not enter the unit of cost (which made
+    drafting look free after every prefill), and until a catch-up is measured it prices one:
+    the target's prefill per token, scaled by the draft model's step cost."""
+    from types import SimpleNamespace
+    from engine.speculative import Speculator
+    spec = Speculator(SpecConfig(target="large", govern=False), target=None, draft=None)
+    spec.draft_cost = 0.4
+    spec.observe_target_step(1.0, *_decode_step(0, 1))               # a plain decode step: 1 s
+    prefill = SimpleNamespace(num_draft=0, num_tokens=101, seq=SimpleNamespace(seq_id=1, spec=None))
+    spec.observe_target_step(1.0 + 100 * 0.2, [prefill], {1: ([7], [0.0])})    # 100 prompt tokens, 0.2 s each
+    assert spec.target_step == pytest.approx(1.0)
+    assert spec.draft_prefill_cost == pytest.approx(0.2 * 0.4)
+    spec.observe_target_step(1.3, *_decode_step(2, 3))               # a verification after it
+    assert spec.verify_cost == pytest.approx(0.8 * 0.05 + 0.2 * 0.15)
+    # The first measured catch-up (50 tokens at 0.05 steps past a draft step) replaces the prior.
+    catch_up = SimpleNamespace(num_tokens=51)
+    spec._observe_draft_round(0.4 + 50 * 0.05, [catch_up])
+    assert spec.draft_prefill_cost == pytest.approx(0.05)
