@@ -6,8 +6,8 @@ Every run starts cold, as a fresh server would: a new speculator (no measured co
 answer lengths, a governor that has decided nothing) and an empty draft-model prefix cache,
 so the ratios count the warm-up. The target's prefix cache is kept (its prefill is the same
 in every configuration and is not decode time). The first quarter of each run's prompts is
-also reported on its own (warm-up). Configurations run interleaved, `--repeats` times; the
-table shows the median ratio. Outputs are checked identical to plain greedy decoding.
+also reported on its own (warm-up). For each workload and batch size the configurations run
+back to back, `--repeats` times in a rotated order; the table shows the median ratio. Outputs are checked identical to plain greedy decoding.
 Then escalation: verifying the small model's whole answer as an external draft against
 generating the large answer from scratch.
 Prints a table and writes benchmarks/results/spec_bench.json.
@@ -131,7 +131,10 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.tokens)
     warm = max(1, args.prompts // 4)                 # prompts counted as warm-up
     single = ("draft model", "draft model, whole vocabulary", "prompt lookup")
-    cells = [(w, b, c) for _ in range(args.repeats) for c in configs for w in loads for b in args.batches
+    # A configuration runs minutes, not half an hour, from the "off" it is compared with (this
+    # machine's speed drifts by 1.5x within a run), in an order rotated every repeat.
+    cells = [(w, b, c) for r in range(args.repeats) for w in loads for b in args.batches
+             for c in configs[r % len(configs):] + configs[:r % len(configs)]
              if c not in single or b in args.single_source_batches]
     runs: dict[tuple[str, int, str], list[dict]] = {}
     for name, batch, config in track(cells, description="spec_bench", console=console):
