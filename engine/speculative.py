@@ -173,7 +173,7 @@ class Speculator:
         self.target_step: float | None = None
         # Target seconds per prefill token: until the draft model has caught up once, its
         # catch-up is priced from the target's own prefills, scaled by its step cost (the
-        # fixed prior above under-priced it 4x on a CPU, and a cold server paid for that).
+        # fixed prior above under-priced it 4-6x on a CPU, and a cold server paid for that).
         self.target_prefill: float | None = None
         self.catch_up_measured = config.draft_prefill_cost is not None
         # Output lengths of the target's finished requests: how long an answer still runs.
