@@ -39,8 +39,9 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 def machine() -> dict:
-    return {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-            "torch": torch.__version__}
+    # The vector ISA torch dispatches to: quantized ops' speed, and which path wins, differ by it.
+    return {"cpu": platform.processor() or platform.machine(), "isa": torch.backends.cpu.get_cpu_capability(),
+            "threads": torch.get_num_threads(), "torch": torch.__version__}
 
 
 @contextmanager

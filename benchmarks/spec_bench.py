@@ -39,6 +39,7 @@ from retrieval import Chunk, build_prompt
 console = Console(width=150)
 DEFAULT = default_engine().speculative           # what `sluice serve` runs
 CONFIGS = {"off": None,
+           "off, again": None,         # against "off": how far the machine alone moves a ratio
            "default": DEFAULT,
            "default, no governor": msgspec.structs.replace(DEFAULT, govern=False),
            "draft model": SpecConfig(DEFAULT.target, DEFAULT.draft, prompt_lookup=False, govern=False),
@@ -130,7 +131,7 @@ def main() -> None:
              for name, convs in workloads(args.data, args.prompts).items() if name in args.workloads}
     params = SamplingParams(max_tokens=args.tokens)
     warm = max(1, args.prompts // 4)                 # prompts counted as warm-up
-    single = ("draft model", "draft model, whole vocabulary", "prompt lookup")
+    single = ("off, again", "draft model", "draft model, whole vocabulary", "prompt lookup")
     # A configuration runs minutes, not half an hour, from the "off" it is compared with (this
     # machine's speed drifts by 1.5x within a run), in an order rotated every repeat.
     cells = [(w, b, c) for r in range(args.repeats) for w in loads for b in args.batches

@@ -37,12 +37,18 @@ class ModelEntry(msgspec.Struct, forbid_unknown_fields=True):
     kv_share: float = 1.0
     quant: str = "none"           # weight-only: "none" | "int8" | "int4"
     group_size: int = 128         # int4 group along the input dimension: 32, 64 or 128
+    # int8 on the CPU: a step of at least this many tokens (a prompt chunk) multiplies in float32
+    # over weights dequantized slice by slice instead of on torch's packed int8 op; 0: the
+    # packed op always; None: as measured for this CPU's vector ISA (engine/quantize.py).
+    dequant_rows: int | None = None
     thinking: ThinkingConfig = ThinkingConfig()
 
     def __post_init__(self) -> None:
         if self.quant not in QUANT_SCHEMES:
             raise ValueError(f"model {self.source!r}: quant must be one of {', '.join(QUANT_SCHEMES)}, "
                              f"got {self.quant!r}")
+        if self.dequant_rows is not None and self.dequant_rows < 0:
+            raise ValueError(f"model {self.source!r}: dequant_rows must be 0 (off), a row count or left out (by the CPU), got {self.dequant_rows}")
         if self.group_size not in (32, 64, 128):
             raise ValueError(f"model {self.source!r}: group_size must be 32, 64 or 128, got {self.group_size}")
 

@@ -14,6 +14,7 @@ import kernels
 
 from engine.config import EngineConfig
 from engine.detokenizer import Detokenizer
+from engine.quantize import QuantLinear
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence, SpecState, isolated
@@ -222,7 +223,9 @@ class LLMEngine:
                       "prefix_cache_queries": w.block_manager.queries, "prefix_cache_hits": w.block_manager.hits,
                       "preemptions": w.scheduler.num_preemptions, "device": str(w.runner.device.device),
                       "cuda_graph_batch_sizes": w.runner.graphs.buckets if w.runner.graphs else [],
-                      "kernel_fallbacks": sorted(kernels.FALLBACKS)} for name, w in self.workers.items()}
+                      "kernel_fallbacks": sorted(kernels.FALLBACKS),
+                      "dequant_rows": next((m.dequant_rows for m in w.model.modules() if isinstance(m, QuantLinear)), 0)}
+               for name, w in self.workers.items()}
         if self.speculator:
             spec = self.speculator
             out[spec.target.name]["speculation"] = spec.stats.as_dict() | {

@@ -6,7 +6,10 @@ Formats (shared with the Triton kernels in kernels/):
         asymmetric per group: w ~= (q - zero) * scale.
 On CPU the matmuls run on torch's packed int8/int4 ops, which are fast only with bf16
 activations, so activations are cast to bf16 just around them; norms, attention and sampling
-stay in float32. Elsewhere (CUDA) they run on the kernels package, from the stored format as is.
+stay in float32. Those ops compute rather than stream: their time grows with every row, so an
+int8 matmul over many rows (a prompt chunk) runs in float32 on weights dequantized a slice at
+a time instead (`dequant_rows`). Elsewhere (CUDA) they run on the kernels package, from the
+stored format as is.
 """
 from __future__ import annotations
 
@@ -48,9 +51,10 @@ class QuantLinear(nn.Module):
     kernels package (the Triton kernels on CUDA) on the shared format as stored."""
 
     def __init__(self, mode: str, tensors: dict[str, torch.Tensor], bias: torch.Tensor | None, group: int,
-                 packed: bool = True, device: torch.device | str = "cpu"):
+                 packed: bool = True, device: torch.device | str = "cpu", dequant_rows: int = 0):
         super().__init__()
         self.mode, self.group, self.packed = mode, group, packed
+        self.dequant_rows = dequant_rows if packed and mode == "int8" else 0
         self.register_buffer("bias", bias, persistent=False)
         if not packed:
             for name in ("w", "scales", "zeros")[:2 if mode == "int8" else 3]:
@@ -70,6 +74,8 @@ class QuantLinear(nn.Module):
         if not self.packed:
             y = (int8_matmul(x, self.w, self.scales) if self.mode == "int8"
                  else int4_matmul(x, self.w, self.scales, self.zeros, self.group))
+        elif self.dequant_rows and x.shape[0] >= self.dequant_rows:
+            y = dequantized_matmul(x, self.w, self.scales)
         else:
             xb = x.to(torch.bfloat16)
             if self.mode == "int8":
@@ -88,6 +94,28 @@ class QuantLinear(nn.Module):
         return sub
 
 
+def default_dequant_rows() -> int:
+    """From how many rows an int8 matmul on this CPU dequantizes. With AVX2 torch's packed op
+    computes at about 70 GFLOP/s, half of float32's, and dequantizing won from 48 rows on (1.5-2x
+    from 64: benchmarks/prefill_bench.py); on the host whose packed op reached 282 GFLOP/s
+    against float32's 168 at 512 rows (benchmarks/gemm_bench.py) dequantizing could not pay;
+    that host's ISA was not recorded, and AVX-512 is inferred from its speed."""
+    return 0 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 64
+
+
+def dequantized_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ (w * scales).T for int8 w [N, K], in x's dtype: about a million weights
+    (4 MB in float32) are dequantized at a time, so each slice is still in cache when the
+    matmul reads it, and the output is built transposed so each slice writes whole rows."""
+    n, k = w.shape
+    out = x.new_empty(n, x.shape[0])
+    step = max(1, (1 << 20) // k)
+    xt = x.t()
+    for r in range(0, n, step):
+        torch.mm(w[r:r + step].to(x.dtype), xt, out=out[r:r + step])
+    return out.mul_(scales[:, None]).t().contiguous()
+
+
 def quantize_tensors(model: CausalLM, mode: str, group: int) -> dict[str, torch.Tensor]:
     """Every decoder Linear (the LM head too) in the shared format, keyed by module name."""
     out = {}
@@ -103,9 +131,11 @@ def quantize_tensors(model: CausalLM, mode: str, group: int) -> dict[str, torch.
     return out
 
 
-def apply_quantization(model: CausalLM, mode: str, group: int = 128, cache: Path | None = None) -> CausalLM:
+def apply_quantization(model: CausalLM, mode: str, group: int = 128, cache: Path | None = None,
+                       dequant_rows: int = 0) -> CausalLM:
     """Swap the model's Linears for quantized ones (mode "int8" or "int4"); with `cache`,
-    quantize once and reuse."""
+    quantize once and reuse. `dequant_rows`: on the CPU, int8 matmuls over at least this many
+    rows dequantize (0: never)."""
     if cache is not None and cache.exists():
         # Copies, not views of the file: torch's int8 kernel segfaults on weights that are not
         # aligned as its own allocator aligns them.
@@ -123,6 +153,7 @@ def apply_quantization(model: CausalLM, mode: str, group: int = 128, cache: Path
             parent, _, child = name.rpartition(".")
             own = {k.removeprefix(name + "."): v for k, v in tensors.items() if k.startswith(name + ".")}
             bias = None if module.bias is None else module.bias.data
-            layer = QuantLinear(mode, own, bias, group, packed=device.type == "cpu", device=device)
+            layer = QuantLinear(mode, own, bias, group, packed=device.type == "cpu", device=device,
+                                dequant_rows=dequant_rows)
             setattr(model.get_submodule(parent) if parent else model, child, layer)
     return model

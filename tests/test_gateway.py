@@ -288,6 +288,7 @@ def test_speculative_decoding_reports_its_acceptance_rate(tmp_path, tmp_path_fac
     assert re.search(r'^sluice_spec_draft_seconds_total\{model="large"\} [0-9.e-]+$', text, re.M)
     assert 'sluice_engine_device{model="large",device="cpu"} 1' in text
     assert 'sluice_engine_cuda_graphs{model="small"} 0' in text
+    assert 'sluice_engine_dequant_rows{model="small"} 0' in text      # float weights: nothing to dequantize
 
 
 # -------------------------------------------------------------- /v1/chat/completions

@@ -45,11 +45,29 @@ def test_cpu_quant_linear_matches_dequantized_math(mode):
     torch.testing.assert_close(got, want, atol=0.05 * want.abs().max().item(), rtol=0.02)
 
 
+def test_int8_over_many_rows_multiplies_dequantized_in_float32():
+    """From `dequant_rows` rows on, an int8 layer on the CPU multiplies in float32 over its
+    dequantized weights (slice by slice, the slices spanning several rows here): exact to
+    float32 rounding, where the packed op below that keeps its bf16 activations' error."""
+    torch.manual_seed(0)
+    w, b = torch.randn(3000, 512), torch.randn(3000)
+    q, s = quantize_int8(w)
+    layer = QuantLinear("int8", {"w": q, "scales": s}, b, 32, dequant_rows=4)
+    deq = q.float() * s.to(torch.bfloat16).float()[:, None]       # the layer keeps bf16 scales
+    for rows, tol in ((4, 1e-5), (3, 1e-3)):
+        x = torch.randn(rows, 512)
+        err = (layer(x) - (x @ deq.T + b)).abs().max().item() / (x @ deq.T).abs().max().item()
+        assert err < tol if rows >= 4 else tol < err < 0.02
+    assert QuantLinear("int8", {"w": q, "scales": s}, b, 32, packed=False, dequant_rows=4).dequant_rows == 0
+
+
 def test_bad_quant_config_is_rejected():
     with pytest.raises(ValueError, match="quant must be"):
         ModelEntry("x", quant="int3")
     with pytest.raises(ValueError, match="group_size"):
         ModelEntry("x", quant="int4", group_size=48)
+    with pytest.raises(ValueError, match="dequant_rows"):
+        ModelEntry("x", quant="int8", dequant_rows=-1)
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
@@ -58,9 +76,10 @@ def test_quantized_engine_stays_close_to_float(tmp_path, mode, monkeypatch):
     folder = make_tiny_model(tmp_path / "m", "qwen2", seed=3)
     prompt = torch.randint(0, 127, (40,)).tolist()
 
-    def engine(quant):
-        return LLMEngine(EngineConfig(models={"m": ModelEntry(str(folder), quant=quant, group_size=32)},
-                                      max_kv_blocks=64, block_size=4, memory_budget_gb=1.0), progress=False)
+    def engine(quant, dequant_rows=None):
+        entry = ModelEntry(str(folder), quant=quant, group_size=32, dequant_rows=dequant_rows)
+        return LLMEngine(EngineConfig(models={"m": entry}, max_kv_blocks=64, block_size=4, memory_budget_gb=1.0),
+                         progress=False)
 
     ref = engine("none").generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0]
     got = engine(mode).generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0]
@@ -68,9 +87,14 @@ def test_quantized_engine_stays_close_to_float(tmp_path, mode, monkeypatch):
     again = engine(mode).generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0]
     assert again.token_ids == got.token_ids          # the cached quantized weights are the same
     if mode == "int8":
-        # Per-channel int8 is close enough that the first greedy token of a random model holds.
-        assert got.token_ids[0] == ref.token_ids[0]
-        assert abs(got.logprobs[0] - ref.logprobs[0]) < 0.1
+        # Per-channel int8 is close enough that the first greedy token of a random model holds,
+        # whether the 40-token prefill runs on the packed op or dequantized (from 4 rows).
+        for rows in (0, 4):
+            e = engine(mode, dequant_rows=rows)
+            got = e.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+            assert got.token_ids[0] == ref.token_ids[0]
+            assert abs(got.logprobs[0] - ref.logprobs[0]) < 0.1
+            assert e.stats()["m"]["dequant_rows"] == rows
 
 
 @pytest.mark.parametrize("mode", ["float", "int8", "int4", "int8-unpacked", "int4-unpacked"])
