@@ -77,7 +77,8 @@ def run(e: LLMEngine, prompts: list[list[int]], batch: int, params: SamplingPara
         outs += [c.token_ids for c in done]
         logprobs += [c.logprobs for c in done]
     stats = e.stats()["large"].get("speculation") or {}
-    costs = e.speculator and e.speculator.costs()
+    costs = e.speculator and {name: round(getattr(e.speculator, name), 4)
+                              for name in ("draft_cost", "verify_cost", "draft_prefill_cost")}
     return {"tokens": tokens, "seconds": seconds, "outputs": outs, "logprobs": logprobs, "costs": costs,
             "acceptance": stats.get("acceptance_rate"),
             "tokens_per_verify_pass": stats.get("tokens_per_verify_pass"),

@@ -230,5 +230,5 @@ class LLMEngine:
             spec = self.speculator
             out[spec.target.name]["speculation"] = spec.stats.as_dict() | {
                 "governor": spec.governor.as_dict() if spec.governor else None,
-                "draft_vocab": len(spec.draft_vocab.ids) if spec.draft_vocab else None, "costs": spec.costs()}
+                "draft_vocab": len(spec.draft_vocab.ids) if spec.draft_vocab else None}
         return out

@@ -40,17 +40,6 @@ class SpecStats:
 
 
 @dataclass
-class Prices:
-    """What decoding costs in one batch-size bucket (Governor.bucket): a plain decode step in
-    seconds, and in units of it one draft-model step and each draft token a verify pass adds.
-    One average over every batch size fitted none of them: on a 2-core CPU a verified token
-    adds 0.1-0.2 of a step for one sequence and 0.7-0.9 for four (benchmarks/verify_bench.py)."""
-    draft: float
-    verify: float
-    step: float | None = None
-
-
-@dataclass
 class _Bucket:
     """The governor's state for one batch-size bucket."""
     tokens: dict[str, float] = field(default_factory=dict)     # discounted tokens per arm
@@ -177,13 +166,16 @@ class Speculator:
         self.shadows: dict[int, Sequence] = {}     # target seq_id -> its sequence in the draft model
         self.draft_vocab = draft.runner.sub_vocab(config.draft_vocab, draft.stop.eos_ids) \
             if draft is not None and config.draft_vocab > 0 else None
-        self.prices: dict[int, Prices] = {}          # per batch-size bucket: measured unless configured
-        self.step_prices = self.price(1)            # the bucket of the step being drafted
-        # Seconds per token of the draft model's catch-up (its prefill of what its cache lacks),
-        # and of the target's prefill: until a catch-up is measured it is priced from the
-        # target's, scaled by the draft step's cost (a fixed prior under-priced it 4-6x here).
-        self.catch_up: float | None = None
+        # Costs relative to a plain target step (target_step seconds): measured unless configured.
+        self.draft_cost = 0.35 if config.draft_cost is None else config.draft_cost
+        self.verify_cost = 0.05 if config.verify_cost is None else config.verify_cost
+        self.draft_prefill_cost = 0.02 if config.draft_prefill_cost is None else config.draft_prefill_cost
+        self.target_step: float | None = None
+        # Target seconds per prefill token: until the draft model has caught up once, its
+        # catch-up is priced from the target's own prefills, scaled by its step cost (the
+        # fixed prior above under-priced it 4-6x on a CPU, and a cold server paid for that).
         self.target_prefill: float | None = None
+        self.catch_up_measured = config.draft_prefill_cost is not None
         # Output lengths of the target's finished requests: how long an answer still runs.
         self.lengths: deque[int] = deque(maxlen=256)
 
@@ -194,7 +186,6 @@ class Speculator:
         decoding = [s for s in self.target.scheduler.running if s.status is Status.RUNNING and not s.in_prefill]
         self.step_draft_seconds = 0.0
         self.step_arm = arm = self.governor.arm(len(decoding)) if self.governor and decoding else self.step_arm
-        p = self.step_prices = self.price(len(decoding))
         for seq in decoding:
             if seq.spec is None:
                 continue
@@ -213,9 +204,9 @@ class Speculator:
             options = []
             if "lookup" in arm and (k := self._k(st, "lookup", 0.0, room)) and \
                     (found := prompt_lookup(seq.token_ids, k, cfg.max_ngram, cfg.min_ngram)):
-                options.append(("lookup", found, _rate(st.acceptance["lookup"], len(found), p.verify)))
-            if "model" in arm and (k := self._k(st, "model", p.draft, room)) and self._model_pays(seq, k):
-                options.append(("model", k, _rate(st.acceptance["model"], k, p.draft + p.verify)))
+                options.append(("lookup", found, _rate(st.acceptance["lookup"], len(found), self.verify_cost)))
+            if "model" in arm and (k := self._k(st, "model", self.draft_cost, room)) and self._model_pays(seq, k):
+                options.append(("model", k, _rate(st.acceptance["model"], k, self.draft_cost + self.verify_cost)))
             if not options:
                 st.idle_steps += 1
                 continue
@@ -230,7 +221,7 @@ class Speculator:
 
     def _k(self, st: SpecState, source: str, cost_per_draft: float, room: int) -> int:
         """How many drafts of `source` pay; now and then one when none do (acceptance may recover)."""
-        k = best_k(st.acceptance[source], cost_per_draft, self.step_prices.verify, self.config.max_k)
+        k = best_k(st.acceptance[source], cost_per_draft, self.verify_cost, self.config.max_k)
         return min(room, k or int(st.idle_steps >= self.config.probe_every))
 
     def _model_pays(self, seq: Sequence, k: int) -> bool:
@@ -240,44 +231,16 @@ class Speculator:
         shadow = self.shadows.get(seq.seq_id)
         if shadow is not None and len(seq) - 1 - shadow.num_computed_tokens <= k:
             return True                         # in step: nothing to pay back
-        p = self.step_prices
-        rate = _rate(seq.spec.acceptance["model"], k, p.draft + p.verify)
+        rate = _rate(seq.spec.acceptance["model"], k, self.draft_cost + self.verify_cost)
         made = len(seq) - seq.num_prompt_tokens
         saved = (1 - 1 / rate) * self.expected_remaining(made, _room(seq, self.target.scheduler.max_model_len))
         # Tokens of catch-up that saving pays for (a measured cost may come out as 0).
-        cost = self.catch_up_cost(p)
-        affordable = saved / cost if cost > 0 else math.inf
+        affordable = saved / self.draft_prefill_cost if self.draft_prefill_cost > 0 else math.inf
         if len(seq) - 1 <= affordable:          # even a cold start pays: no need to ask the cache
             return True
         have = shadow.num_computed_tokens if shadow is not None else \
             self.draft.block_manager.num_cached_tokens(seq.token_ids, seq.salt)
         return len(seq) - 1 - have < affordable
-
-    def price(self, decoding: int) -> Prices:
-        """The prices of steps that decode this many sequences (a new bucket starts from the
-        configured costs, or the priors)."""
-        cfg = self.config
-        return self.prices.setdefault(Governor.bucket(max(decoding, 1)), Prices(
-            0.35 if cfg.draft_cost is None else cfg.draft_cost, 0.05 if cfg.verify_cost is None else cfg.verify_cost))
-
-    def catch_up_cost(self, p: Prices) -> float:
-        """One catch-up token, in plain steps of p's bucket (of the smallest measured bucket
-        while p has none): configured, measured, priced from the target's prefill, or 0.02."""
-        if self.config.draft_prefill_cost is not None:
-            return self.config.draft_prefill_cost
-        step = p.step or next((q.step for _, q in sorted(self.prices.items()) if q.step), None)
-        if step is None:
-            return 0.02
-        if self.catch_up is not None:
-            return self.catch_up / step
-        return 0.02 if self.target_prefill is None else self.target_prefill / step * p.draft
-
-    def costs(self) -> dict:
-        """The prices as measured so far, by bucket, and the catch-up in seconds per token."""
-        return {"buckets": {Governor.BUCKETS[b]: {"step_s": p.step, "draft": round(p.draft, 4),
-                                                  "verify": round(p.verify, 4)}
-                            for b, p in sorted(self.prices.items())},
-                "catch_up_s": self.catch_up, "target_prefill_s": self.target_prefill}
 
     def expected_remaining(self, made: int, room: int) -> float:
         """Tokens an answer that has `made` so far is expected still to produce: the mean over
@@ -312,18 +275,19 @@ class Speculator:
         self.step_draft_seconds += elapsed
 
     def _observe_draft_round(self, seconds: float, items: list[ScheduledSeq]) -> None:
-        """A draft-model pass in the step's bucket: one token per sequence is a draft step (its
-        cost, in target steps), more are catch-up prefill (seconds per extra token)."""
-        p = self.step_prices
-        if not p.step:
+        """A draft-model pass, in target steps: one token per sequence is a draft step (its
+        cost), more are catch-up prefill (its cost per extra token)."""
+        if not self.target_step:
             return
         extra = sum(i.num_tokens for i in items) - len(items)
         if extra <= 0:
             if self.config.draft_cost is None:
-                p.draft = 0.8 * p.draft + 0.2 * seconds / p.step
+                self.draft_cost = 0.8 * self.draft_cost + 0.2 * seconds / self.target_step
         elif self.config.draft_prefill_cost is None:
-            per_token = max(0.0, seconds - p.draft * p.step) / extra
-            self.catch_up = per_token if self.catch_up is None else 0.7 * self.catch_up + 0.3 * per_token
+            per_token = max(0.0, seconds / self.target_step - self.draft_cost) / extra
+            self.draft_prefill_cost = 0.7 * self.draft_prefill_cost + 0.3 * per_token if self.catch_up_measured \
+                else per_token
+            self.catch_up_measured = True
 
     def _sync_shadow(self, seq: Sequence, k: int) -> Sequence | None:
         """The draft model's copy of `seq`, its cache valid for the prefix both agree on, with
@@ -381,20 +345,22 @@ class Speculator:
             self.governor.record(len(scheduled), self.step_arm, tokens, seconds + self.step_draft_seconds)
         # Only decode steps price decoding: one prompt chunk costs hundreds of them, and taken
         # into the unit it made drafting and verification look free for the next dozen steps.
-        p = self.price(len(scheduled))
         if decode_only and not drafted_tokens:
-            p.step = seconds if p.step is None else 0.8 * p.step + 0.2 * seconds
-        elif decode_only and p.step and self.config.verify_cost is None:
-            p.verify = 0.8 * p.verify + 0.2 * max(0.0, seconds / p.step - 1) / drafted_tokens
+            self.target_step = seconds if self.target_step is None else 0.8 * self.target_step + 0.2 * seconds
+        elif decode_only and self.target_step and self.config.verify_cost is None:
+            extra = max(0.0, seconds / self.target_step - 1) / drafted_tokens
+            self.verify_cost = 0.8 * self.verify_cost + 0.2 * extra
 
     def _observe_target_prefill(self, seconds: float, scheduled: list[ScheduledSeq]) -> None:
-        """A step with prompt chunks: what a prefill token costs the target (the prior of the
-        draft model's catch-up)."""
+        """A step with prompt chunks: what a prefill token costs the target, and so, before any
+        catch-up was measured, what one costs the draft model (its step's share of the target's)."""
         extra = sum(i.num_tokens - 1 - i.num_draft for i in scheduled)
         if extra < 16:                  # too few tokens to tell from the step's fixed cost
             return
-        per_token = max(0.0, seconds - (self.price(len(scheduled)).step or 0.0)) / extra
+        per_token = max(0.0, seconds - (self.target_step or 0.0)) / extra
         self.target_prefill = per_token if self.target_prefill is None else 0.8 * self.target_prefill + 0.2 * per_token
+        if not self.catch_up_measured and self.target_step:
+            self.draft_prefill_cost = self.target_prefill / self.target_step * self.draft_cost
 
     def release(self, seq: Sequence, failed: bool = False) -> None:
         """The request is done (or its shadow failed): its draft-model blocks go back."""

@@ -1,7 +1,6 @@
 """Speculative decoding on tiny random models: greedy output identical with and without it,
 the rejection rule reproduces the target distribution, rollback leaves the KV cache as a
 plain run leaves it, external drafts, and the config checks."""
-import msgspec
 import pytest
 import torch
 
@@ -150,12 +149,11 @@ def test_speculation_under_preemption_keeps_greedy_output(pair):
     assert tight.stats()["large"]["preemptions"] > 0
 
 
-def _decode_step(num_draft: int, made: int, seqs: int = 1):
-    """A decode step of `seqs` sequences as the scheduler makes it, and what the target sampled."""
+def _decode_step(num_draft: int, made: int):
+    """One sequence's decode item as the scheduler makes it, and what the target sampled."""
     from types import SimpleNamespace
-    items = [SimpleNamespace(num_draft=num_draft, num_tokens=1 + num_draft, seq=SimpleNamespace(seq_id=i, spec=None))
-             for i in range(1, seqs + 1)]
-    return items, {i: ([7] * made, [0.0] * made) for i in range(1, seqs + 1)}
+    item = SimpleNamespace(num_draft=num_draft, num_tokens=1 + num_draft, seq=SimpleNamespace(seq_id=1, spec=None))
+    return [item], {1: ([7] * made, [0.0] * made)}
 
 
 def test_verification_cost_is_measured_and_switches_speculation_off():
@@ -164,26 +162,9 @@ def test_verification_cost_is_measured_and_switches_speculation_off():
     for _ in range(30):
         spec.observe_target_step(1.0, *_decode_step(0, 1))      # a plain step
         spec.observe_target_step(3.0, *_decode_step(4, 2))      # verifying 4 drafts costs two more steps
-    assert spec.price(1).verify == pytest.approx(0.5, abs=0.01)
+    assert spec.verify_cost == pytest.approx(0.5, abs=0.01)
     # With that cost, a 30% acceptance no longer pays; 80% still does.
-    assert best_k(0.3, 0.0, spec.price(1).verify, 8) == 0 and best_k(0.8, 0.0, spec.price(1).verify, 8) > 0
-
-
-def test_each_batch_size_bucket_has_its_own_prices():
-    """Verifying costs a lone sequence little and four a lot (CPU): steps of four sequences
-    set their bucket's unit and verify cost and leave a lone sequence's as they were."""
-    from engine.speculative import Speculator
-    spec = Speculator(SpecConfig(target="large", govern=False), target=None, draft=None)
-    for _ in range(40):
-        spec.observe_target_step(1.0, *_decode_step(0, 1))               # one sequence: 1 s
-        spec.observe_target_step(1.1, *_decode_step(2, 3))               # +0.05 per draft token
-        spec.observe_target_step(1.6, *_decode_step(0, 1, seqs=4))       # four: 1.6 s
-        spec.observe_target_step(1.6 * 2.6, *_decode_step(2, 3, seqs=4))  # +0.2 per draft token
-    one, four = spec.price(1), spec.price(4)
-    assert one.step == pytest.approx(1.0) and four.step == pytest.approx(1.6)
-    assert one.verify == pytest.approx(0.05, abs=0.005) and four.verify == pytest.approx(0.2, abs=0.01)
-    assert spec.price(5) is four and spec.price(2) is not one                # buckets 4-7 and 2-3
-    assert spec.costs()["buckets"]["4-7"]["step_s"] == pytest.approx(1.6)
+    assert best_k(0.3, 0.0, spec.verify_cost, 8) == 0 and best_k(0.8, 0.0, spec.verify_cost, 8) > 0
 
 
 def test_governor_decides_within_its_bound_and_a_loser_costs_ever_less():
@@ -218,8 +199,7 @@ def test_draft_model_starts_only_where_its_catch_up_pays(pair):
     from engine.sequence import Sequence, SpecState
     large, small = pair
     spec = engine(large, small, prompt_lookup=False, govern=False).speculator
-    spec.price(1).draft, spec.price(1).verify = 0.35, 0.05
-    spec.config = msgspec.structs.replace(spec.config, draft_prefill_cost=0.02)
+    spec.draft_cost, spec.verify_cost, spec.draft_prefill_cost = 0.35, 0.05, 0.02
 
     def seq(prompt_len: int, made: int) -> Sequence:
         s = Sequence(list(range(7, 7 + prompt_len)), SamplingParams(max_tokens=512), spec=SpecState())
@@ -313,18 +293,15 @@ def test_prefill_steps_price_catch_up_and_never_the_decode_step():
     from types import SimpleNamespace
     from engine.speculative import Speculator
     spec = Speculator(SpecConfig(target="large", govern=False), target=None, draft=None)
-    p = spec.price(1)
-    p.draft = 0.4
+    spec.draft_cost = 0.4
     spec.observe_target_step(1.0, *_decode_step(0, 1))               # a plain decode step: 1 s
     prefill = SimpleNamespace(num_draft=0, num_tokens=101, seq=SimpleNamespace(seq_id=1, spec=None))
     spec.observe_target_step(1.0 + 100 * 0.2, [prefill], {1: ([7], [0.0])})    # 100 prompt tokens, 0.2 s each
-    assert p.step == pytest.approx(1.0)
-    assert spec.catch_up_cost(p) == pytest.approx(0.2 * 0.4)
+    assert spec.target_step == pytest.approx(1.0)
+    assert spec.draft_prefill_cost == pytest.approx(0.2 * 0.4)
     spec.observe_target_step(1.3, *_decode_step(2, 3))               # a verification after it
-    assert p.verify == pytest.approx(0.8 * 0.05 + 0.2 * 0.15)
-    # The first measured catch-up (50 tokens at 0.05 s past a draft step) replaces the prior;
-    # a bucket with no plain step of its own prices it in the smallest measured bucket's steps.
+    assert spec.verify_cost == pytest.approx(0.8 * 0.05 + 0.2 * 0.15)
+    # The first measured catch-up (50 tokens at 0.05 steps past a draft step) replaces the prior.
     catch_up = SimpleNamespace(num_tokens=51)
     spec._observe_draft_round(0.4 + 50 * 0.05, [catch_up])
-    assert spec.catch_up == pytest.approx(0.05) and spec.catch_up_cost(p) == pytest.approx(0.05)
-    assert spec.catch_up_cost(spec.price(4)) == pytest.approx(0.05)
+    assert spec.draft_prefill_cost == pytest.approx(0.05)
