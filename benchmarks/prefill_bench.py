@@ -24,12 +24,12 @@ from rich.table import Table
 
 from engine.config import EngineConfig, ModelEntry
 from engine.llm_engine import LLMEngine
+from engine.quantize import DEQUANT_ROWS as ROWS
 from engine.quantize import default_dequant_rows
 from engine.sampling_params import SamplingParams
 
 console = Console(width=140)
 MODELS = {"small": "qwen2.5-coder-0.5b", "large": "qwen2.5-coder-1.5b"}
-ROWS = 64                       # what engine/quantize.py's default_dequant_rows picks where it dequantizes
 
 
 def passages(data: Path) -> str:

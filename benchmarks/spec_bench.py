@@ -7,7 +7,8 @@ answer lengths, a governor that has decided nothing) and an empty draft-model pr
 so the ratios count the warm-up. The target's prefix cache is kept (its prefill is the same
 in every configuration and is not decode time). The first quarter of each run's prompts is
 also reported on its own (warm-up). For each workload and batch size the configurations run
-back to back, `--repeats` times in a rotated order; the table shows the median ratio. Outputs are checked identical to plain greedy decoding.
+back to back, `--repeats` times in a rotated order; the table shows the median ratio.
+Outputs are checked identical to plain greedy decoding.
 Then escalation: verifying the small model's whole answer as an external draft against
 generating the large answer from scratch.
 Prints a table and writes benchmarks/results/spec_bench.json.

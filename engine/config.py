@@ -48,7 +48,8 @@ class ModelEntry(msgspec.Struct, forbid_unknown_fields=True):
             raise ValueError(f"model {self.source!r}: quant must be one of {', '.join(QUANT_SCHEMES)}, "
                              f"got {self.quant!r}")
         if self.dequant_rows is not None and self.dequant_rows < 0:
-            raise ValueError(f"model {self.source!r}: dequant_rows must be 0 (off), a row count or left out (by the CPU), got {self.dequant_rows}")
+            raise ValueError(f"model {self.source!r}: dequant_rows must be 0 (off), a row count or left out "
+                             f"(by the CPU), got {self.dequant_rows}")
         if self.group_size not in (32, 64, 128):
             raise ValueError(f"model {self.source!r}: group_size must be 32, 64 or 128, got {self.group_size}")
 

@@ -14,7 +14,6 @@ import kernels
 
 from engine.config import EngineConfig
 from engine.detokenizer import Detokenizer
-from engine.quantize import QuantLinear
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence, SpecState, isolated
@@ -224,7 +223,7 @@ class LLMEngine:
                       "preemptions": w.scheduler.num_preemptions, "device": str(w.runner.device.device),
                       "cuda_graph_batch_sizes": w.runner.graphs.buckets if w.runner.graphs else [],
                       "kernel_fallbacks": sorted(kernels.FALLBACKS),
-                      "dequant_rows": next((m.dequant_rows for m in w.model.modules() if isinstance(m, QuantLinear)), 0)}
+                      "dequant_rows": w.dequant_rows}
                for name, w in self.workers.items()}
         if self.speculator:
             spec = self.speculator

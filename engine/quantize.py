@@ -7,8 +7,8 @@ Formats (shared with the Triton kernels in kernels/):
 On CPU the matmuls run on torch's packed int8/int4 ops, which are fast only with bf16
 activations, so activations are cast to bf16 just around them; norms, attention and sampling
 stay in float32. Those ops compute rather than stream: their time grows with every row, so an
-int8 matmul over many rows (a prompt chunk) runs in float32 on weights dequantized a slice at
-a time instead (`dequant_rows`). Elsewhere (CUDA) they run on the kernels package, from the
+int8 matmul over many rows (a prompt chunk) runs the kernels' float reference instead, on
+weights dequantized a slice at a time (`dequant_rows`). Elsewhere (CUDA) they run on the kernels package, from the
 stored format as is.
 """
 from __future__ import annotations
@@ -71,11 +71,9 @@ class QuantLinear(nn.Module):
             self.register_buffer("scales_and_zeros", packed_sz.to(device, torch.bfloat16), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.packed:
+        if not self.packed or 0 < self.dequant_rows <= x.shape[0]:
             y = (int8_matmul(x, self.w, self.scales) if self.mode == "int8"
                  else int4_matmul(x, self.w, self.scales, self.zeros, self.group))
-        elif self.dequant_rows and x.shape[0] >= self.dequant_rows:
-            y = dequantized_matmul(x, self.w, self.scales)
         else:
             xb = x.to(torch.bfloat16)
             if self.mode == "int8":
@@ -94,26 +92,17 @@ class QuantLinear(nn.Module):
         return sub
 
 
+DEQUANT_ROWS = 64     # where dequantizing pays: prefill_bench's prompts of 128 tokens and more
+
+
 def default_dequant_rows() -> int:
-    """From how many rows an int8 matmul on this CPU dequantizes. With AVX2 torch's packed op
-    computes at about 70 GFLOP/s, half of float32's, and dequantizing won from 48 rows on (1.5-2x
-    from 64: benchmarks/prefill_bench.py); on the host whose packed op reached 282 GFLOP/s
-    against float32's 168 at 512 rows (benchmarks/gemm_bench.py) dequantizing could not pay;
-    that host's ISA was not recorded, and AVX-512 is inferred from its speed."""
-    return 0 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 64
-
-
-def dequantized_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ (w * scales).T for int8 w [N, K], in x's dtype: about a million weights
-    (4 MB in float32) are dequantized at a time, so each slice is still in cache when the
-    matmul reads it, and the output is built transposed so each slice writes whole rows."""
-    n, k = w.shape
-    out = x.new_empty(n, x.shape[0])
-    step = max(1, (1 << 20) // k)
-    xt = x.t()
-    for r in range(0, n, step):
-        torch.mm(w[r:r + step].to(x.dtype), xt, out=out[r:r + step])
-    return out.mul_(scales[:, None]).t().contiguous()
+    """From how many rows an int8 matmul on this CPU runs on its dequantized weights (the
+    kernels' float reference). On AVX2 torch's packed op ran at half float32's rate
+    (benchmarks/gemm_bench.py) and dequantizing cut time to first token 1.4-1.8x
+    (benchmarks/prefill_bench.py); on a host whose packed op reached 282 GFLOP/s against
+    float32's 168 at 512 rows it could not pay. That host's ISA was not recorded: AVX-512 is
+    inferred from its speed."""
+    return 0 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else DEQUANT_ROWS
 
 
 def quantize_tensors(model: CausalLM, mode: str, group: int) -> dict[str, torch.Tensor]:

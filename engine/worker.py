@@ -8,7 +8,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig, ModelEntry, ThinkingConfig
 from engine.model import CausalLM, load_model
 from engine.model_runner import Device, ModelRunner
-from engine.quantize import apply_quantization, default_dequant_rows
+from engine.quantize import QuantLinear, apply_quantization, default_dequant_rows
 from engine.scheduler import Scheduler
 from engine.stop_checker import StopChecker
 from engine.tokenizer import Tokenizer
@@ -26,6 +26,7 @@ class Worker:
     runner: ModelRunner
     thinking: ThinkingConfig
     stop: StopChecker
+    dequant_rows: int = 0           # int8 matmuls over this many rows or more dequantize (0: never)
 
 
 def weight_bytes(model: CausalLM, per_token: bool = False) -> int:
@@ -67,7 +68,8 @@ def load_workers(config: EngineConfig, progress: bool = True) -> dict[str, Worke
         scheduler = Scheduler(bm, stop, config.max_num_batched_tokens, config.max_num_seqs, config.max_wait_steps)
         runner = ModelRunner(model, cfg, blocks, config.block_size, kv_int8, stop.bans, device)
         runner.capture_graphs(config.max_num_seqs, scheduler.max_model_len)
-        workers[name] = Worker(name, cfg, model, tok, bm, scheduler, runner, thinking, stop)
+        dequant = next((m.dequant_rows for m in model.modules() if isinstance(m, QuantLinear)), 0)
+        workers[name] = Worker(name, cfg, model, tok, bm, scheduler, runner, thinking, stop, dequant)
     return workers
 
 
