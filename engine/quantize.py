@@ -97,9 +97,9 @@ DEQUANT_ROWS = 64     # where dequantizing pays: prefill_bench's prompts of 128 
 
 def default_dequant_rows() -> int:
     """From how many rows an int8 matmul on this CPU runs on its dequantized weights (the
-    kernels' float reference). On AVX2 torch's packed op ran at half float32's rate
-    (benchmarks/gemm_bench.py) and dequantizing cut time to first token 1.4-1.8x
-    (benchmarks/prefill_bench.py); on a host whose packed op reached 282 GFLOP/s against
+    kernels' float reference). On an AVX2 host dequantizing cut time to first token 1.4-1.7x
+    (benchmarks/prefill_bench.py; a one-off microbenchmark had the packed op at half float32's
+    rate there); on a host whose packed op reached 282 GFLOP/s against
     float32's 168 at 512 rows it could not pay. That host's ISA was not recorded: AVX-512 is
     inferred from its speed."""
     return 0 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else DEQUANT_ROWS
