@@ -46,6 +46,8 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x @ self.weight_t if self.bias is None else torch.addmm(self.bias, x, self.weight_t)
 
+    row_block = 1      # `rows` takes any outputs
+
     def rows(self, ids: torch.Tensor) -> Linear:
         """This layer computing only the outputs `ids` (a copy of their weights)."""
         sub = Linear(0, 0, bias=False)

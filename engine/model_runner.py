@@ -247,21 +247,26 @@ class ModelRunner:
 
     def sub_vocab(self, first: int, keep: frozenset[int] | set[int]) -> SubVocab | None:
         """A head over the first `first` token ids (byte-pair ranks: the most frequent merges
-        come first) and those in `keep`, in whole aligned blocks of 32 ids (as torch's packed
-        int4 layout needs); None when that is the whole vocabulary."""
-        size = self.model.cfg.vocab_size
-        starts = sorted(set(range(0, min(first, size), 32)) | {i // 32 * 32 for i in keep if 0 <= i < size})
-        ids = torch.cat([torch.arange(b, min(b + 32, size)) for b in starts]).to(self.device.device)
+        come first) and those in `keep`, in whole aligned blocks of 32 ids or of what the head's
+        layout needs (torch's packed int4: 64 under AVX-512); None when that is the whole
+        vocabulary."""
+        size, b = self.model.cfg.vocab_size, max(32, self.model.lm_head.row_block)
+        starts = sorted(set(range(0, min(first, size), b)) | {i // b * b for i in keep if 0 <= i < size})
+        ids = torch.cat([torch.arange(s, min(s + b, size)) for s in starts]).to(self.device.device)
         if len(ids) >= size:
             return None
         return SubVocab(ids, self.model.lm_head.rows(ids), size)
 
     @torch.inference_mode()
-    def all_logprobs(self, item: ScheduledSeq) -> torch.Tensor:
-        """Log-probabilities over the vocabulary at every position of one chunk (scoring), on
-        the host."""
+    def logprobs(self, item: ScheduledSeq, skip: int = 0) -> torch.Tensor:
+        """Log-probability of the token after each position of one chunk (scoring), from its
+        row `skip` on, on the host: the LM head and softmax only for the rows asked for."""
         input_ids, positions, batch, _ = self.prepare([item])
-        return torch.log_softmax(self.model.logits(self.model(input_ids, positions, batch)).float(), dim=-1).cpu()
+        hidden = self.model(input_ids, positions, batch)[skip:]
+        seq, start = item.seq, item.seq.num_computed_tokens + skip
+        targets = torch.tensor(seq.tokens(start + 1, start + 1 + len(hidden)), device=hidden.device)
+        lp = torch.log_softmax(self.model.logits(hidden).float(), dim=-1)
+        return lp.gather(1, targets[:, None]).squeeze(1).cpu()
 
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledSeq], return_probs: bool = False, vocab: SubVocab | None = None):

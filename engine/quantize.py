@@ -14,6 +14,7 @@ stored format as is.
 from __future__ import annotations
 
 import copy
+import functools
 from pathlib import Path
 
 import torch
@@ -83,26 +84,39 @@ class QuantLinear(nn.Module):
             y = y.to(x.dtype)
         return y if self.bias is None else y + self.bias
 
+    @property
+    def row_block(self) -> int:
+        """`rows` takes whole aligned blocks of this many outputs: torch's packed int4 layout
+        interleaves rows within them."""
+        return row_block() if self.packed and self.mode == "int4" else 1
+
     def rows(self, ids: torch.Tensor) -> QuantLinear:
-        """This layer computing only the outputs `ids` (a copy of their weights). torch's packed
-        int4 layout interleaves rows within blocks of 32: `ids` must be whole aligned blocks."""
+        """This layer computing only the outputs `ids` (a copy of their weights), in whole
+        aligned blocks of `row_block`."""
         sub = copy.copy(self)
         sub._buffers = {name: None if b is None else b.index_select(1 if name == "scales_and_zeros" else 0, ids)
                         for name, b in self._buffers.items()}
         return sub
 
 
-DEQUANT_ROWS = 64     # where dequantizing pays: prefill_bench's prompts of 128 tokens and more
+@functools.cache
+def row_block() -> int:
+    """The row block of torch's packed int4 CPU layout, which interleaves output rows within it:
+    its size follows the kernel torch dispatches to (32 under AVX2, 64 under AVX-512), so it is
+    found by packing rather than assumed. A layer restricted to some rows (`rows`) takes whole
+    blocks of it."""
+    w = torch.randint(0, 16, (256, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    whole = torch._convert_weight_to_int4pack_for_cpu(w, 1)
+    return next(b for b in (16, 32, 64, 128, 256)
+                if all(torch.equal(whole[i:i + b], torch._convert_weight_to_int4pack_for_cpu(w[i:i + b].contiguous(), 1))
+                       for i in range(0, 256, b)))
 
 
-def default_dequant_rows() -> int:
-    """From how many rows an int8 matmul on this CPU runs on its dequantized weights (the
-    kernels' float reference). On an AVX2 host dequantizing cut time to first token 1.4-1.7x
-    (benchmarks/prefill_bench.py; a one-off microbenchmark had the packed op at half float32's
-    rate there); on a host whose packed op reached 282 GFLOP/s against
-    float32's 168 at 512 rows it could not pay. That host's ISA was not recorded: AVX-512 is
-    inferred from its speed."""
-    return 0 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else DEQUANT_ROWS
+# From how many rows an int8 matmul on the CPU runs on its dequantized weights (the kernels'
+# float reference twin): torch's packed int8 op computes rather than streams, and
+# benchmarks/prefill_bench.py measured float32 faster from prompts of 128 tokens on an AVX2 host
+# (1.4-1.7x) and on an AVX-512 one (1.3-1.6x). 0 turns it off, for a host whose packed op is faster.
+DEQUANT_ROWS = 64
 
 
 def quantize_tensors(model: CausalLM, mode: str, group: int) -> dict[str, torch.Tensor]:

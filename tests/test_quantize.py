@@ -99,17 +99,19 @@ def test_quantized_engine_stays_close_to_float(tmp_path, mode, monkeypatch):
 
 @pytest.mark.parametrize("mode", ["float", "int8", "int4", "int8-unpacked", "int4-unpacked"])
 def test_rows_compute_those_outputs_of_the_layer(mode):
-    """A drafter's smaller head: the layer restricted to some outputs (whole 32-row blocks, as
-    torch's packed int4 layout needs) gives exactly the full layer's values there."""
+    """A drafter's smaller head: the layer restricted to some outputs (whole row blocks, as
+    torch's packed int4 layout needs: 32 rows under AVX2, 64 under AVX-512) gives exactly the
+    full layer's values there."""
     torch.manual_seed(0)
-    w, x = torch.randn(128, 64), torch.randn(3, 64)
+    w, x = torch.randn(256, 64), torch.randn(3, 64)
     if mode == "float":
-        layer = Linear(64, 128, bias=False)
+        layer = Linear(64, 256, bias=False)
         layer.weight_t = torch.nn.Parameter(w.t().contiguous(), requires_grad=False)
     else:
         kind = mode.removesuffix("-unpacked")
         tensors = dict(zip(("w", "scales"), quantize_int8(w))) if kind == "int8" else \
             dict(zip(("w", "scales", "zeros"), quantize_int4(w, 32)))
         layer = QuantLinear(kind, tensors, None, 32, packed=not mode.endswith("unpacked"))
-    ids = torch.cat([torch.arange(0, 32), torch.arange(96, 128)])
+    b = max(layer.row_block, 32)
+    ids = torch.cat([torch.arange(0, b), torch.arange(256 - b, 256)])
     torch.testing.assert_close(layer.rows(ids)(x), layer(x)[:, ids], rtol=0, atol=1e-5)
