@@ -25,7 +25,6 @@ from rich.table import Table
 from engine.config import EngineConfig, ModelEntry
 from engine.llm_engine import LLMEngine
 from engine.quantize import DEQUANT_ROWS as ROWS
-from engine.quantize import default_dequant_rows
 from engine.sampling_params import SamplingParams
 
 console = Console(width=140)
@@ -43,6 +42,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--data", type=Path, default=Path(os.environ.get("SLUICE_DATA", ROOT.parent / "shared" / "data")))
+    ap.add_argument("--out", type=Path, default=RESULTS / "prefill_bench.json")
     args = ap.parse_args()
     text = passages(args.data)
     params = SamplingParams(max_tokens=8)
@@ -81,8 +81,8 @@ def main() -> None:
                       f"{r['speedup']:.2f}x", f"{r['prefill_tok_s_packed']:.0f} -> {r['prefill_tok_s_dequant']:.0f}",
                       "yes" if r["same_answer"] else f"no (first token p {r['first_token_p'][1]} / {r['first_token_p'][0]})")
     console.print(table)
-    out = RESULTS / "prefill_bench.json"
-    out.write_text(json.dumps({"machine": machine(), "dequant_rows": ROWS, "default_here": default_dequant_rows(),
+    out = args.out
+    out.write_text(json.dumps({"machine": machine(), "dequant_rows": ROWS,
                                "repeats": args.repeats,
                                "rows": rows}, indent=2) + "\n")
     console.print(f"wrote {out}")

@@ -39,7 +39,7 @@ class ModelEntry(msgspec.Struct, forbid_unknown_fields=True):
     group_size: int = 128         # int4 group along the input dimension: 32, 64 or 128
     # int8 on the CPU: a step of at least this many tokens (a prompt chunk) multiplies in float32
     # over weights dequantized slice by slice instead of on torch's packed int8 op; 0: the
-    # packed op always; None: as measured for this CPU's vector ISA (engine/quantize.py).
+    # packed op always; None: engine/quantize.py's DEQUANT_ROWS, which prefill_bench measured.
     dequant_rows: int | None = None
     thinking: ThinkingConfig = ThinkingConfig()
 
@@ -49,7 +49,7 @@ class ModelEntry(msgspec.Struct, forbid_unknown_fields=True):
                              f"got {self.quant!r}")
         if self.dequant_rows is not None and self.dequant_rows < 0:
             raise ValueError(f"model {self.source!r}: dequant_rows must be 0 (off), a row count or left out "
-                             f"(by the CPU), got {self.dequant_rows}")
+                             f"(the measured default), got {self.dequant_rows}")
         if self.group_size not in (32, 64, 128):
             raise ValueError(f"model {self.source!r}: group_size must be 32, 64 or 128, got {self.group_size}")
 

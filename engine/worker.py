@@ -8,7 +8,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig, ModelEntry, ThinkingConfig
 from engine.model import CausalLM, load_model
 from engine.model_runner import Device, ModelRunner
-from engine.quantize import QuantLinear, apply_quantization, default_dequant_rows
+from engine.quantize import DEQUANT_ROWS, QuantLinear, apply_quantization
 from engine.scheduler import Scheduler
 from engine.stop_checker import StopChecker
 from engine.tokenizer import Tokenizer
@@ -84,6 +84,6 @@ def _load(entry: ModelEntry, progress: bool, device: Device) -> tuple[ModelConfi
     # A quantized model never reads its float linear weights.
     model = load_model(folder, cfg, linear_weights=entry.quant == "none", device=device.device, dtype=device.dtype)
     if entry.quant != "none":
-        rows = default_dequant_rows() if entry.dequant_rows is None else entry.dequant_rows
+        rows = DEQUANT_ROWS if entry.dequant_rows is None else entry.dequant_rows
         model = apply_quantization(model, entry.quant, entry.group_size, cache, rows)
     return cfg, model, Tokenizer(folder)
