@@ -44,8 +44,10 @@ bench: $(VENV)/.installed
 # half at the eval's settings: both models' answers generated for the first $(ROUTER_GEN) (the
 # confidence model, and the proxy's thresholds with their agreement), every question labelled by
 # the proxy (the reference's log-probability, one prefill per model; PROXY_LIMIT=N stops after
-# N, a later run goes on); each arm gets its model's budget from the context curve. Hours on
-# 2 cores: generating costs about a minute a question, the proxy seconds.
+# N, a later run goes on). Proxy scores are committed as they accumulate ($(PROXY_SCORES): ids
+# and numbers, no dataset text), so a fresh machine goes on from them instead of starting over.
+# ROUTER_GEN=0 generates nothing and labels at the thresholds kept in $(THRESHOLDS). Hours on
+# 2 cores: generating costs about a minute a question, the proxy about 8 s.
 EVALS := .cache/evals
 SLUICE := $(VENV)/bin/sluice
 EVAL_SET := mixed --mix 2:1 --quant int8 --context-budget 512
@@ -53,12 +55,16 @@ ROUTER_N ?= 1000
 ROUTER_GEN ?= 100
 ROUTER_RUN := $(EVALS)/train-squad
 ROUTER := router/trained/router.joblib
+PROXY_SCORES := router/trained/proxy.jsonl
+THRESHOLDS := docs/router/proxy-agreement.json
 CONTEXT_CURVE := docs/context-budget/context.json
 router: $(VENV)/.installed
-	$(SLUICE) eval run squad -n $(ROUTER_N) --split train --quant int8 --context-budget 512 --modes small large \
-		--limit $(ROUTER_GEN) --out $(ROUTER_RUN)
+	$(SLUICE) eval run squad -n $(ROUTER_N) --split train --quant int8 --context-budget 512 \
+		--modes $(if $(filter 0,$(ROUTER_GEN)),,small large) --limit $(ROUTER_GEN) --out $(ROUTER_RUN)
+	test -s $(ROUTER_RUN)/proxy.jsonl || cp $(PROXY_SCORES) $(ROUTER_RUN)/proxy.jsonl
 	$(SLUICE) eval proxy $(ROUTER_RUN) $(if $(PROXY_LIMIT),--limit $(PROXY_LIMIT))
-	$(SLUICE) eval labels $(ROUTER_RUN) --proxy $(ROUTER_RUN)
+	cp $(ROUTER_RUN)/proxy.jsonl $(PROXY_SCORES)
+	$(SLUICE) eval labels $(ROUTER_RUN) --proxy $(if $(filter 0,$(ROUTER_GEN)),$(THRESHOLDS),$(ROUTER_RUN))
 	$(SLUICE) train-router $(ROUTER_RUN) $(if $(wildcard $(CONTEXT_CURVE)),--context-curve $(CONTEXT_CURVE)) --out $(ROUTER) \
 		--rebuild "make router ROUTER_N=$(ROUTER_N) ROUTER_GEN=$(ROUTER_GEN)$(if $(PROXY_LIMIT), PROXY_LIMIT=$(PROXY_LIMIT))"
 

@@ -194,24 +194,32 @@ class LLMEngine:
                         bar.update(1)
         return [done[i] for i in ids]
 
-    def score(self, token_ids: list[int], model: str | None = None) -> list[float]:
-        """Log-probability of each token after the first given the ones before it (perplexity,
-        answer likelihoods). Synchronous: call it between steps, not during one."""
+    def score(self, token_ids: list[int], model: str | None = None, first: int = 1) -> list[float]:
+        """Log-probability of each token from index `first` on, given the ones before it
+        (perplexity, answer likelihoods: `first` = the prompt's length). Positions the prefix
+        cache already holds are not computed again, and the LM head runs only where a score is
+        asked for, so references scored after a shared prompt cost their own tokens.
+        Synchronous: call it between steps, not during one."""
         worker = self.worker(model)
         seq = Sequence(list(token_ids), SamplingParams(max_tokens=1), salt=b"score")
         if len(seq) < 2 or len(seq) >= worker.scheduler.max_model_len:
             raise ValueError(f"score needs 2 to {worker.scheduler.max_model_len - 1} tokens, got {len(seq)}")
+        if not 1 <= first < len(seq):
+            raise ValueError(f"score: first must be 1 to {len(seq) - 1} (a token with one before it), got {first}")
         if not worker.block_manager.can_allocate(seq):
             raise ValueError("not enough free KV blocks to score this sequence now")
-        worker.block_manager.allocate(seq)     # score every token, even ones the prefix cache holds
+        worker.block_manager.allocate(seq)
         out: list[float] = []
         chunk = self.config.max_num_batched_tokens
         try:
-            for start in range(0, len(seq), chunk):
+            # The position before `first` predicts it, so that one is computed even when cached.
+            # The last token predicts nothing, so its position is never computed.
+            for start in range(min(seq.num_cached_tokens, first - 1), len(seq) - 1, chunk):
                 seq.num_computed_tokens = start
-                lp = worker.runner.all_logprobs(ScheduledSeq(seq, min(len(seq) - start, chunk)))
-                targets = torch.tensor(seq.token_ids[start + 1:start + len(lp) + 1])
-                out += lp[:len(targets)].gather(1, targets[:, None]).squeeze(1).tolist()
+                item = ScheduledSeq(seq, min(len(seq) - 1 - start, chunk))
+                out += worker.runner.logprobs(item, max(first - 1 - start, 0)).tolist()
+                seq.num_computed_tokens = start + item.num_tokens
+                worker.block_manager.register_computed(seq)
         finally:
             worker.block_manager.free_seq(seq)
         return out

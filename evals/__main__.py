@@ -119,7 +119,8 @@ def build_parser(prog: str = "python -m evals") -> argparse.ArgumentParser:
         p.add_argument("folder", metavar="RUN")
         if name == "labels":
             p.add_argument("--proxy", metavar="RUN2", help="also label the run's proxy-scored questions that have no "
-                                                           "generated answers, at the thresholds `proxy` fitted on RUN2")
+                                                           "generated answers, at the thresholds `proxy` fitted on RUN2 "
+                                                           "(a run folder, or a proxy.json it wrote)")
             p.add_argument("--arms", nargs="+", default=[], metavar="RUN3",
                            help="runs over the same questions at other thinking budgets: their answers add arms "
                                 "(large+think256, ...) to the labels")

@@ -10,6 +10,7 @@ generated correctness, so a label file built from the proxy says how far it can 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -41,35 +42,52 @@ class Agreement(msgspec.Struct, frozen=True):
     kappa: float                      # Cohen's kappa: agreement beyond chance
 
 
-def reference_score(pipeline: Pipeline, config: RunConfig, example: Example, model: str, collection) -> ProxyScore:
-    """The reference answer's mean token log-probability after the prompt `model` is served."""
-    mode = MODES[model]
+@dataclass(frozen=True)
+class _Job:
+    example: Example
+    model: str
+    prompt: list[int] | None          # the prompt `model` is served; None: refused
+    hits: list[float]
+
+
+def _plan(pipeline: Pipeline, config: RunConfig, example: Example, model: str, collection) -> _Job:
     query = Query(example.question, endpoint="eval", mode=model, max_output_tokens=config.max_tokens,
                   thinking_budget=0)
     try:
-        plan = pipeline.plan(mode.terms(config), query, collection if example.retrieve else None,
+        plan = pipeline.plan(MODES[model].terms(config), query, collection if example.retrieve else None,
                              f"proxy-{model}-{example.id}")
     except Refused:
-        return ProxyScore(example.id, model, None, 0)
+        return _Job(example, model, None, [])
+    return _Job(example, model, plan.prompt_ids, [round(h.score, 4) for h in plan.context.hits])
+
+
+def _score(pipeline: Pipeline, job: _Job) -> ProxyScore:
+    """The reference answer's mean token log-probability after the prompt."""
+    if job.prompt is None:
+        return ProxyScore(job.example.id, job.model, None, 0)
     engine = pipeline.engine
-    reference = engine.worker(model).tokenizer.encode(example.answers[0])
-    logprobs = engine.score(plan.prompt_ids + reference, model)[len(plan.prompt_ids) - 1:]
-    return ProxyScore(example.id, model, round(float(np.mean(logprobs)), 4), len(reference),
-                      [round(h.score, 4) for h in plan.context.hits])
+    reference = engine.worker(job.model).tokenizer.encode(job.example.answers[0])
+    logprobs = engine.score(job.prompt + reference, job.model, first=len(job.prompt))
+    return ProxyScore(job.example.id, job.model, round(float(np.mean(logprobs)), 4), len(reference), job.hits)
 
 
 def score_run(folder: Path, pipeline: Pipeline, config: RunConfig, examples: list[Example], collection,
               progress: bool = True) -> list[ProxyScore]:
     """Proxy scores of every SQuAD-style question for both models, appended to proxy.jsonl as
-    they come, so an interrupted run resumes."""
+    they come, so an interrupted run resumes. Every question is planned first (retrieval and
+    trimming are cheap) and scored in prompt order: questions whose passages coincide come
+    together, and each prefills only past the prefix the engine's cache holds."""
     path = folder / PROXY_FILE
     done = read_scores(folder)
     have = {(s.id, s.model) for s in done}
     todo = [(e, m) for e in examples if e.kind != "gsm8k" for m in MODES if (e.id, m) not in have]
+    jobs = [_plan(pipeline, config, e, m, collection)
+            for e, m in tqdm(todo, desc="plan", unit="prompt", disable=not progress)]
+    jobs.sort(key=lambda j: (j.prompt or [], j.model))     # a question's two scores together: labels need both
     encoder = msgspec.json.Encoder()
     with path.open("ab") as out:
-        for example, model in tqdm(todo, desc="proxy", unit="score", disable=not progress):
-            score = reference_score(pipeline, config, example, model, collection)
+        for job in tqdm(jobs, desc="proxy", unit="score", disable=not progress):
+            score = _score(pipeline, job)
             out.write(encoder.encode(score) + b"\n")
             out.flush()
             done.append(score)
@@ -94,7 +112,8 @@ def agreement(folder: Path, scores: list[ProxyScore]) -> list[Agreement]:
 
 
 def _fit(model: str, proxy: np.ndarray, correct: np.ndarray) -> Agreement:
-    candidates = np.concatenate([np.unique(proxy), [np.inf]])
+    # 1.0: above any log-probability (the proxy always says wrong), and unlike inf it fits in JSON.
+    candidates = np.concatenate([np.unique(proxy), [1.0]])
     agree = [float(np.mean((proxy >= t) == correct)) for t in candidates]
     best = int(np.argmax(agree))
     said = proxy >= candidates[best]
@@ -120,9 +139,18 @@ def read_scores(folder: Path) -> list[ProxyScore]:
     return out
 
 
-def read_thresholds(folder: Path) -> dict[str, float]:
-    """The thresholds `agreement` fitted in a run folder, by model."""
-    path = folder / PROXY_REPORT
+def read_thresholds(path: Path) -> dict[str, float]:
+    """The thresholds `agreement` fitted, by model: from a run folder's proxy.json, or such a
+    file kept elsewhere (docs/router/proxy-agreement.json)."""
+    if path.is_dir():
+        path = path / PROXY_REPORT
     if not path.exists():
-        raise RunError(f"{folder}: no {PROXY_REPORT}; run `python -m evals proxy {folder}` on a run with generated answers")
-    return {a.model: a.threshold for a in msgspec.json.decode(path.read_bytes(), type=list[Agreement])}
+        raise RunError(f"{path}: no such file; run `python -m evals proxy RUN` on a run with generated answers")
+    try:
+        found = {a.model: a.threshold for a in msgspec.json.decode(path.read_bytes(), type=list[Agreement])}
+    except msgspec.DecodeError as e:
+        raise RunError(f"{path}: not a proxy agreement file: {e}") from None
+    if not {"small", "large"} <= set(found):
+        raise RunError(f"{path}: thresholds for {sorted(found) or 'no model'}; labels need small and large "
+                       f"(fit them on a run that generated answers with both)")
+    return found

@@ -184,6 +184,24 @@ def test_score_matches_transformers_logprobs(folder):
     assert engine.stats()["tiny"]["kv_blocks_free"] == 256
 
 
+
+def test_score_after_a_cached_prompt_equals_scoring_it_whole(folder):
+    # Two references after one prompt: the second call computes only past the cached blocks
+    # and runs the LM head on the reference rows alone, and must agree with a full pass.
+    engine = make_engine(folder, max_num_batched_tokens=16)
+    prompt = [t for p in prompts(8, seed=14) for t in p][:45]
+    refs = [[5, 6, 7], [8, 9, 10, 11]]
+    whole = [make_engine(folder).score(prompt + r) for r in refs]
+    hits = engine.stats()["tiny"]["prefix_cache_hits"]
+    got = [engine.score(prompt + r, first=len(prompt)) for r in refs]
+    assert engine.stats()["tiny"]["prefix_cache_hits"] - hits == len(prompt) // 4     # the second call's, block 4
+    for g, w, r in zip(got, whole, refs):
+        assert len(g) == len(r)
+        assert g == pytest.approx(w[len(prompt) - 1:], abs=1e-5)
+    with pytest.raises(ValueError, match="first must be 1 to"):
+        engine.score(prompt, first=len(prompt))
+
+
 def stream(detok, ids: list[int], sizes: list[int]) -> str:
     """Feed ids to a Detokenizer a few at a time (speculation appends several per step)."""
     out, n, i = [], len(ids), 0

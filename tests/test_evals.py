@@ -589,6 +589,16 @@ def test_proxy_scores_the_reference_as_transformers_does_and_labels_from_it(tmp_
         assert r["small_correct"] == (by_score[qid, "small"] >= thresholds["small"])
         assert r["large_correct"] == (by_score[qid, "large"] >= thresholds["large"])
         assert r["confidence"] is None and r["retrieval_scores"]
+    # The thresholds kept as a file outside the run (make router without generated answers).
+    from evals.proxy import PROXY_REPORT, read_thresholds
+    from evals.runner import RunError
+    (folder / PROXY_REPORT).write_bytes(msgspec.json.encode(list(found.values())))
+    kept = tmp_path / "agreement.json"
+    kept.write_bytes((folder / PROXY_REPORT).read_bytes())
+    assert read_thresholds(kept) == read_thresholds(folder) == thresholds
+    kept.write_bytes(msgspec.json.encode([found["small"]]))
+    with pytest.raises(RunError, match="labels need small and large"):
+        read_thresholds(kept)
 
 
 def test_heldout_scores_the_routers_arms_on_labels_it_never_saw(tmp_path):
