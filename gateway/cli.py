@@ -230,10 +230,13 @@ def cmd_train_router(args, config: ServerConfig) -> int:
     run = Path(args.folder)
     folder = run if run.is_dir() else run.parent
     budgets = read_chosen(Path(args.context_curve)) if args.context_curve else None
-    model, report = train(run, Embedder(device="cpu"), context_budgets=budgets)
+    if not 0 <= args.holdout < 1:
+        print(f"sluice train-router: --holdout must be at least 0 and below 1, got {args.holdout}", file=sys.stderr)
+        return 2
+    model, report = train(run, Embedder(device="cpu"), context_budgets=budgets, holdout=args.holdout)
     out = Path(args.out) if args.out else folder / ROUTER_FILE
     command = " ".join(["sluice train-router", args.folder, *(["--context-curve", args.context_curve] if budgets else []),
-                        *(["--out", args.out] if args.out else [])])
+                        *([f"--holdout {args.holdout}"] if args.holdout else []), *(["--out", args.out] if args.out else [])])
     about = provenance(folder) if (folder / "run.json").exists() else {}
     model.save(out, {"command": command, "rebuild": args.rebuild, **about, "context_budgets": budgets,
                      "report": report.as_dict()})
@@ -293,6 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--out", help="where to save the router (default: RUN/router.joblib)")
     train.add_argument("--context-curve", metavar="FILE", help="context.json from `sluice eval context`: each model's "
                                                                "chosen context budget goes to its arms")
+    train.add_argument("--holdout", type=float, default=0.0, metavar="SHARE",
+                       help="leave this share of the questions out (by a hash of their ids), so `sluice eval heldout "
+                            "RUN --router OUT` scores the router on labels it never saw (default: none)")
     train.add_argument("--rebuild", metavar="COMMAND", help="the command that makes the labels and this router from "
                                                             "nothing (e.g. `make router ...`), recorded in its sidecar")
     train.set_defaults(run=cmd_train_router)

@@ -3,6 +3,7 @@ confidence model in one joblib file, stamped with FEATURE_VERSION so a router tr
 with a clear error instead of routing on garbage."""
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -71,12 +72,22 @@ class TrainReport:
         return asdict(self)
 
 
-def train(labels_path: str | Path, embedder, seed: int = 0,
-          context_budgets: dict[str, int] | None = None) -> tuple[RouterModel, TrainReport]:
+def held_out(question_id: str, share: float) -> bool:
+    """Whether a question falls in the held-out `share` of its labels: by a hash of its id
+    alone, so the same labels always split the same way and a grown label file keeps its
+    held-out questions held out."""
+    return int.from_bytes(hashlib.blake2b(question_id.encode(), digest_size=4).digest(), "little") < share * 2**32
+
+
+def train(labels_path: str | Path, embedder, seed: int = 0, context_budgets: dict[str, int] | None = None,
+          holdout: float = 0.0) -> tuple[RouterModel, TrainReport]:
     """Every model from a run's labels.jsonl (or its run folder). `embedder.encode(texts)`
     embeds the questions, as the gateway embeds them when it searches. `context_budgets`:
-    each engine model's context budget, for its arms (evals' context-budget curve chooses them)."""
-    labels = read_labels(labels_path)
+    each engine model's context budget, for its arms (evals' context-budget curve chooses them).
+    `holdout`: the share of questions (by `held_out`) left out, for `evals heldout` to score."""
+    labels = [l for l in read_labels(labels_path) if not held_out(l.id, holdout)]
+    if not labels:
+        raise RouterError(f"{labels_path}: no labels left after holding out {holdout:.0%}")
     embeddings = np.asarray(embedder.encode([l.question for l in labels]), np.float32)
     classifier, c_report = train_classifier(labels, embeddings, seed)
     confidence, k_report = train_confidence(labels, seed)

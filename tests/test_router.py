@@ -71,6 +71,21 @@ def trained(tmp_path_factory):
     return path, model, report
 
 
+
+def test_holdout_leaves_the_same_questions_out_of_training(trained, tmp_path):
+    from router.model import held_out
+    path, full, _ = trained
+    ids = {l.id for l in read_labels(path)}
+    model, report = train(path, HashEmbedder(), holdout=0.25)
+    out = {i for i in ids if held_out(i, 0.25)}
+    assert 10 < len(out) < 35 and model.trained_on == ids - out == full.trained_on - out
+    assert report.labels == len(ids) - len(out)
+    with pytest.raises(RouterError, match="no labels left"):
+        train(path, HashEmbedder(), holdout=1.0)
+    from gateway.cli import main
+    assert main(["train-router", str(path), "--holdout", "1.5", "--out", str(tmp_path / "r.joblib")]) == 2
+
+
 def test_features_are_fixed_length():
     e = np.zeros(16, np.float32)
     assert feature_vector("what?", e, []).shape == feature_vector("why 12 + 3 = 15? " * 20, e, [0.9, 0.1, 0.05]).shape
