@@ -43,25 +43,26 @@ class Agreement(msgspec.Struct, frozen=True):
 
 
 @dataclass(frozen=True)
-class _Job:
+class ScoreJob:
     example: Example
     model: str
     prompt: list[int] | None          # the prompt `model` is served; None: refused
     hits: list[float]
 
 
-def _plan(pipeline: Pipeline, config: RunConfig, example: Example, model: str, collection) -> _Job:
+def plan_score(pipeline: Pipeline, config: RunConfig, example: Example, model: str, collection) -> ScoreJob:
+    """The prompt `model` is served for the question, through the answers' own pipeline."""
     query = Query(example.question, endpoint="eval", mode=model, max_output_tokens=config.max_tokens,
                   thinking_budget=0)
     try:
         plan = pipeline.plan(MODES[model].terms(config), query, collection if example.retrieve else None,
                              f"proxy-{model}-{example.id}")
     except Refused:
-        return _Job(example, model, None, [])
-    return _Job(example, model, plan.prompt_ids, [round(h.score, 4) for h in plan.context.hits])
+        return ScoreJob(example, model, None, [])
+    return ScoreJob(example, model, plan.prompt_ids, [round(h.score, 4) for h in plan.context.hits])
 
 
-def _score(pipeline: Pipeline, job: _Job) -> ProxyScore:
+def score_job(pipeline: Pipeline, job: ScoreJob) -> ProxyScore:
     """The reference answer's mean token log-probability after the prompt."""
     if job.prompt is None:
         return ProxyScore(job.example.id, job.model, None, 0)
@@ -81,13 +82,13 @@ def score_run(folder: Path, pipeline: Pipeline, config: RunConfig, examples: lis
     done = read_scores(folder)
     have = {(s.id, s.model) for s in done}
     todo = [(e, m) for e in examples if e.kind != "gsm8k" for m in MODES if (e.id, m) not in have]
-    jobs = [_plan(pipeline, config, e, m, collection)
+    jobs = [plan_score(pipeline, config, e, m, collection)
             for e, m in tqdm(todo, desc="plan", unit="prompt", disable=not progress)]
     jobs.sort(key=lambda j: (j.prompt or [], j.model))     # a question's two scores together: labels need both
     encoder = msgspec.json.Encoder()
     with path.open("ab") as out:
         for job in tqdm(jobs, desc="proxy", unit="score", disable=not progress):
-            score = _score(pipeline, job)
+            score = score_job(pipeline, job)
             out.write(encoder.encode(score) + b"\n")
             out.flush()
             done.append(score)
