@@ -10,6 +10,7 @@ generated correctness, so a label file built from the proxy says how far it can 
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +49,7 @@ class ScoreJob:
     model: str
     prompt: list[int] | None          # the prompt `model` is served; None: refused
     hits: list[float]
+    first_passage: str = ""           # the chunk the prompt's passages open with
 
 
 def plan_score(pipeline: Pipeline, config: RunConfig, example: Example, model: str, collection) -> ScoreJob:
@@ -59,7 +61,9 @@ def plan_score(pipeline: Pipeline, config: RunConfig, example: Example, model: s
                              f"proxy-{model}-{example.id}")
     except Refused:
         return ScoreJob(example, model, None, [])
-    return ScoreJob(example, model, plan.prompt_ids, [round(h.score, 4) for h in plan.context.hits])
+    cited = plan.context.citations
+    return ScoreJob(example, model, plan.prompt_ids, [round(h.score, 4) for h in plan.context.hits],
+                    cited[0].hit.chunk.id if cited else "")
 
 
 def score_job(pipeline: Pipeline, job: ScoreJob) -> ProxyScore:
@@ -72,19 +76,28 @@ def score_job(pipeline: Pipeline, job: ScoreJob) -> ProxyScore:
     return ProxyScore(job.example.id, job.model, round(float(np.mean(logprobs)), 4), len(reference), job.hits)
 
 
+def scoring_order(jobs: list[ScoreJob]) -> list[ScoreJob]:
+    """Grouped by the passage a prompt opens with, groups in an order hashed from it, prompt
+    order within a group, a question's two models together (its label needs both)."""
+    return sorted(jobs, key=lambda j: (hashlib.blake2b(j.first_passage.encode()).digest(), j.prompt or [], j.model))
+
+
 def score_run(folder: Path, pipeline: Pipeline, config: RunConfig, examples: list[Example], collection,
               progress: bool = True) -> list[ProxyScore]:
     """Proxy scores of every SQuAD-style question for both models, appended to proxy.jsonl as
     they come, so an interrupted run resumes. Every question is planned first (retrieval and
-    trimming are cheap) and scored in prompt order: questions whose passages coincide come
-    together, and each prefills only past the prefix the engine's cache holds."""
+    trimming are cheap), then scored grouped by the passage its prompt opens with, in prompt
+    order within a group: questions whose passages coincide come together, and each prefills
+    only past the prefix the engine's cache holds. The groups come in an order hashed from
+    their passage, so a run stopped early has labelled a random sample of passages, not the
+    alphabetically first."""
     path = folder / PROXY_FILE
     done = read_scores(folder)
     have = {(s.id, s.model) for s in done}
     todo = [(e, m) for e in examples if e.kind != "gsm8k" for m in MODES if (e.id, m) not in have]
     jobs = [plan_score(pipeline, config, e, m, collection)
             for e, m in tqdm(todo, desc="plan", unit="prompt", disable=not progress)]
-    jobs.sort(key=lambda j: (j.prompt or [], j.model))     # a question's two scores together: labels need both
+    jobs = scoring_order(jobs)
     encoder = msgspec.json.Encoder()
     with path.open("ab") as out:
         for job in tqdm(jobs, desc="proxy", unit="score", disable=not progress):
