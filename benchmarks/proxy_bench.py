@@ -32,7 +32,7 @@ from rich.table import Table
 from engine.config import EngineConfig, ModelEntry
 from engine.llm_engine import LLMEngine
 from evals.datasets import files_for
-from evals.proxy import ScoreJob, plan_score, scoring_order
+from evals.proxy import ScoreJob, plan_score, score_job, scoring_order
 from evals.runner import RunConfig, build_collection, load_dataset, open_run, pipeline_for
 from pipeline import default_prices
 from retrieval import Embedder
@@ -41,14 +41,17 @@ console = Console(width=140)
 MODELS = {"small": "qwen2.5-coder-0.5b", "large": "qwen2.5-coder-1.5b"}
 
 
+def score_before(engine: LLMEngine, job: ScoreJob) -> float:
+    """What a label cost before `score(first=)`: every position computed, the head on each."""
+    reference = engine.worker(job.model).tokenizer.encode(job.example.answers[0])
+    return float(np.mean(engine.score(job.prompt + reference, job.model)[len(job.prompt) - 1:]))
+
+
 def score_all(engine: LLMEngine, jobs: list[ScoreJob], cached: bool, label: str) -> tuple[float, dict]:
     out = {}
     start = time.perf_counter()
     for job in track(jobs, description=label, console=console):
-        reference = engine.worker(job.model).tokenizer.encode(job.example.answers[0])
-        ids = job.prompt + reference
-        lp = engine.score(ids, job.model, first=len(job.prompt)) if cached else engine.score(ids, job.model)[len(job.prompt) - 1:]
-        out[job.example.id, job.model] = float(np.mean(lp))
+        out[job.example.id, job.model] = score_job(engine, job).mean_logprob if cached else score_before(engine, job)
     return time.perf_counter() - start, out
 
 

@@ -18,6 +18,7 @@ import msgspec
 import numpy as np
 from tqdm import tqdm
 
+from engine.llm_engine import LLMEngine
 from evals.datasets import Example
 from evals.records import RecordLog
 from evals.runner import MODES, RECORDS_FILE, RunConfig, RunError
@@ -49,7 +50,7 @@ class ScoreJob:
     model: str
     prompt: list[int] | None          # the prompt `model` is served; None: refused
     hits: list[float]
-    first_passage: str = ""           # the chunk the prompt's passages open with
+    first_passage: str                # the chunk the prompt's passages open with; "" without any
 
 
 def plan_score(pipeline: Pipeline, config: RunConfig, example: Example, model: str, collection) -> ScoreJob:
@@ -60,17 +61,16 @@ def plan_score(pipeline: Pipeline, config: RunConfig, example: Example, model: s
         plan = pipeline.plan(MODES[model].terms(config), query, collection if example.retrieve else None,
                              f"proxy-{model}-{example.id}")
     except Refused:
-        return ScoreJob(example, model, None, [])
+        return ScoreJob(example, model, None, [], "")
     cited = plan.context.citations
     return ScoreJob(example, model, plan.prompt_ids, [round(h.score, 4) for h in plan.context.hits],
                     cited[0].hit.chunk.id if cited else "")
 
 
-def score_job(pipeline: Pipeline, job: ScoreJob) -> ProxyScore:
+def score_job(engine: LLMEngine, job: ScoreJob) -> ProxyScore:
     """The reference answer's mean token log-probability after the prompt."""
     if job.prompt is None:
         return ProxyScore(job.example.id, job.model, None, 0)
-    engine = pipeline.engine
     reference = engine.worker(job.model).tokenizer.encode(job.example.answers[0])
     logprobs = engine.score(job.prompt + reference, job.model, first=len(job.prompt))
     return ProxyScore(job.example.id, job.model, round(float(np.mean(logprobs)), 4), len(reference), job.hits)
@@ -101,7 +101,7 @@ def score_run(folder: Path, pipeline: Pipeline, config: RunConfig, examples: lis
     encoder = msgspec.json.Encoder()
     with path.open("ab") as out:
         for job in tqdm(jobs, desc="proxy", unit="score", disable=not progress):
-            score = score_job(pipeline, job)
+            score = score_job(pipeline.engine, job)
             out.write(encoder.encode(score) + b"\n")
             out.flush()
             done.append(score)
