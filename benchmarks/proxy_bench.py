@@ -51,7 +51,7 @@ def score_all(engine: LLMEngine, jobs: list[ScoreJob], cached: bool, label: str)
     out = {}
     start = time.perf_counter()
     for job in track(jobs, description=label, console=console):
-        out[job.example.id, job.model] = score_job(engine, job).mean_logprob if cached else score_before(engine, job)
+        out[job.example.id, job.model] = score_job(engine, job)[0].mean_logprob if cached else score_before(engine, job)
     return time.perf_counter() - start, out
 
 

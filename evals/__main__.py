@@ -249,7 +249,7 @@ def cmd_proxy(args) -> int:
     finally:
         if collection is not None:
             collection.close()
-    found = agreement(folder, scores)
+    found = agreement(folder, scores, dataset.examples)
     (folder / PROXY_REPORT).write_bytes(msgspec.json.format(msgspec.json.encode(found)) + b"\n")
     print("| model | questions | threshold | agreement | generated correct | kappa |\n|---|---|---|---|---|---|")
     for a in found:

@@ -15,7 +15,7 @@ from pathlib import Path
 import msgspec
 
 from evals.records import Record, RecordLog
-from evals.proxy import read_scores
+from evals.proxy import best_scores, read_scores
 from evals.runner import RECORDS_FILE, load_dataset, read_config
 from router.arms import arm_name
 from router.confidence import EARLY_TOKENS, quantiles
@@ -92,13 +92,14 @@ def labels(log: RecordLog, thinking: int = 0) -> list[Label]:
 def proxy_labels(folder: Path, thresholds: dict[str, float], skip: set[str]) -> list[Label]:
     """Labels from the run's proxy scores (evals/proxy.py) at these thresholds, for the
     questions not in `skip`; no confidence features, since no answer was generated."""
+    read = read_scores(folder)
+    examples = load_dataset(read_config(folder)).examples
+    hits = {s.id: s.retrieval_scores for s in read}
     scores: dict[str, dict[str, float]] = {}
-    hits: dict[str, list[float]] = {}
-    for s in read_scores(folder):
-        if s.mean_logprob is not None and s.id not in skip:
-            scores.setdefault(s.id, {})[s.model] = s.mean_logprob
-            hits[s.id] = s.retrieval_scores
-    questions = {e.id: e for e in load_dataset(read_config(folder)).examples}
+    for (qid, model), best in best_scores(read, examples).items():
+        if qid not in skip:
+            scores.setdefault(qid, {})[model] = best
+    questions = {e.id: e for e in examples}
     out = []
     for qid, by_model in scores.items():
         if set(by_model) >= {"small", "large"} and qid in questions:

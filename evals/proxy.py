@@ -3,8 +3,9 @@ reference answer (SQuAD), how readily each model would say it, from one teacher-
 over the served prompt followed by the reference (`LLMEngine.score`). A label costs one prefill
 per model instead of two generations.
 
-The proxy is a guess at "this model answers it correctly": the mean log-probability of the
-reference's tokens against a threshold per model. `agreement` fits each threshold on the
+The proxy is a guess at "this model answers it correctly": the mean log-probability of a
+reference's tokens against a threshold per model, the best over the question's distinct gold
+answers (SQuAD gives up to three, as its F1 and exact match take the best too). `agreement` fits each threshold on the
 questions a run also generated answers for and reports how often the proxy agrees with the
 generated correctness, so a label file built from the proxy says how far it can be trusted.
 """
@@ -33,6 +34,7 @@ class ProxyScore(msgspec.Struct, frozen=True):
     mean_logprob: float | None        # of the reference's tokens; None: the prompt was refused
     tokens: int
     retrieval_scores: list[float] = []   # the search's hits, by rank, as labels keep them
+    answer: int = 0                   # which of the example's gold answers (the first distinct of its text)
 
 
 class Agreement(msgspec.Struct, frozen=True):
@@ -51,9 +53,19 @@ class ScoreJob:
     prompt: list[int] | None          # the prompt `model` is served; None: refused
     hits: list[float]
     first_passage: str                # the chunk the prompt's passages open with; "" without any
+    answers: tuple[int, ...] = (0,)   # the gold answers to score, by index
 
 
-def plan_score(pipeline: Pipeline, config: RunConfig, example: Example, model: str, collection) -> ScoreJob:
+def distinct_answers(example: Example) -> list[int]:
+    """The index of each gold answer whose text no earlier one has: annotators often agree."""
+    seen: dict[str, int] = {}
+    for i, a in enumerate(example.answers):
+        seen.setdefault(a.strip(), i)
+    return sorted(seen.values())
+
+
+def plan_score(pipeline: Pipeline, config: RunConfig, example: Example, model: str, collection,
+               answers: tuple[int, ...] = (0,)) -> ScoreJob:
     """The prompt `model` is served for the question, through the answers' own pipeline."""
     query = Query(example.question, endpoint="eval", mode=model, max_output_tokens=config.max_tokens,
                   thinking_budget=0)
@@ -61,19 +73,39 @@ def plan_score(pipeline: Pipeline, config: RunConfig, example: Example, model: s
         plan = pipeline.plan(MODES[model].terms(config), query, collection if example.retrieve else None,
                              f"proxy-{model}-{example.id}")
     except Refused:
-        return ScoreJob(example, model, None, [], "")
+        return ScoreJob(example, model, None, [], "", answers)
     cited = plan.context.citations
     return ScoreJob(example, model, plan.prompt_ids, [round(h.score, 4) for h in plan.context.hits],
-                    cited[0].hit.chunk.id if cited else "")
+                    cited[0].hit.chunk.id if cited else "", answers)
 
 
-def score_job(engine: LLMEngine, job: ScoreJob) -> ProxyScore:
-    """The reference answer's mean token log-probability after the prompt."""
+def score_job(engine: LLMEngine, job: ScoreJob) -> list[ProxyScore]:
+    """Each asked reference answer's mean token log-probability after the prompt. The first
+    leaves the prompt in the prefix cache, so the others compute little more than themselves."""
+    e = job.example
     if job.prompt is None:
-        return ProxyScore(job.example.id, job.model, None, 0)
-    reference = engine.worker(job.model).tokenizer.encode(job.example.answers[0])
-    logprobs = engine.score(job.prompt + reference, job.model, first=len(job.prompt))
-    return ProxyScore(job.example.id, job.model, round(float(np.mean(logprobs)), 4), len(reference), job.hits)
+        return [ProxyScore(e.id, job.model, None, 0, answer=i) for i in job.answers]
+    out = []
+    for i in job.answers:
+        reference = engine.worker(job.model).tokenizer.encode(e.answers[i])
+        logprobs = engine.score(job.prompt + reference, job.model, first=len(job.prompt))
+        out.append(ProxyScore(e.id, job.model, round(float(np.mean(logprobs)), 4), len(reference), job.hits, i))
+    return out
+
+
+def best_scores(scores: list[ProxyScore], examples: list[Example]) -> dict[tuple[str, str], float]:
+    """By (question, model), the best mean log-probability over the question's distinct gold
+    answers, where every one of them was scored (a run stopped half way through a question's
+    answers would otherwise judge it on fewer); a refused prompt has none."""
+    wanted = {e.id: set(distinct_answers(e)) for e in examples}
+    scored: dict[tuple[str, str], set[int]] = {}
+    best: dict[tuple[str, str], float] = {}
+    for s in scores:
+        key = (s.id, s.model)
+        scored.setdefault(key, set()).add(s.answer)
+        if s.mean_logprob is not None:
+            best[key] = max(best.get(key, s.mean_logprob), s.mean_logprob)
+    return {key: p for key, p in best.items() if key[0] in wanted and scored[key] >= wanted[key[0]]}
 
 
 def scoring_order(jobs: list[ScoreJob]) -> list[ScoreJob]:
@@ -84,8 +116,9 @@ def scoring_order(jobs: list[ScoreJob]) -> list[ScoreJob]:
 
 def score_run(folder: Path, pipeline: Pipeline, config: RunConfig, examples: list[Example], collection,
               progress: bool = True) -> list[ProxyScore]:
-    """Proxy scores of every SQuAD-style question for both models, appended to proxy.jsonl as
-    they come, so an interrupted run resumes. Every question is planned first (retrieval and
+    """Proxy scores of every distinct gold answer of every SQuAD-style question for both
+    models, appended to proxy.jsonl as they come, so an interrupted run resumes (and a file
+    from before every answer was scored gains the rest). Every question is planned first (retrieval and
     trimming are cheap), then scored grouped by the passage its prompt opens with, in prompt
     order within a group: questions whose passages coincide come together, and each prefills
     only past the prefix the engine's cache holds. The groups come in an order hashed from
@@ -93,31 +126,32 @@ def score_run(folder: Path, pipeline: Pipeline, config: RunConfig, examples: lis
     alphabetically first."""
     path = folder / PROXY_FILE
     done = read_scores(folder)
-    have = {(s.id, s.model) for s in done}
-    todo = [(e, m) for e in examples if e.kind != "gsm8k" for m in MODES if (e.id, m) not in have]
-    jobs = [plan_score(pipeline, config, e, m, collection)
-            for e, m in tqdm(todo, desc="plan", unit="prompt", disable=not progress)]
+    have = {(s.id, s.model, s.answer) for s in done}
+    todo = [(e, m, need) for e in examples if e.kind != "gsm8k" for m in MODES
+            if (need := tuple(i for i in distinct_answers(e) if (e.id, m, i) not in have))]
+    jobs = [plan_score(pipeline, config, e, m, collection, need)
+            for e, m, need in tqdm(todo, desc="plan", unit="prompt", disable=not progress)]
     jobs = scoring_order(jobs)
     encoder = msgspec.json.Encoder()
     with path.open("ab") as out:
-        for job in tqdm(jobs, desc="proxy", unit="score", disable=not progress):
-            score = score_job(pipeline.engine, job)
-            out.write(encoder.encode(score) + b"\n")
+        for job in tqdm(jobs, desc="proxy", unit="prompt", disable=not progress):
+            scores = score_job(pipeline.engine, job)
+            out.write(b"".join(encoder.encode(s) + b"\n" for s in scores))
             out.flush()
-            done.append(score)
+            done += scores
     return done
 
 
-def agreement(folder: Path, scores: list[ProxyScore]) -> list[Agreement]:
+def agreement(folder: Path, scores: list[ProxyScore], examples: list[Example]) -> list[Agreement]:
     """Per model, the threshold that makes the proxy agree most with the run's generated
     correctness, and how much it then agrees."""
+    best = best_scores(scores, examples)
     log = RecordLog(folder / RECORDS_FILE)
     try:
         out = []
         for model in MODES:
             generated = {r.id: r.correct for r in log.of_mode(model)}
-            pairs = [(s.mean_logprob, generated[s.id]) for s in scores
-                     if s.model == model and s.id in generated and s.mean_logprob is not None]
+            pairs = [(p, generated[qid]) for (qid, m), p in best.items() if m == model and qid in generated]
             if len(pairs) >= 2:
                 out.append(_fit(model, np.array([p for p, _ in pairs]), np.array([c for _, c in pairs])))
         return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import tomllib
+from dataclasses import replace
 from pathlib import Path
 
 import msgspec
@@ -539,7 +540,7 @@ def test_proxy_scores_the_reference_as_transformers_does_and_labels_from_it(tmp_
     import torch
     import transformers
     from evals.labels import LABELS_FILE
-    from evals.proxy import agreement, read_scores, score_run
+    from evals.proxy import agreement, best_scores, distinct_answers, read_scores, score_run
     config = config_for("squad", files_for("squad", None, str(data)))
     folder = tmp_path / "run"
     dataset = run(folder, config, engine, embedder)
@@ -547,25 +548,29 @@ def test_proxy_scores_the_reference_as_transformers_does_and_labels_from_it(tmp_
     try:
         pipeline = pipeline_for(engine, config)
         scores = score_run(folder, pipeline, config, dataset.examples, collection, progress=False)
-        assert sorted((s.id, s.model) for s in scores) == sorted((e.id, m) for e in dataset.examples
-                                                                 for m in ("small", "large"))
-        # The reference's mean log-probability after the served prompt, as transformers computes it.
-        example, model = dataset.examples[0], "large"
+        # Every distinct gold answer, once (s1 has two).
+        assert sorted((s.id, s.model, s.answer) for s in scores) == sorted(
+            (e.id, m, i) for e in dataset.examples for m in ("small", "large") for i in distinct_answers(e))
+        assert len(distinct_answers(replace(dataset.examples[0], answers=["a", " a", "b", "a"]))) == 2
+        # Each reference's mean log-probability after the served prompt, as transformers computes
+        # it: the second answer scored after the first left the prompt in the prefix cache.
+        example, model = next(e for e in dataset.examples if e.id == "s1"), "large"
         query = Query(example.question, mode=model, max_output_tokens=config.max_tokens, thinking_budget=0)
         plan = pipeline.plan(MODES[model].terms(config), query, collection, "x")
-        reference = engine.worker(model).tokenizer.encode(example.answers[0])
         hf = transformers.AutoModelForCausalLM.from_pretrained(engine.config.models[model].source, dtype=torch.float32)
-        ids = torch.tensor([plan.prompt_ids + reference])
-        logprobs = hf(ids).logits[0, :-1].log_softmax(-1).gather(1, ids[0, 1:, None])[:, 0]
-        ours = next(s for s in scores if (s.id, s.model) == (example.id, model))
-        assert ours.mean_logprob == pytest.approx(logprobs[-len(reference):].mean().item(), abs=2e-4)
-        assert ours.retrieval_scores == [round(h.score, 4) for h in plan.context.hits]
+        for answer in (0, 1):
+            reference = engine.worker(model).tokenizer.encode(example.answers[answer])
+            ids = torch.tensor([plan.prompt_ids + reference])
+            logprobs = hf(ids).logits[0, :-1].log_softmax(-1).gather(1, ids[0, 1:, None])[:, 0]
+            ours = next(s for s in scores if (s.id, s.model, s.answer) == (example.id, model, answer))
+            assert ours.mean_logprob == pytest.approx(logprobs[-len(reference):].mean().item(), abs=2e-4)
+            assert ours.retrieval_scores == [round(h.score, 4) for h in plan.context.hits]
         # Resumed: nothing is scored again.
         monkeypatch.setattr(engine, "score", lambda *a, **kw: pytest.fail("scored again"))
         assert len(score_run(folder, pipeline, config, dataset.examples, collection, progress=False)) == len(scores)
     finally:
         collection.close()
-    found = {a.model: a for a in agreement(folder, read_scores(folder))}
+    found = {a.model: a for a in agreement(folder, read_scores(folder), dataset.examples)}
     assert set(found) == {"small", "large"}
     for a in found.values():     # never worse than always saying "right" or always "wrong"
         assert a.questions == len(dataset.examples)
@@ -584,7 +589,11 @@ def test_proxy_scores_the_reference_as_transformers_does_and_labels_from_it(tmp_
     rows = [json.loads(line) for line in (folder / LABELS_FILE).read_text().splitlines()]
     proxied = {r["id"]: r for r in rows if r["source"] == "proxy"}
     assert set(proxied) == {"s1", "s2"}
-    by_score = {(s.id, s.model): s.mean_logprob for s in read_scores(folder)}
+    by_score = best_scores(read_scores(folder), dataset.examples)      # the best answer's
+    assert by_score["s1", "large"] == max(s.mean_logprob for s in read_scores(folder) if (s.id, s.model) == ("s1", "large"))
+    # A question judged only when all its answers were scored: s1's second missing, no label.
+    partial = [s for s in read_scores(folder) if (s.id, s.answer) != ("s1", 1)]
+    assert ("s1", "large") not in best_scores(partial, dataset.examples) and ("s2", "large") in by_score
     for qid, r in proxied.items():
         assert r["small_correct"] == (by_score[qid, "small"] >= thresholds["small"])
         assert r["large_correct"] == (by_score[qid, "large"] >= thresholds["large"])
