@@ -5,9 +5,10 @@ per model instead of two generations.
 
 The proxy is a guess at "this model answers it correctly": the mean log-probability of a
 reference's tokens against a threshold per model, the best over the question's distinct gold
-answers (SQuAD gives up to three, as its F1 and exact match take the best too). `agreement` fits each threshold on the
-questions a run also generated answers for and reports how often the proxy agrees with the
-generated correctness, so a label file built from the proxy says how far it can be trusted.
+answers (SQuAD gives up to three, and its F1 and exact match take the best too). `agreement`
+fits each threshold on the questions a run also generated answers for and reports how often
+the proxy agrees with the generated correctness, so a label file built from the proxy says how
+far it can be trusted.
 """
 from __future__ import annotations
 
@@ -118,12 +119,12 @@ def score_run(folder: Path, pipeline: Pipeline, config: RunConfig, examples: lis
               progress: bool = True) -> list[ProxyScore]:
     """Proxy scores of every distinct gold answer of every SQuAD-style question for both
     models, appended to proxy.jsonl as they come, so an interrupted run resumes (and a file
-    from before every answer was scored gains the rest). Every question is planned first (retrieval and
-    trimming are cheap), then scored grouped by the passage its prompt opens with, in prompt
-    order within a group: questions whose passages coincide come together, and each prefills
-    only past the prefix the engine's cache holds. The groups come in an order hashed from
-    their passage, so a run stopped early has labelled a random sample of passages, not the
-    alphabetically first."""
+    from before every answer was scored gains the rest). Every question is planned first
+    (retrieval and trimming are cheap), then scored grouped by the passage its prompt opens
+    with, in prompt order within a group: questions whose passages coincide come together, and
+    each prefills only past the prefix the engine's cache holds. The groups come in an order
+    hashed from their passage, so a run stopped early has labelled a random sample of
+    passages, not the alphabetically first."""
     path = folder / PROXY_FILE
     done = read_scores(folder)
     have = {(s.id, s.model, s.answer) for s in done}

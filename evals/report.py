@@ -66,9 +66,11 @@ def markdown(summary: dict) -> str:
             "", f"## Small and large on the same {pair['questions']} questions", "",
             f"Same answer: {_f(pair['agreement'])}. Correct (score >= 0.5): both {c['both']}, small only "
             f"{c['small_only']}, large only {c['large_only']}, neither {c['neither']}.", "",
-            "What routing between them can reach: at random (the straight line between the two), and with an "
-            "oracle that sends the large model exactly the questions it answers better. APGR: the share of "
-            "the quality gap recovered, averaged over the share of calls to the large model (RouteLLM).", "",
+            "What routing between them can reach: at random (the straight line between the two), with an "
+            "oracle that sends the large model exactly the questions it answers better, and with a cascade "
+            "that escalates as that oracle would but pays every small call first (the most a confidence "
+            "cascade can do). APGR: the share of the quality gap recovered, averaged over the share of calls "
+            "to the large model (RouteLLM).", "",
             "| routing | APGR | $ / 1k questions at 95% of large-only quality |", "|---|---|---|",
             *(f"| {name} | {_f(x['apgr'])} | {_money(x['cost_at_95_per_1k_questions'])} |" for name, x in b.items()),
         ]

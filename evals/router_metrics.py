@@ -74,6 +74,14 @@ def oracle_scores(small_quality, large_quality) -> np.ndarray:
     return np.asarray(large_quality, float) - np.asarray(small_quality, float)
 
 
+def oracle_cascade(small_quality, large_quality, small_cost, large_cost) -> list[CurvePoint]:
+    """The cascade's ceiling: every question pays the small call, and the escalations go to
+    the questions where the large model gains most, as if the confidence knew the answers."""
+    n = len(small_quality)
+    return cascade_sweep(np.zeros(n, bool), -oracle_scores(small_quality, large_quality),
+                         small_quality, large_quality, small_cost, large_cost)
+
+
 def apgr(curve: list[CurvePoint], small: float, large: float) -> float | None:
     """Area under PGR(large share), divided by the span of shares the curve covers (1 for a
     full sweep), as RouteLLM computes it. None when the two models score the same."""

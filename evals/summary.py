@@ -10,7 +10,8 @@ import numpy as np
 
 from evals.metrics import same_answer
 from evals.records import Record, RecordLog
-from evals.router_metrics import CurvePoint, apgr, cascade_sweep, cost_at_quality, oracle_scores, threshold_sweep
+from evals.router_metrics import (CurvePoint, apgr, cascade_sweep, cost_at_quality, oracle_cascade, oracle_scores,
+                                  threshold_sweep)
 from evals.runner import MODES, RunConfig
 from router.features import feature_vector
 from router.policy import Policy, goes_large
@@ -71,11 +72,13 @@ def paired(log: RecordLog, a: str = "small", b: str = "large") -> tuple[list[Rec
 
 def router_curves(small: list[Record], large: list[Record]) -> dict[str, list[CurvePoint]]:
     """Quality-cost curves of routing between the two: at random (the straight line between
-    them) and by an oracle that knows which questions the large model answers better."""
+    them), by an oracle that knows which questions the large model answers better, and by a
+    cascade escalating as that oracle would (it still pays every small call)."""
     qs, ql = [r.score for r in small], [r.score for r in large]
     cs, cl = [r.cost for r in small], [r.cost for r in large]
     return {"random": threshold_sweep(np.zeros(len(qs)), qs, ql, cs, cl),
-            "oracle": threshold_sweep(oracle_scores(qs, ql), qs, ql, cs, cl)}
+            "oracle": threshold_sweep(oracle_scores(qs, ql), qs, ql, cs, cl),
+            "oracle cascade": oracle_cascade(qs, ql, cs, cl)}
 
 
 @dataclass

@@ -20,7 +20,8 @@ from evals.labels import write_labels
 from evals.metrics import same_answer, score
 from evals.records import RecordLog
 from evals.report import write_report
-from evals.router_metrics import CurvePoint, apgr, cascade_sweep, cost_at_quality, oracle_scores, threshold_sweep
+from evals.router_metrics import (CurvePoint, apgr, cascade_sweep, cost_at_quality, oracle_cascade, oracle_scores,
+                                  threshold_sweep)
 from evals.runner import (DEFAULT_CONTEXT_BUDGET, DEFAULT_K, DEFAULT_MAX_TOKENS, MODES, RECORDS_FILE, RunConfig,
                           build_collection, load_dataset, open_run, pipeline_for, run_modes)
 from pipeline import Price, Query, cost, default_prices, parse_price
@@ -97,6 +98,12 @@ def test_oracle_routing_bound_by_hand():
     # 95% of 0.75 = 0.7125, reached between cost 4 (q 0.25) and cost 8 (q 0.75):
     # 4 + (0.7125 - 0.25) / 0.5 * 4 = 7.7.
     assert cost_at_quality(points, 0.95 * 0.75) == pytest.approx(7.7)
+    # The oracle cascade pays every small call (4) and escalates the gains first: questions 1
+    # and 2 (tied) at cost 10, quality 0.75; 95% is reached at 4 + 0.4625 / 0.5 * 6 = 9.55,
+    # above the oracle router's 7.7 by what the small calls cost.
+    cascade = oracle_cascade(small, large, [1] * 4, [3] * 4)
+    assert cascade[0].cost == 4 and cascade[0].quality == 0.25
+    assert cost_at_quality(cascade, 0.95 * 0.75) == pytest.approx(9.55)
 
 
 def test_cost_at_quality_on_a_known_curve():
@@ -290,7 +297,7 @@ def test_run_scores_costs_and_reports(tmp_path, data, engine, embedder):
         assert m["escalation_rate"] == 0.0 and m["ttft_s"]["p50"] <= m["ttft_s"]["p95"]
     pair = summary["small_vs_large"]
     assert pair["questions"] == 10 and sum(pair["correct"].values()) == 10
-    assert set(pair["router_bounds"]) == {"random", "oracle"}
+    assert set(pair["router_bounds"]) == {"random", "oracle", "oracle cascade"}
     for name in ("report.md", "summary.json", "quality_cost.png", "latency.png", "labels.jsonl"):
         assert (tmp_path / "run" / name).stat().st_size > 0
     assert "| small | 10 |" in (tmp_path / "run" / "report.md").read_text()
