@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from evals.router_metrics import apgr, cost_at_quality, oracle_scores, threshold_sweep
+from evals.router_metrics import apgr, cost_at_quality, oracle_cascade, oracle_scores, threshold_sweep
 from evals.runner import PAIR, RunError, read_config
 from pipeline import cost
 from router.data import read_labels
@@ -51,7 +51,8 @@ def heldout_report(folder: Path, router, embedder) -> dict:
     qs, ql = right["small"], right["large"]
     cs, cl = np.full(n, price["small"]), np.full(n, price["large"])
     curves = {"router": threshold_sweep(predicted["large"] - predicted["small"], qs, ql, cs, cl),
-              "oracle": threshold_sweep(oracle_scores(qs, ql), qs, ql, cs, cl)}
+              "oracle": threshold_sweep(oracle_scores(qs, ql), qs, ql, cs, cl),
+              "oracle cascade": oracle_cascade(qs, ql, cs, cl)}
     two = {name: {"apgr": _r(apgr(c, qs.mean(), ql.mean())),
                   "cost_at_95_vs_large": _r(_share(cost_at_quality(c, TARGET * ql.mean()), cl.sum()))}
            for name, c in curves.items()}

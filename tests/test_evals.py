@@ -633,6 +633,9 @@ def test_heldout_scores_the_routers_arms_on_labels_it_never_saw(tmp_path):
     assert (report["questions"], report["left_out_as_trained_on"], report["sources"]) == (30, 1, {"generated": 30})
     # The arms' predictions separate easy (small right) from medium questions as the labels do.
     assert report["small_vs_large"]["router"]["apgr"] == pytest.approx(report["small_vs_large"]["oracle"]["apgr"])
+    # A cascade pays the small call on top: dearer than the oracle router at 95% quality.
+    two = report["small_vs_large"]
+    assert two["oracle cascade"]["cost_at_95_vs_large"] > two["oracle"]["cost_at_95_vs_large"]
     assert (report["arms"]["small"]["quality"], report["arms"]["large"]["quality"]) == (0.3333, 0.6667)
     best, near = report["policies"]["0.0"], report["policies"]["0.05"]
     # Margin 0 buys the best predicted arm; within 0.05 of it, the cheapest arm that answers it:
