@@ -134,6 +134,9 @@ def score_run(folder: Path, pipeline: Pipeline, config: RunConfig, examples: lis
             for e, m, need in tqdm(todo, desc="plan", unit="prompt", disable=not progress)]
     jobs = scoring_order(jobs)
     encoder = msgspec.json.Encoder()
+    data = path.read_bytes() if path.exists() else b""
+    if not data.endswith(b"\n"):     # a torn last line (killed mid-write): appending would bury it mid-file
+        path.write_bytes(data[:data.rfind(b"\n") + 1])
     with path.open("ab") as out:
         for job in tqdm(jobs, desc="proxy", unit="prompt", disable=not progress):
             scores = score_job(pipeline.engine, job)

@@ -573,8 +573,15 @@ def test_proxy_scores_the_reference_as_transformers_does_and_labels_from_it(tmp_
             assert ours.mean_logprob == pytest.approx(logprobs[-len(reference):].mean().item(), abs=2e-4)
             assert ours.retrieval_scores == [round(h.score, 4) for h in plan.context.hits]
         # Resumed: nothing is scored again.
-        monkeypatch.setattr(engine, "score", lambda *a, **kw: pytest.fail("scored again"))
-        assert len(score_run(folder, pipeline, config, dataset.examples, collection, progress=False)) == len(scores)
+        with monkeypatch.context() as m:
+            m.setattr(engine, "score", lambda *a, **kw: pytest.fail("scored again"))
+            assert len(score_run(folder, pipeline, config, dataset.examples, collection, progress=False)) == len(scores)
+        # Killed mid-write: the torn line's score is made again, and the file stays readable.
+        whole = (folder / "proxy.jsonl").read_bytes()
+        (folder / "proxy.jsonl").write_bytes(whole[:-10])
+        again = score_run(folder, pipeline, config, dataset.examples, collection, progress=False)
+        assert [(s.id, s.model, s.answer) for s in read_scores(folder)] == [(s.id, s.model, s.answer) for s in scores]
+        assert again[-1].mean_logprob == pytest.approx(scores[-1].mean_logprob, abs=1e-3)
     finally:
         collection.close()
     found = {a.model: a for a in agreement(folder, read_scores(folder), dataset.examples)}
