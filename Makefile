@@ -47,7 +47,8 @@ bench: $(VENV)/.installed
 # N, a later run goes on). Proxy scores are committed as they accumulate ($(PROXY_SCORES): ids
 # and numbers, no dataset text), so a fresh machine goes on from them instead of starting over.
 # ROUTER_GEN=0 generates nothing and labels at the thresholds kept in $(THRESHOLDS). Hours on
-# 2 cores: generating costs about a minute a question, the proxy about 7 s (both models).
+# 2 cores: generating costs about a minute a question, the proxy about 14 s (both models, every
+# gold answer, AVX2 host).
 EVALS := .cache/evals
 SLUICE := $(VENV)/bin/sluice
 EVAL_SET := mixed --mix 2:1 --quant int8 --context-budget 512
