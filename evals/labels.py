@@ -94,7 +94,7 @@ def proxy_labels(folder: Path, thresholds: dict[str, float], skip: set[str]) -> 
     questions not in `skip`; no confidence features, since no answer was generated."""
     read = read_scores(folder)
     examples = load_dataset(read_config(folder)).examples
-    hits = {s.id: s.retrieval_scores for s in read}
+    hits = {s.id: s.retrieval_scores for s in read if s.mean_logprob is not None}
     scores: dict[str, dict[str, float]] = {}
     for (qid, model), best in best_scores(read, examples).items():
         if qid not in skip:

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from engine.llm_engine import LLMEngine
 from evals.datasets import Example
-from evals.records import RecordLog
+from evals.records import RecordLog, complete_lines
 from evals.runner import MODES, RECORDS_FILE, RunConfig, RunError
 from pipeline import Pipeline, Query, Refused
 
@@ -126,7 +126,7 @@ def score_run(folder: Path, pipeline: Pipeline, config: RunConfig, examples: lis
     hashed from their passage, so a run stopped early has labelled a random sample of
     passages, not the alphabetically first."""
     path = folder / PROXY_FILE
-    done = read_scores(folder)
+    done = read_scores(folder, cut=True)
     have = {(s.id, s.model, s.answer) for s in done}
     todo = [(e, m, need) for e in examples if e.kind != "gsm8k" for m in MODES
             if (need := tuple(i for i in distinct_answers(e) if (e.id, m, i) not in have))]
@@ -134,9 +134,6 @@ def score_run(folder: Path, pipeline: Pipeline, config: RunConfig, examples: lis
             for e, m, need in tqdm(todo, desc="plan", unit="prompt", disable=not progress)]
     jobs = scoring_order(jobs)
     encoder = msgspec.json.Encoder()
-    data = path.read_bytes() if path.exists() else b""
-    if not data.endswith(b"\n"):     # a torn last line (killed mid-write): appending would bury it mid-file
-        path.write_bytes(data[:data.rfind(b"\n") + 1])
     with path.open("ab") as out:
         for job in tqdm(jobs, desc="proxy", unit="prompt", disable=not progress):
             scores = score_job(pipeline.engine, job)
@@ -174,21 +171,10 @@ def _fit(model: str, proxy: np.ndarray, correct: np.ndarray) -> Agreement:
     return Agreement(model, len(proxy), float(candidates[best]), agree[best], float(correct.mean()), float(kappa))
 
 
-def read_scores(folder: Path) -> list[ProxyScore]:
-    path = folder / PROXY_FILE
-    if not path.exists():
-        return []
+def read_scores(folder: Path, cut: bool = False) -> list[ProxyScore]:
+    """The run's proxy scores; `cut`: a torn last line is cut off the file (before appending)."""
     decoder = msgspec.json.Decoder(ProxyScore)
-    # A torn last line (killed mid-write) is that score not yet made.
-    lines = path.read_bytes().splitlines()
-    out = []
-    for n, line in enumerate(lines):
-        try:
-            out.append(decoder.decode(line))
-        except msgspec.DecodeError:
-            if n < len(lines) - 1:
-                raise
-    return out
+    return [decoder.decode(line) for line in complete_lines(folder / PROXY_FILE, cut)]
 
 
 def read_thresholds(path: Path) -> dict[str, float]:

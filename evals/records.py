@@ -76,21 +76,27 @@ class Record:
         return sum(c.retrieval_s + c.latency for c in before) + last.retrieval_s + last.ttft
 
 
+def complete_lines(path: Path, cut: bool = False) -> list[bytes]:
+    """An append-only JSON-lines file's lines up to its last newline: a torn last line (killed
+    mid-write) is not a row yet. `cut`: also cut it off the file, as whoever appends next must,
+    or it would end up mid-file."""
+    data = path.read_bytes() if path.exists() else b""
+    whole = data[:data.rfind(b"\n") + 1]
+    if cut and len(whole) < len(data):
+        with path.open("r+b") as f:
+            f.truncate(len(whole))
+    return whole.splitlines()
+
+
 class RecordLog:
     """records.jsonl, keyed by (mode, question id)."""
 
     def __init__(self, path: Path):
         self.path = path
         self.records: dict[tuple[str, str], Record] = {}
-        if path.exists():
-            data = path.read_bytes()
-            whole = data[:data.rfind(b"\n") + 1]
-            if len(whole) < len(data):
-                with path.open("r+b") as f:
-                    f.truncate(len(whole))
-            for line in whole.splitlines():
-                r = msgspec.json.decode(line, type=Record)
-                self.records[r.mode, r.id] = r
+        for line in complete_lines(path, cut=True):
+            r = msgspec.json.decode(line, type=Record)
+            self.records[r.mode, r.id] = r
         self._file = None
 
     def done(self, mode: str, question_id: str) -> bool:
