@@ -148,11 +148,20 @@ class SluiceIngress:
         key = await asyncio.to_thread(self.keys.key, scope["path"], scope["headers"], data)
         request = Forwarded(scope["method"], scope["path"], scope["query_string"], list(scope["headers"]), data,
                             scope.get("client"), key)
-        started, answer = False, self.streams.handle.remote(request)
+        # The start is held back until the first body part: a replica killed between the two
+        # would otherwise leave the client with headers and a torn body instead of a 503.
+        head, started, answer = None, False, self.streams.handle.remote(request)
         try:
             async for message in answer:
-                started = started or message["type"] == "http.response.start"
+                if message["type"] == "http.response.start":
+                    head = message
+                    continue
+                if head is not None:
+                    await send(head)
+                    head, started = None, True
                 await send(message)
+            if head is not None:
+                await send(head)
         except RayActorError as e:               # died, or unreachable: its requests are lost
             if started:                          # part of the answer went out: cut the connection
                 raise
