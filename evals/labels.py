@@ -46,7 +46,8 @@ class Label:
     large_score: float | None = None
     large_tokens: Tokens | None = None
     early: dict[str, Confidence] = field(default_factory=dict)   # of the small answer's first k tokens, where it had more
-    source: str = "generated"         # or "proxy": from the reference's log-probability, no answer generated
+    source: str = "generated"         # "proxy": from the reference's log-probability, no answer generated;
+                                      # "mixed": the small answer generated, the large outcome from the proxy
     arms: dict[str, ArmOutcome] = field(default_factory=dict)    # by arm name: how each arm did
 
 
@@ -89,16 +90,15 @@ def labels(log: RecordLog, thinking: int = 0) -> list[Label]:
     return out
 
 
-def proxy_labels(folder: Path, thresholds: dict[str, float], skip: set[str]) -> list[Label]:
-    """Labels from the run's proxy scores (evals/proxy.py) at these thresholds, for the
-    questions not in `skip`; no confidence features, since no answer was generated."""
+def proxy_labels(folder: Path, thresholds: dict[str, float]) -> list[Label]:
+    """Labels from the run's proxy scores (evals/proxy.py) at these thresholds; no confidence
+    features, since no answer was generated."""
     read = read_scores(folder)
     examples = load_dataset(read_config(folder)).examples
     hits = {s.id: s.retrieval_scores for s in read if s.mean_logprob is not None}
     scores: dict[str, dict[str, float]] = {}
     for (qid, model), best in best_scores(read, examples).items():
-        if qid not in skip:
-            scores.setdefault(qid, {})[model] = best
+        scores.setdefault(qid, {})[model] = best
     questions = {e.id: e for e in examples}
     out = []
     for qid, by_model in scores.items():
@@ -109,6 +109,16 @@ def proxy_labels(folder: Path, thresholds: dict[str, float], skip: set[str]) -> 
                              large, float(large), None, source="proxy",
                              arms={"small": ArmOutcome(small, float(small)), "large": ArmOutcome(large, float(large))}))
     return out
+
+
+def with_proxy_large(label: Label, proxied: Label | None) -> Label:
+    """A generated small answer whose question the large model never answered takes the large
+    outcome from the proxy: small answers are cheap to generate (they train the cascade's
+    confidence model, which needs the small model's own tokens), large ones are not."""
+    if label.large_correct is not None or proxied is None:
+        return label
+    return replace(label, large_correct=proxied.large_correct, large_score=proxied.large_score,
+                   arms=label.arms | {"large": proxied.arms["large"]}, source="mixed")
 
 
 def provenance(folder: Path) -> dict:
@@ -132,7 +142,10 @@ def write_labels(folder: Path, thresholds: dict[str, float] | None = None, arm_r
     other thinking budgets, whose answers add arms to the labels. Returns how many labels."""
     rows = labels(RecordLog(folder / RECORDS_FILE), read_config(folder).thinking_budget)
     if thresholds is not None:
-        rows += proxy_labels(folder, thresholds, {r.id for r in rows})
+        proxied = {l.id: l for l in proxy_labels(folder, thresholds)}
+        generated = {r.id for r in rows}
+        rows = [with_proxy_large(r, proxied.get(r.id)) for r in rows]
+        rows += [l for qid, l in proxied.items() if qid not in generated]
     for other in arm_runs:
         more = arm_outcomes(RecordLog(other / RECORDS_FILE), read_config(other).thinking_budget)
         rows = [replace(r, arms=r.arms | more.get(r.id, {})) for r in rows]

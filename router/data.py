@@ -39,7 +39,7 @@ class Label(msgspec.Struct):
     large_correct: bool | None = None
     early: dict[str, Confidence] = {}   # of the small answer's first k tokens, by k, where it had more
     arms: dict[str, ArmOutcome] = {}    # by arm name (router.arms): every arm the label's runs answered with
-    source: str = "generated"           # or "proxy": no answer generated
+    source: str = "generated"           # "proxy": no answer generated; "mixed": the large outcome from the proxy
 
     @property
     def difficulty(self) -> str | None:

@@ -604,6 +604,13 @@ def test_proxy_scores_the_reference_as_transformers_does_and_labels_from_it(tmp_
     proxied = {r["id"]: r for r in rows if r["source"] == "proxy"}
     assert set(proxied) == {"s1", "s2"}
     by_score = best_scores(read_scores(folder), dataset.examples)      # the best answer's
+    # The rest answered by the small model only: generated small, the large outcome from the proxy.
+    small = {r.id: r for r in kept}
+    mixed = {r["id"]: r for r in rows if r["source"] == "mixed"}
+    assert set(mixed) == set(small) and len(mixed) == len(dataset.examples) - 2
+    for qid, r in mixed.items():
+        assert r["small_correct"] == small[qid].correct and r["confidence"] is not None
+        assert r["large_correct"] == r["arms"]["large"]["correct"] == (by_score[qid, "large"] >= thresholds["large"])
     assert by_score["s1", "large"] == max(s.mean_logprob for s in read_scores(folder) if (s.id, s.model) == ("s1", "large"))
     # A question judged only when all its answers were scored: s1's second missing, no label.
     partial = [s for s in read_scores(folder) if (s.id, s.answer) != ("s1", 1)]
