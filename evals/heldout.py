@@ -6,7 +6,8 @@ generating again.
 - APGR between the small and large arms, sweeping the score P(large right) - P(small right),
   beside the oracle's (the labels' own gain) and random routing's 0.5;
 - per arm margin (a tenant's `arm_margin`), the arms' policy (router.policy.route_arms) as
-  served: its quality, its expected dollars and the share of each arm, against every single arm.
+  served: its quality, its expected dollars and the share of each arm, against every single arm;
+- the cascade (`cascade_report`), where small answers were generated.
 
 Dollars are expected, not spent: per arm, the mean prompt and output tokens of the router's
 training labels at the run's prices (a proxy label generates nothing to count).
@@ -17,8 +18,10 @@ import json
 from pathlib import Path
 
 import numpy as np
+from msgspec.structs import astuple
 
-from evals.router_metrics import apgr, cost_at_quality, oracle_cascade, oracle_scores, threshold_sweep
+from evals.router_metrics import (apgr, cascade_sweep, cost_at_quality, oracle_cascade, oracle_scores,
+                                  threshold_sweep)
 from evals.runner import PAIR, RunError, read_config
 from pipeline import cost
 from router.data import read_labels
@@ -68,10 +71,40 @@ def heldout_report(folder: Path, router, embedder) -> dict:
         policies[str(margin)] = {"quality": _r(float(np.mean(known))), "scored": len(known),
                                  "cost_vs_large": _r(sum(price[a] for a in picks) / (n * price["large"])),
                                  "arms": {a: picks.count(a) for a in dict.fromkeys(picks)}}
-    return {"questions": n, "left_out_as_trained_on": sum(l.id in router.trained_on for l in read_labels(folder)),
+    trained = [l for l in read_labels(folder) if l.id in router.trained_on]
+    return {"questions": n, "left_out_as_trained_on": len(trained),
             "sources": {s: sum(l.source == s for l in labels) for s in sorted({l.source for l in labels})},
             "expected_cost_per_question": {a: _r(c, 9) for a, c in price.items()},
-            "small_vs_large": two, "arms": single, "policies": policies}
+            "small_vs_large": two, "arms": single, "policies": policies,
+            "cascade": cascade_report(router.confidence, trained, labels, price)}
+
+
+def cascade_report(confidence, trained: list, held: list, price: dict[str, float]) -> dict | None:
+    """The cascade on its own (every question to the small model, escalated when the confidence
+    model's P(right) of its answer is under the threshold), on the held-out questions whose
+    small answer was generated: the threshold is the cheapest reaching TARGET of large-only
+    quality on the training labels, then applied as is to the held-out ones. The small call
+    is counted whole (an early verdict would cut some short). None without generated small
+    answers on both sides."""
+    def arrays(labels):
+        labels = [l for l in labels if l.confidence is not None and "large" in l.arms]
+        conf = np.array([confidence.of_quantiles(astuple(l.confidence)).value for l in labels])
+        qs, ql = (np.array([l.arms[a].correct for l in labels], float) for a in ("small", "large"))
+        return conf, qs, ql, np.full(len(labels), price["small"]), np.full(len(labels), price["large"])
+
+    train, test = arrays(trained), arrays(held)
+    if len(train[0]) < 2 or len(test[0]) < 2:
+        return None
+    fit = [p for p in cascade_sweep(np.zeros(len(train[0]), bool), *train) if p.quality >= TARGET * train[2].mean()]
+    t = min(fit, key=lambda p: p.cost).threshold
+    conf, qs, ql, cs, cl = test
+    escalate = conf < t
+    quality, spent = float(np.where(escalate, ql, qs).mean()), float(np.where(escalate, cs + cl, cs).sum())
+    oracle = cost_at_quality(oracle_cascade(qs, ql, cs, cl), TARGET * ql.mean())
+    return {"threshold": _r(t), "trained_on": len(train[0]), "questions": len(conf),
+            "escalated": _r(float(escalate.mean())), "quality": _r(quality), "large_quality": _r(float(ql.mean())),
+            "quality_vs_large": _r(quality / ql.mean()) if ql.mean() else None,
+            "cost_vs_large": _r(spent / cl.sum()), "oracle_cascade_cost_at_95_vs_large": _r(_share(oracle, cl.sum()))}
 
 
 def write_heldout(folder: Path, router, embedder) -> dict:

@@ -62,7 +62,10 @@ class ConfidenceModel:
     def __call__(self, logprobs: list[float]) -> Confidence:
         if not logprobs:                  # nothing produced: nothing to trust
             return Confidence(0.0, self.model is not None)
-        q = quantiles(logprobs)
+        return self.of_quantiles(quantiles(logprobs))
+
+    def of_quantiles(self, q: tuple[float, float, float, float, float, int]) -> Confidence:
+        """From `quantiles` of the log-probabilities, as labels keep them."""
         if self.model is None:
             return Confidence(math.exp(q[3]), False)
         proba = self.model.predict_proba(np.array([_row(*q)]))[0]

@@ -657,3 +657,13 @@ def test_heldout_scores_the_routers_arms_on_labels_it_never_saw(tmp_path):
     assert best["quality"] == near["quality"] == 1.0
     assert near["arms"] == {"small": 10, "large": 10, "large+think256": 10}
     assert near["cost_vs_large"] < best["cost_vs_large"]
+    assert report["cascade"] is None                   # one training label in the folder: no threshold to fit
+    # With its training labels beside the held-out ones, the cascade's threshold is fitted on
+    # those (95% of large-only quality there) and applied to these: the small model's sure
+    # answers (the easy third) stand, and most wrong ones escalate, paying both calls.
+    with (folder / "labels.jsonl").open("a") as f:
+        f.write((tmp_path / "train.jsonl").read_text())
+    cascade = write_heldout(folder, router, HashEmbedder())["cascade"]
+    assert (cascade["trained_on"], cascade["questions"]) == (91, 30)        # q0 is in twice
+    assert cascade["quality_vs_large"] >= 0.85 and 0.45 <= cascade["escalated"] <= 0.6667
+    assert cascade["oracle_cascade_cost_at_95_vs_large"] <= cascade["cost_vs_large"] <= 1 / 3 + 0.6667
