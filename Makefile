@@ -42,7 +42,9 @@ bench: $(VENV)/.installed
 # The router a fresh checkout serves (router/trained/router.joblib, committed with its sidecar
 # router.json: the commands, labels, weights and training report). SQuAD questions of the train
 # half at the eval's settings: both models' answers generated for the first $(ROUTER_GEN) (the
-# confidence model, and the proxy's thresholds with their agreement), every question labelled by
+# confidence model, and the proxy's thresholds with their agreement), the small model's alone for
+# the first $(ROUTER_SMALL) (about 4 s a question: they train the cascade's confidence model and
+# the small threshold; their large outcome comes from the proxy), every question labelled by
 # the proxy (the reference's log-probability, one prefill per model; PROXY_LIMIT=N stops after
 # N, a later run goes on). Proxy scores are committed as they accumulate ($(PROXY_SCORES): ids
 # and numbers, no dataset text), so a fresh machine goes on from them instead of starting over.
@@ -54,6 +56,7 @@ SLUICE := $(VENV)/bin/sluice
 EVAL_SET := mixed --mix 2:1 --quant int8 --context-budget 512
 ROUTER_N ?= 1000
 ROUTER_GEN ?= 100
+ROUTER_SMALL ?= 420
 ROUTER_RUN := $(EVALS)/train-squad
 ROUTER := router/trained/router.joblib
 PROXY_SCORES := router/trained/proxy.jsonl
@@ -62,12 +65,14 @@ CONTEXT_CURVE := docs/context-budget/context.json
 router: $(VENV)/.installed
 	$(SLUICE) eval run squad -n $(ROUTER_N) --split train --quant int8 --context-budget 512 \
 		--modes $(if $(filter 0,$(ROUTER_GEN)),,small large) --limit $(ROUTER_GEN) --out $(ROUTER_RUN)
+	$(if $(filter 0,$(ROUTER_SMALL)),,$(SLUICE) eval run squad -n $(ROUTER_N) --split train --quant int8 \
+		--context-budget 512 --modes small --limit $(ROUTER_SMALL) --out $(ROUTER_RUN))
 	test -s $(ROUTER_RUN)/proxy.jsonl || cp $(PROXY_SCORES) $(ROUTER_RUN)/proxy.jsonl
 	$(SLUICE) eval proxy $(ROUTER_RUN) $(if $(PROXY_LIMIT),--limit $(PROXY_LIMIT))
 	cp $(ROUTER_RUN)/proxy.jsonl $(PROXY_SCORES)
 	$(SLUICE) eval labels $(ROUTER_RUN) --proxy $(if $(filter 0,$(ROUTER_GEN)),$(THRESHOLDS),$(ROUTER_RUN))
 	$(SLUICE) train-router $(ROUTER_RUN) $(if $(wildcard $(CONTEXT_CURVE)),--context-curve $(CONTEXT_CURVE)) --out $(ROUTER) \
-		--rebuild "make router ROUTER_N=$(ROUTER_N) ROUTER_GEN=$(ROUTER_GEN)$(if $(PROXY_LIMIT), PROXY_LIMIT=$(PROXY_LIMIT))"
+		--rebuild "make router ROUTER_N=$(ROUTER_N) ROUTER_GEN=$(ROUTER_GEN) ROUTER_SMALL=$(ROUTER_SMALL)$(if $(PROXY_LIMIT), PROXY_LIMIT=$(PROXY_LIMIT))"
 
 # Quality by context budget per model (docs/context-budget/): 40 SQuAD questions of the train
 # half at 256 to 2,048 prompt tokens; the chosen budgets go to the router's arms.
