@@ -37,7 +37,7 @@ DEFAULT_MAX_TOKENS = 256
 DEFAULT_K = 8
 # The most thinking an arm-routed mode may pick: every arm router.arms offers.
 ARM_THINKING_CAP = 1024
-SALT = b"sluice-evals"        # the prefix-cache salt of the eval's one "tenant"
+SALT = b"sluice-evals"        # the prefix-cache salt of the eval's one "tenant" (per mode: Mode.terms)
 TENANT, COLLECTION = "evals", "corpus"
 CONFIG_FILE, RECORDS_FILE = "run.json", "records.jsonl"
 PAIR = ("small", "large")     # the engine's model names in a run
@@ -87,7 +87,9 @@ class Mode:
         thinking = {"easy": 0, "medium": 0, "hard": ARM_THINKING_CAP if arms else 0}
         policy = Policy("small", PAIR, thinking, self.threshold, self.classifier, self.escalation,
                         classifier_timeout_s=3600.0, arm_margin=self.margin)
-        return Terms(TENANT, policy, config.context_budget, config.max_tokens, SALT)
+        # Each mode its own prefix-cache namespace: a mode run after another in the same engine
+        # would find that one's prompts cached, and look cheaper and faster than it is served.
+        return Terms(TENANT, policy, config.context_budget, config.max_tokens, SALT + b"/" + self.name.encode())
 
 
 MODES: dict[str, Mode] = {"small": Mode("small", "small"), "large": Mode("large", "large")}
@@ -256,7 +258,8 @@ class Runner:
     def _submit(self, q: _Question) -> str | None:
         call = q.next
         try:
-            request_id = self.engine.add_request(call.prompt_ids, call.params, model=call.model, salt=SALT,
+            request_id = self.engine.add_request(call.prompt_ids, call.params, model=call.model,
+                                                 salt=q.answer.plan.terms.salt,
                                                  request_id=call.request_id, draft=call.draft)
         except ValueError as e:
             q.error = f"the engine refused it: {e}"

@@ -432,6 +432,31 @@ def test_routed_and_cascade_modes_run_end_to_end(tmp_path, data, engine, embedde
     assert "not trained on" in (folder / "report.md").read_text()
 
 
+def test_a_mode_does_not_find_an_earlier_modes_prompts_cached(tmp_path, data, embedder):
+    """Modes run one after another in one engine: each starts from a cache of its own, so the
+    second run of the same prompts hits exactly as often as the first did."""
+    from evals.runner import Mode
+    small = make_tiny_model(tmp_path / "small", "qwen2", seed=1)
+    engine = LLMEngine(EngineConfig(models={"small": ModelEntry(str(small)), "large": ModelEntry(str(small))},
+                                    memory_budget_gb=0.5, max_kv_blocks=256), progress=False)
+    config = config_for("squad", files_for("squad", None, str(data)))
+    dataset = load_dataset(config)
+    folder = tmp_path / "run"
+    open_run(folder, config)
+    collection = build_collection(folder, dataset, embedder, progress=False)
+    try:
+        run_modes(folder, config, dataset.examples, [MODES["small"], Mode("small again", "small")],
+                  pipeline_for(engine, config), collection, 3, progress=False)
+    finally:
+        collection.close()
+    log = RecordLog(folder / RECORDS_FILE)
+    first, again = ({r.id: r.calls[0] for r in log.of_mode(m)} for m in ("small", "small again"))
+    assert first.keys() == again.keys() and len(first) == len(dataset.examples)
+    assert [(again[q].prompt_tokens, again[q].cached_tokens) for q in first] == \
+        [(first[q].prompt_tokens, first[q].cached_tokens) for q in first]
+    assert sum(c.cached_tokens for c in again.values()) < sum(c.prompt_tokens for c in again.values()) / 2
+
+
 def test_an_escalated_call_verifies_the_small_answer_and_keeps_the_large_answer(tmp_path, data, tmp_path_factory):
     from evals.__main__ import _engine
     from evals.runner import routed_modes
