@@ -26,18 +26,21 @@ QUESTIONS = [("q-paris", "What is the capital of France?", True), ("q-rome", "Wh
 def test_an_eval_run_and_the_gateway_answer_and_bill_alike(tmp_path, llm, embedder):
     from litestar.testing import TestClient
     # Threshold 1: every first answer escalates, so the cascade's two calls are compared too.
-    # A salt of its own: no other test's cached blocks serve this tenant's prompts.
-    toml = ("escalation_threshold = 1.0\n" + tenant_toml(KEYS["alpha"], salt="salt-pipeline-test")
-            + "[router]\nclassifier = false\n")
-    gw = make_gateway(tmp_path / "gw", llm, embedder, {"alpha": toml}, router=RouterConfig())
+    # Each mode through a tenant with a salt of its own, as an eval gives each mode a prefix
+    # cache of its own (and no other test's cached blocks serve these prompts).
+    tenant = {"auto": "alpha", "large": "beta"}
+    tomls = {name: "escalation_threshold = 1.0\n" + tenant_toml(KEYS[name], salt=f"salt-pipeline-test-{mode}")
+             + "[router]\nclassifier = false\n" for mode, name in tenant.items()}
+    gw = make_gateway(tmp_path / "gw", llm, embedder, tomls, router=RouterConfig())
     served = {}
     with TestClient(create_app(gw)) as c:
         wait_ready(c)
-        assert c.post("/v1/collections/kb/documents", json=DOCS, headers=auth()).status_code in (200, 201)
+        for name in tenant.values():
+            assert c.post("/v1/collections/kb/documents", json=DOCS, headers=auth(name)).status_code in (200, 201)
         for mode in ("auto", "large"):          # in the eval's order: a mode over every question
             for qid, question, retrieve in QUESTIONS:
                 r = c.post("/v1/ask", json={"question": question, "mode": mode,
-                                            **({"collection": "kb"} if retrieve else {})}, headers=auth())
+                                            **({"collection": "kb"} if retrieve else {})}, headers=auth(tenant[mode]))
                 assert r.status_code == 200, r.text
                 served[mode, qid] = r.json()
     rows = {row.request_id: row for row in gw.ledger.rows()}
