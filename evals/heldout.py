@@ -38,7 +38,8 @@ def heldout_report(folder: Path, router, embedder) -> dict:
         raise RunError("this router has no arms (train it on labels that cover two arms or more)")
     prices = read_config(folder).prices
     arms = router.arms
-    labels = [l for l in read_labels(folder) if l.id not in router.trained_on
+    every = read_labels(folder)
+    labels = [l for l in every if l.id not in router.trained_on
               and all(a.name in l.arms for a in arms.arms if a.name in PAIR)]
     if len(labels) < 2:
         raise RunError(f"{folder}: {len(labels)} labelled questions the router was not trained on; need 2")
@@ -71,7 +72,7 @@ def heldout_report(folder: Path, router, embedder) -> dict:
         policies[str(margin)] = {"quality": _r(float(np.mean(known))), "scored": len(known),
                                  "cost_vs_large": _r(sum(price[a] for a in picks) / (n * price["large"])),
                                  "arms": {a: picks.count(a) for a in dict.fromkeys(picks)}}
-    trained = [l for l in read_labels(folder) if l.id in router.trained_on]
+    trained = [l for l in every if l.id in router.trained_on]
     return {"questions": n, "left_out_as_trained_on": len(trained),
             "sources": {s: sum(l.source == s for l in labels) for s in sorted({l.source for l in labels})},
             "expected_cost_per_question": {a: _r(c, 9) for a, c in price.items()},

@@ -254,13 +254,14 @@ def config_for(dataset: str, files: list[Path], **kw) -> RunConfig:
 
 
 def run(folder: Path, config: RunConfig, engine, embedder, modes=("small", "large"), concurrency=3):
-    """What `python -m evals run` does, with the test's engine and embedder."""
+    """What `python -m evals run` does, with the test's engine and embedder; `modes`: names
+    of MODES, or Mode objects."""
     dataset = load_dataset(config)
     open_run(folder, config)
     collection = build_collection(folder, dataset, embedder, progress=False) if dataset.documents else None
     try:
-        run_modes(folder, config, dataset.examples, [MODES[m] for m in modes], pipeline_for(engine, config),
-                  collection, concurrency, progress=False)
+        run_modes(folder, config, dataset.examples, [MODES[m] if isinstance(m, str) else m for m in modes],
+                  pipeline_for(engine, config), collection, concurrency, progress=False)
     finally:
         if collection is not None:
             collection.close()
@@ -439,16 +440,9 @@ def test_a_mode_does_not_find_an_earlier_modes_prompts_cached(tmp_path, data, em
     small = make_tiny_model(tmp_path / "small", "qwen2", seed=1)
     engine = LLMEngine(EngineConfig(models={"small": ModelEntry(str(small)), "large": ModelEntry(str(small))},
                                     memory_budget_gb=0.5, max_kv_blocks=256), progress=False)
-    config = config_for("squad", files_for("squad", None, str(data)))
-    dataset = load_dataset(config)
     folder = tmp_path / "run"
-    open_run(folder, config)
-    collection = build_collection(folder, dataset, embedder, progress=False)
-    try:
-        run_modes(folder, config, dataset.examples, [MODES["small"], Mode("small again", "small")],
-                  pipeline_for(engine, config), collection, 3, progress=False)
-    finally:
-        collection.close()
+    dataset = run(folder, config_for("squad", files_for("squad", None, str(data))), engine, embedder,
+                  modes=(MODES["small"], Mode("small again", "small")))
     log = RecordLog(folder / RECORDS_FILE)
     first, again = ({r.id: r.calls[0] for r in log.of_mode(m)} for m in ("small", "small again"))
     assert first.keys() == again.keys() and len(first) == len(dataset.examples)
