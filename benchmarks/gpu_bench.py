@@ -6,6 +6,8 @@
     overhead   the engine's decode step (scheduling, index tensors, replay, sampling, output)
                against the CUDA-graph replay of the same model step alone (target <= 1.15x)
     ttft       a 1,500-token prompt whose prefix is cached against the same prompt cold
+    label      one proxy label (evals/proxy.py): an 8-token reference scored after a cold
+               512-token prompt, as `evals proxy` labels a SQuAD question per model
     baseline   transformers' generate with a static KV cache (its best recipe), bf16
 
 Real weights when the model store has them cached, else random weights with the real shapes
@@ -134,6 +136,20 @@ def ttft(engine: LLMEngine) -> dict:
     return {"cached_s": sorted(c.ttft for c in warm)[1], "cold_s": sorted(c.ttft for c in cold)[1]}
 
 
+def label_cost(engine: LLMEngine, n: int = 32) -> dict:
+    """Seconds per proxy label: `score` of an 8-token reference after a 512-token prompt nothing
+    has cached (a new prompt each time), the median of `n`."""
+    rng = random.Random(5)
+    engine.score(ids(rng, 520), "m", first=512)                     # warm-up
+    times = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        engine.score(ids(rng, 520), "m", first=512)
+        times.append(time.perf_counter() - start)
+    return {"score_s": sorted(times)[n // 2]}
+
+
 def hf_decode(folder: Path, batches: list[int], tokens: int) -> dict:
     """transformers' generate with a static KV cache (which compiles its decoding step), bf16."""
     import transformers
@@ -180,6 +196,8 @@ def run_model(name: str, args, bw: float) -> dict:
                           + f", {d['roofline_fraction']:.0%} of the weight-read roofline")
         r["ttft"] = ttft(engine)
         console.print(f"  {quant} TTFT cached {r['ttft']['cached_s'] * 1e3:.1f} ms / cold {r['ttft']['cold_s'] * 1e3:.1f} ms")
+        r["label"] = label_cost(engine)
+        console.print(f"  {quant} proxy label {r['label']['score_s'] * 1e3:.1f} ms")
         result["quants"][quant] = r
         del engine
         free_cuda()
@@ -211,7 +229,8 @@ def main() -> None:
     for name in args.models:
         results["models"][name] = run_model(name, args, bw)
     table = Table(title=f"Sluice on {device} (copy bandwidth {bw:.0f} GB/s)")
-    for col in ("model", "weights", "batch", "tok/s", "roofline", "step / replay", "transformers static", "TTFT cached / cold"):
+    for col in ("model", "weights", "batch", "tok/s", "roofline", "step / replay", "transformers static", "TTFT cached / cold",
+                "proxy label"):
         table.add_column(col)
     for name, r in results["models"].items():
         hf = r.get("transformers_static", {})
@@ -223,7 +242,8 @@ def main() -> None:
                               f"{d['engine_over_replay']:.2f}x" if "engine_over_replay" in d else "eager",
                               f"{base['tok_s']:.0f} ({d['tok_s'] / base['tok_s']:.1f}x)" if base and quant == "none"
                               else "",
-                              f"{q['ttft']['cached_s'] * 1e3:.0f} / {q['ttft']['cold_s'] * 1e3:.0f} ms")
+                              f"{q['ttft']['cached_s'] * 1e3:.0f} / {q['ttft']['cold_s'] * 1e3:.0f} ms",
+                              f"{q['label']['score_s'] * 1e3:.1f} ms" if "label" in q else "")
     console.print(table)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))

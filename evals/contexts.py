@@ -4,8 +4,11 @@ only in their context budget (e.g. `eval run squad -n 40 --context-budget B` for
 arm of the router carries the budget its model's curve chooses (router.arms).
 
 Writes context.json (rows and the chosen budget per model), context.md and context.png.
-`chosen`: per model, the smallest budget whose quality is within CHOSEN_SLACK of that
-model's best on the curve: more passages cost prompt tokens and buy nothing past it.
+`chosen`: per model, the smallest budget whose quality trails that model's best by no more
+than one standard error of the per-question difference (the one-standard-error rule). On 40
+questions a gap of 0.03 F1 is noise, and the smaller budget is the cheaper arm: a fixed slack
+picked the large model's 2,048 tokens for 0.027 F1 over 512 (standard error 0.055), at 2.7
+times the dollars.
 """
 from __future__ import annotations
 
@@ -21,29 +24,35 @@ import numpy as np  # noqa: E402
 from evals.budgets import read_runs, save_plot  # noqa: E402
 from evals.runner import RunError  # noqa: E402
 
-CHOSEN_SLACK = 0.01           # of quality (mean F1)
 CONTEXT_FILE = "context.json"
 
 
-def context_rows(folders: list[Path], kind: str = "squad") -> list[dict]:
-    rows = []
+def context_rows(folders: list[Path], kind: str = "squad") -> tuple[list[dict], dict[tuple[str, int], dict]]:
+    """The rows, and each row's F1 by question id (for the paired differences `chosen` needs)."""
+    rows, scores = [], {}
     for run in read_runs(folders, kind, "context_budget"):
         rs = run.records
+        scores[run.mode, run.budget] = {r.id: r.score for r in rs}
         rows.append({"model": run.model, "mode": run.mode, "budget": run.budget, "questions": len(rs),
                      "quality": float(np.mean([r.score for r in rs])), "em": float(np.mean([r.em for r in rs])),
                      "passages": float(np.mean([r.passages for r in rs])),
                      "prompt_tokens": float(np.mean([r.tokens("prompt") for r in rs])),
                      "cost_per_1k": 1000 * float(np.mean([r.cost for r in rs])),
                      "engine_s": float(np.mean([r.engine_s for r in rs])), "folder": str(run.folder)})
-    return rows
+    return rows, scores
 
 
-def chosen(rows: list[dict], slack: float = CHOSEN_SLACK) -> dict[str, int]:
+def chosen(rows: list[dict], scores: dict[tuple[str, int], dict]) -> dict[str, int]:
+    """Sets each row's `gap` (the model's best quality minus its own, paired by question) and
+    `gap_se`, and returns per model the smallest budget with gap <= gap_se."""
     out = {}
     for mode in dict.fromkeys(r["mode"] for r in rows):
         mine = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["budget"])
-        best = max(r["quality"] for r in mine)
-        out[mode] = next(r["budget"] for r in mine if r["quality"] >= best - slack)
+        best = scores[mode, max(mine, key=lambda r: r["quality"])["budget"]]
+        for r in mine:
+            gap = np.array([best[q] - scores[mode, r["budget"]][q] for q in best])
+            r["gap"], r["gap_se"] = float(gap.mean()), float(gap.std(ddof=1) / np.sqrt(len(gap))) if len(gap) > 1 else 0.0
+        out[mode] = next(r["budget"] for r in mine if r["gap"] <= r["gap_se"])
     return out
 
 
@@ -51,21 +60,22 @@ def markdown(rows: list[dict], picked: dict[str, int], kind: str) -> str:
     lines = [f"# {kind} quality by context budget", "",
              f"{rows[0]['questions']} questions, the same in every row, answered from retrieval trimmed to the "
              "budget (prompt tokens: instructions, passages and question). Quality: mean F1. Chosen per model "
-             f"(the arm's context budget): the smallest budget within {CHOSEN_SLACK} of its best quality: "
-             + ", ".join(f"{m} {b}" for m, b in picked.items()) + ".", "",
-             "| model | budget | F1 | EM | passages | prompt tokens | engine s / q | $ / 1k |",
-             "|---|---|---|---|---|---|---|---|"]
+             "(the arm's context budget): the smallest budget whose F1 trails the model's best by no more than "
+             "one standard error of the per-question difference: " + ", ".join(f"{m} {b}" for m, b in picked.items())
+             + ".", "",
+             "| model | budget | F1 | gap to best (± SE) | EM | passages | prompt tokens | engine s / q | $ / 1k |",
+             "|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['mode']} (`{r['model']}`) | {r['budget']}{' (chosen)' if picked[r['mode']] == r['budget'] else ''} "
-              f"| {r['quality']:.3f} | {r['em']:.3f} | {r['passages']:.1f} | {r['prompt_tokens']:.0f} "
+              f"| {r['quality']:.3f} | {r['gap']:.3f} ± {r['gap_se']:.3f} | {r['em']:.3f} | {r['passages']:.1f} | {r['prompt_tokens']:.0f} "
               f"| {r['engine_s']:.2f} | {r['cost_per_1k']:.4f} |" for r in rows]
     return "\n".join(lines) + "\n"
 
 
 def write_context_curve(folders: list[Path], out: Path, kind: str = "squad") -> str:
-    rows = context_rows(folders, kind)
-    picked = chosen(rows)
+    rows, scores = context_rows(folders, kind)
+    picked = chosen(rows, scores)
     out.mkdir(parents=True, exist_ok=True)
-    (out / CONTEXT_FILE).write_text(json.dumps({"kind": kind, "slack": CHOSEN_SLACK, "chosen": picked,
+    (out / CONTEXT_FILE).write_text(json.dumps({"kind": kind, "rule": "one standard error", "chosen": picked,
                                                 "rows": rows}, indent=2) + "\n")
     text = markdown(rows, picked, kind)
     (out / "context.md").write_text(text)

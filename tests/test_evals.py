@@ -531,16 +531,19 @@ def _fake_runs(tmp_path, setting: str, scores: dict) -> list[Path]:
 def test_context_curve_chooses_each_models_budget(tmp_path):
     from evals.contexts import read_chosen, write_context_curve
     from evals.runner import RunError
-    # The small model drowns in passages; the large one reads them all well.
-    scores = {("small", 256): [1, 1, 0, 0], ("small", 512): [1, 1, 0.5, 0], ("small", 1024): [1, 0, 0, 0],
-              ("large", 256): [1, 0, 0, 0], ("large", 512): [1, 1, 0, 0], ("large", 1024): [1, 1, 1, 0]}
+    # The small model drowns in passages, and 256 tokens trail 512 on every question: a gap with
+    # no spread is real. The large model's 1,024 beats 512 on one question of four: a gap within
+    # its standard error, so the cheaper 512.
+    scores = {("small", 256): [0.5] * 4, ("small", 512): [1, 1, 1, 1], ("small", 1024): [1, 1, 1, 0],
+              ("large", 256): [1, 0, 0, 0], ("large", 512): [1, 1, 1, 0], ("large", 1024): [1, 1, 1, 1]}
     text = write_context_curve(_fake_runs(tmp_path, "context_budget", scores), tmp_path / "out")
     curve = json.loads((tmp_path / "out" / "context.json").read_text())
-    assert [(r["mode"], r["budget"], r["quality"]) for r in curve["rows"]] == [
-        ("small", 256, 0.5), ("small", 512, 0.625), ("small", 1024, 0.25),
-        ("large", 256, 0.25), ("large", 512, 0.5), ("large", 1024, 0.75)]
-    assert curve["chosen"] == {"small": 512, "large": 1024} == read_chosen(tmp_path / "out")
-    assert "| small (`tiny-1`) | 512 (chosen) | 0.625 |" in text
+    assert [(r["mode"], r["budget"], r["quality"], r["gap"]) for r in curve["rows"]] == [
+        ("small", 256, 0.5, 0.5), ("small", 512, 1.0, 0.0), ("small", 1024, 0.75, 0.25),
+        ("large", 256, 0.25, 0.75), ("large", 512, 0.75, 0.25), ("large", 1024, 1.0, 0.0)]
+    assert [r["gap_se"] for r in curve["rows"]] == pytest.approx([0, 0, 0.25, 0.25, 0.25, 0])
+    assert curve["chosen"] == {"small": 512, "large": 512} == read_chosen(tmp_path / "out")
+    assert "| small (`tiny-1`) | 512 (chosen) | 1.000 | 0.000 ± 0.000 |" in text
     assert (tmp_path / "out" / "context.png").stat().st_size > 0
     with pytest.raises(RunError, match="not a context curve"):
         read_chosen(tmp_path / "out" / "context.md")

@@ -1,5 +1,5 @@
 """The engine on a CUDA GPU, against the CPU float32 engine: greedy output of the tiny test
-models, CUDA-graph replay against eager, both models in one engine, speculative decoding
+models, proxy scores, CUDA-graph replay against eager, both models in one engine, speculative decoding
 against plain decoding, quantized layers against their float twins. Skipped without CUDA
 (the CPU side of the same code is tests/test_device.py)."""
 import pytest
@@ -57,6 +57,20 @@ def test_greedy_output_on_cuda_equals_the_cpu_float32_engine(tiny_folder, dtype,
             torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=lp_tol)
 
 
+def test_proxy_scores_on_cuda_equal_the_cpu_float32_engine(tiny_folder):
+    """The labelling proxy (evals/proxy.py) on a GPU: references scored after a prompt the
+    prefix cache holds, against the CPU scoring each sequence whole."""
+    cpu = engine({"m": tiny_folder}, device="cpu")
+    gpu = engine({"m": tiny_folder}, dtype="float32")
+    prompt, refs = prompts(1, seed=15)[0] * 3, [r[:6] for r in prompts(3, seed=16)]
+    gpu.score(prompt + refs[0], first=len(prompt))                # fills the cache for the next two
+    for r in refs:
+        want = cpu.score(prompt + r)[len(prompt) - 1:]
+        got = gpu.score(prompt + r, first=len(prompt))
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=0.02)
+    assert gpu.stats()["m"]["prefix_cache_hits"] > 0
+
+
 def test_cuda_graph_replay_equals_eager(tiny_folder):
     eager = engine({"m": tiny_folder}, dtype="float32", cuda_graphs=False)
     graphs = engine({"m": tiny_folder}, dtype="float32")
@@ -109,7 +123,10 @@ def test_quantized_layers_on_the_triton_kernels_match_their_float_twins(mode, M)
         q, s, z = quantize_int4(w, group)
         tensors = {"w": q, "scales": s, "zeros": z}
         deq = ((unpack_int4(q).float().view(N, K // group, group) - z[..., None]) * s[..., None]).view(N, K)
-    for dtype, tol in ((torch.float32, 1e-3), (torch.bfloat16, 5e-2)):
+    # float32 runs tl.dot in TF32 (operands rounded to 10 mantissa bits): int8 weights survive
+    # that exactly, int4's dequantized ones do not. Measured on an H200 at K = 512: 0.067 at most
+    # for int4 (1e-4 under TRITON_F32_DEFAULT=ieee); a wrong nibble or scale is off by whole units.
+    for dtype, tol in ((torch.float32, 4e-3), (torch.bfloat16, 5e-2)):
         layer = QuantLinear(mode, tensors, b.cuda().to(dtype), group, packed=False, device="cuda")
         got = layer(x.cuda().to(dtype))
         want = x.to(dtype).float() @ deq.T + b.to(dtype).float()
@@ -121,14 +138,20 @@ def test_quantized_engine_on_cuda_follows_the_cpu_one(tmp_path, monkeypatch, mod
     monkeypatch.setenv("SLUICE_CACHE", str(tmp_path / "cache"))
     folder = make_tiny_model(tmp_path / "m", "qwen2", seed=3, hidden_size=128, intermediate_size=256)
 
+    prompt = list(range(1, 41))
+
     def run(device):
         e = LLMEngine(EngineConfig(models={"m": ModelEntry(str(folder), quant=mode, group_size=32)}, device=device,
                                    dtype="float32", max_kv_blocks=64, block_size=16), progress=False)
-        return e.generate([list(range(1, 41))], SamplingParams(max_tokens=8, ignore_eos=True))[0]
-    cpu, gpu = run("cpu"), run("cuda")      # the CPU run writes the stored format; the GPU run reads it
-    # CPU: packed ops with bf16 activations; GPU: Triton in float32. Same weights, close logits.
-    assert gpu.token_ids[0] == cpu.token_ids[0]
-    assert abs(gpu.logprobs[0] - cpu.logprobs[0]) < 0.1
+        return e, e.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    (cpu, want), (gpu, got) = run("cpu"), run("cuda")   # the CPU run writes the stored format; the GPU run reads it
+    # CPU: packed ops with bf16 activations; GPU: Triton in TF32. Same weights, close logits; the
+    # tiny model's top tokens lie within 0.5 nats, so greedy may take another near-tie (it did
+    # for int8 on an H200, picking the float model's own first choice where the CPU did not).
+    assert_same_or_near_tie(cpu, prompt, want, got, tol=0.3)
+    forced = prompt + [5, 6, 7, 8]
+    torch.testing.assert_close(torch.tensor(gpu.score(forced, first=len(prompt))),
+                               torch.tensor(cpu.score(forced, first=len(prompt))), rtol=0, atol=0.2)
 
 
 def test_index_tensors_reach_the_device_in_one_copy_intact():
