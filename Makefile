@@ -48,9 +48,11 @@ bench: $(VENV)/.installed
 # the proxy (the reference's log-probability, one prefill per model; PROXY_LIMIT=N stops after
 # N, a later run goes on). Proxy scores are committed as they accumulate ($(PROXY_SCORES): ids
 # and numbers, no dataset text), so a fresh machine goes on from them instead of starting over.
-# ROUTER_GEN=0 generates nothing and labels at the thresholds kept in $(THRESHOLDS). Hours on
-# 2 cores: generating costs about a minute a question, the proxy about 14 s (both models, every
-# gold answer, AVX2 host).
+# ROUTER_GEN=0 generates nothing and labels at the thresholds kept in $(THRESHOLDS). The arm
+# large@256 (the large model on one passage) is labelled by the large model's proxy scores at a
+# 256-token context budget ($(PROXY_SCORES_256), committed the same way). Hours on 2 cores:
+# generating costs about a minute a question, the proxy about 14 s (both models, every gold
+# answer, AVX2 host) and 5 s for the large model at 256.
 EVALS := .cache/evals
 SLUICE := $(VENV)/bin/sluice
 EVAL_SET := mixed --mix 2:1 --quant int8 --context-budget 512
@@ -58,8 +60,10 @@ ROUTER_N ?= 1000
 ROUTER_GEN ?= 100
 ROUTER_SMALL ?= 420
 ROUTER_RUN := $(EVALS)/train-squad
+ROUTER_RUN_256 := $(EVALS)/train-squad-256
 ROUTER := router/trained/router.joblib
 PROXY_SCORES := router/trained/proxy.jsonl
+PROXY_SCORES_256 := router/trained/proxy-large-256.jsonl
 THRESHOLDS := docs/router/proxy-agreement.json
 CONTEXT_CURVE := docs/context-budget/context.json
 router: $(VENV)/.installed
@@ -70,7 +74,12 @@ router: $(VENV)/.installed
 	test -s $(ROUTER_RUN)/proxy.jsonl || cp $(PROXY_SCORES) $(ROUTER_RUN)/proxy.jsonl
 	$(SLUICE) eval proxy $(ROUTER_RUN) $(if $(PROXY_LIMIT),--limit $(PROXY_LIMIT))
 	cp $(ROUTER_RUN)/proxy.jsonl $(PROXY_SCORES)
-	$(SLUICE) eval labels $(ROUTER_RUN) --proxy $(if $(filter 0,$(ROUTER_GEN)),$(THRESHOLDS),$(ROUTER_RUN))
+	$(SLUICE) eval run squad -n $(ROUTER_N) --split train --quant int8 --context-budget 256 --modes --out $(ROUTER_RUN_256)
+	test -s $(ROUTER_RUN_256)/proxy.jsonl || cp $(PROXY_SCORES_256) $(ROUTER_RUN_256)/proxy.jsonl
+	$(SLUICE) eval proxy $(ROUTER_RUN_256) --models large $(if $(PROXY_LIMIT),--limit $(PROXY_LIMIT))
+	cp $(ROUTER_RUN_256)/proxy.jsonl $(PROXY_SCORES_256)
+	$(SLUICE) eval labels $(ROUTER_RUN) --proxy $(if $(filter 0,$(ROUTER_GEN)),$(THRESHOLDS),$(ROUTER_RUN)) \
+		--arms $(ROUTER_RUN_256)
 	$(SLUICE) train-router $(ROUTER_RUN) $(if $(wildcard $(CONTEXT_CURVE)),--context-curve $(CONTEXT_CURVE)) --out $(ROUTER) \
 		--rebuild "make router ROUTER_N=$(ROUTER_N) ROUTER_GEN=$(ROUTER_GEN) ROUTER_SMALL=$(ROUTER_SMALL)$(if $(PROXY_LIMIT), PROXY_LIMIT=$(PROXY_LIMIT))"
 

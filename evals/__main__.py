@@ -122,8 +122,9 @@ def build_parser(prog: str = "python -m evals") -> argparse.ArgumentParser:
                                                            "generated answers, at the thresholds `proxy` fitted on RUN2 "
                                                            "(a run folder, or a proxy.json it wrote)")
             p.add_argument("--arms", nargs="+", default=[], metavar="RUN3",
-                           help="runs over the same questions at other thinking budgets: their answers add arms "
-                                "(large+think256, ...) to the labels")
+                           help="runs over the same questions at other thinking or context budgets: their answers "
+                                "(and with --proxy their proxy scores) add arms (large+think256, large@256, ...) "
+                                "to the labels")
         if name == "report":
             p.add_argument("--router", metavar="FILE", help="also draw this trained router's curves, on the "
                                                             "run's questions it was not trained on")
@@ -135,6 +136,9 @@ def build_parser(prog: str = "python -m evals") -> argparse.ArgumentParser:
     p.add_argument("folder", metavar="RUN")
     p.add_argument("--limit", type=_count(1), metavar="N", help="score only the first N of the run's questions this "
                                                                "time (resumable: a larger N goes on)")
+    p.add_argument("--models", nargs="+", choices=list(MODES), default=list(MODES),
+                   help="the models to score (default: both); one alone labels its arm at this run's context budget "
+                        "(labels --arms)")
     p.add_argument("--memory-gb", type=float, default=12.0, help="engine memory for weights and KV (default: %(default)s)")
     p.set_defaults(run=cmd_proxy)
 
@@ -244,8 +248,9 @@ def cmd_proxy(args) -> int:
     embedder = Embedder() if dataset.documents else None
     collection = build_collection(folder, dataset, embedder) if dataset.documents else None
     try:
-        pipeline = pipeline_for(_engine(config, [MODES["small"], MODES["large"]], args.memory_gb), config)
-        scores = score_run(folder, pipeline, config, dataset.examples[:args.limit], collection)
+        pipeline = pipeline_for(_engine(config, [MODES[m] for m in args.models], args.memory_gb), config)
+        scores = score_run(folder, pipeline, config, dataset.examples[:args.limit], collection,
+                           models=tuple(args.models))
     finally:
         if collection is not None:
             collection.close()

@@ -1,8 +1,9 @@
 """Per-question labels the router trains on (labels.jsonl in the run folder): did the small
 model answer correctly, did the large one, what each spent, and confidence features from
 the small model's token log-probabilities. Beside them, the same outcomes per arm
-(router.arms: `small`, `large`, `large+think256`...), named by the model and the run's
-thinking budget, so runs at other budgets over the same questions add their arms.
+(router.arms: `small`, `large`, `large+think256`, `large@256`...), named by the model, the
+run's thinking budget and, where it differs from the labelled run's, its context budget, so
+runs at other budgets over the same questions add their arms.
 
 The features are quantiles as well as the mean, which a long answer drags down even when
 every token is sure; they cover every output token (thinking too, when a budget was on).
@@ -15,7 +16,7 @@ from pathlib import Path
 import msgspec
 
 from evals.records import Record, RecordLog
-from evals.proxy import best_scores, read_scores
+from evals.proxy import ProxyScore, best_scores, read_scores
 from evals.runner import RECORDS_FILE, load_dataset, read_config
 from router.arms import arm_name
 from router.confidence import EARLY_TOKENS, quantiles
@@ -64,12 +65,24 @@ def _outcome(r: Record) -> ArmOutcome:
     return ArmOutcome(r.correct, r.score, r.tokens("prompt"), r.tokens("output"))
 
 
-def arm_outcomes(log: RecordLog, thinking: int) -> dict[str, dict[str, ArmOutcome]]:
-    """Question id -> arm -> outcome, from a run's single-model modes at its thinking budget."""
+def arm_outcomes(log: RecordLog, thinking: int, context: int | None = None) -> dict[str, dict[str, ArmOutcome]]:
+    """Question id -> arm -> outcome, from a run's single-model modes at its thinking budget
+    (and `context`: its context budget, where the arm carries its own)."""
     out: dict[str, dict[str, ArmOutcome]] = {}
     for mode in ("small", "large"):
         for r in log.of_mode(mode):
-            out.setdefault(r.id, {})[arm_name(mode, thinking)] = _outcome(r)
+            out.setdefault(r.id, {})[arm_name(mode, thinking, context)] = _outcome(r)
+    return out
+
+
+def proxy_verdicts(scores: list[ProxyScore], examples: list, thresholds: dict[str, float]) -> dict[str, dict[str, ArmOutcome]]:
+    """Question id -> model -> the proxy's verdict at the model's threshold, with the prompt's
+    tokens where the scores kept them."""
+    prompts = {(s.id, s.model): s.prompt for s in scores if s.prompt}
+    out: dict[str, dict[str, ArmOutcome]] = {}
+    for (qid, model), best in best_scores(scores, examples).items():
+        right = best >= thresholds[model]
+        out.setdefault(qid, {})[model] = ArmOutcome(right, float(right), prompts.get((qid, model)))
     return out
 
 
@@ -96,18 +109,13 @@ def proxy_labels(folder: Path, thresholds: dict[str, float]) -> list[Label]:
     read = read_scores(folder)
     examples = load_dataset(read_config(folder)).examples
     hits = {s.id: s.retrieval_scores for s in read if s.mean_logprob is not None}
-    scores: dict[str, dict[str, float]] = {}
-    for (qid, model), best in best_scores(read, examples).items():
-        scores.setdefault(qid, {})[model] = best
     questions = {e.id: e for e in examples}
     out = []
-    for qid, by_model in scores.items():
+    for qid, by_model in proxy_verdicts(read, examples, thresholds).items():
         if set(by_model) >= {"small", "large"} and qid in questions:
-            small, large = (by_model[m] >= thresholds[m] for m in ("small", "large"))
-            e = questions[qid]
-            out.append(Label(qid, e.kind, e.question, small, float(small), Tokens(0, 0, 0, 0), None, hits[qid],
-                             large, float(large), None, source="proxy",
-                             arms={"small": ArmOutcome(small, float(small)), "large": ArmOutcome(large, float(large))}))
+            small, large, e = by_model["small"], by_model["large"], questions[qid]
+            out.append(Label(qid, e.kind, e.question, small.correct, small.score, Tokens(0, 0, 0, 0), None, hits[qid],
+                             large.correct, large.score, None, source="proxy", arms={"small": small, "large": large}))
     return out
 
 
@@ -139,15 +147,23 @@ def provenance(folder: Path) -> dict:
 def write_labels(folder: Path, thresholds: dict[str, float] | None = None, arm_runs: list[Path] = ()) -> int:
     """(Re)write labels.jsonl from the run folder's log, and with `thresholds` from its proxy
     scores where no answer was generated; `arm_runs`: run folders over the same questions at
-    other thinking budgets, whose answers add arms to the labels. Returns how many labels."""
-    rows = labels(RecordLog(folder / RECORDS_FILE), read_config(folder).thinking_budget)
+    other thinking or context budgets, whose answers (and with `thresholds`, proxy scores where
+    none was generated) add arms to the labels. Returns how many labels."""
+    config = read_config(folder)
+    rows = labels(RecordLog(folder / RECORDS_FILE), config.thinking_budget)
     if thresholds is not None:
         proxied = {l.id: l for l in proxy_labels(folder, thresholds)}
         generated = {r.id for r in rows}
         rows = [with_proxy_large(r, proxied.get(r.id)) for r in rows]
         rows += [l for qid, l in proxied.items() if qid not in generated]
     for other in arm_runs:
-        more = arm_outcomes(RecordLog(other / RECORDS_FILE), read_config(other).thinking_budget)
+        theirs = read_config(other)
+        context = theirs.context_budget if theirs.context_budget != config.context_budget else None
+        more = arm_outcomes(RecordLog(other / RECORDS_FILE), theirs.thinking_budget, context)
+        if thresholds is not None:
+            for qid, by_model in proxy_verdicts(read_scores(other), load_dataset(theirs).examples, thresholds).items():
+                for model, outcome in by_model.items():
+                    more.setdefault(qid, {}).setdefault(arm_name(model, theirs.thinking_budget, context), outcome)
         rows = [replace(r, arms=r.arms | more.get(r.id, {})) for r in rows]
     encoder = msgspec.json.Encoder()
     (folder / LABELS_FILE).write_bytes(b"".join(encoder.encode(r) + b"\n" for r in rows))

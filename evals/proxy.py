@@ -36,6 +36,7 @@ class ProxyScore(msgspec.Struct, frozen=True):
     tokens: int
     retrieval_scores: list[float] = []   # the search's hits, by rank, as labels keep them
     answer: int = 0                   # which of the example's gold answers (the first distinct of its text)
+    prompt: int = 0                   # the prompt's tokens (what the arm would pay for); 0 in files from before
 
 
 class Agreement(msgspec.Struct, frozen=True):
@@ -90,7 +91,8 @@ def score_job(engine: LLMEngine, job: ScoreJob) -> list[ProxyScore]:
     for i in job.answers:
         reference = engine.worker(job.model).tokenizer.encode(e.answers[i])
         logprobs = engine.score(job.prompt + reference, job.model, first=len(job.prompt))
-        out.append(ProxyScore(e.id, job.model, round(float(np.mean(logprobs)), 4), len(reference), job.hits, i))
+        out.append(ProxyScore(e.id, job.model, round(float(np.mean(logprobs)), 4), len(reference), job.hits, i,
+                              len(job.prompt)))
     return out
 
 
@@ -116,9 +118,9 @@ def scoring_order(jobs: list[ScoreJob]) -> list[ScoreJob]:
 
 
 def score_run(folder: Path, pipeline: Pipeline, config: RunConfig, examples: list[Example], collection,
-              progress: bool = True) -> list[ProxyScore]:
-    """Proxy scores of every distinct gold answer of every SQuAD-style question for both
-    models, appended to proxy.jsonl as they come, so an interrupted run resumes (and a file
+              progress: bool = True, models: tuple[str, ...] = tuple(MODES)) -> list[ProxyScore]:
+    """Proxy scores of every distinct gold answer of every SQuAD-style question for `models`
+    (both by default; one where only its arm at this run's context budget is wanted), appended to proxy.jsonl as they come, so an interrupted run resumes (and a file
     from before every answer was scored gains the rest). Every question is planned first
     (retrieval and trimming are cheap), then scored grouped by the passage its prompt opens
     with, in prompt order within a group: questions whose passages coincide come together, and
@@ -128,7 +130,7 @@ def score_run(folder: Path, pipeline: Pipeline, config: RunConfig, examples: lis
     path = folder / PROXY_FILE
     done = read_scores(folder, cut=True)
     have = {(s.id, s.model, s.answer) for s in done}
-    todo = [(e, m, need) for e in examples if e.kind != "gsm8k" for m in MODES
+    todo = [(e, m, need) for e in examples if e.kind != "gsm8k" for m in models
             if (need := tuple(i for i in distinct_answers(e) if (e.id, m, i) not in have))]
     jobs = [plan_score(pipeline, config, e, m, collection, need)
             for e, m, need in tqdm(todo, desc="plan", unit="prompt", disable=not progress)]

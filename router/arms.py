@@ -4,8 +4,10 @@ context-budget curve). One model, trained on per-arm labels, predicts each arm's
 answering a question right; the policy (router.policy.route_arms) takes the cheapest arm
 whose chance is within the tenant's margin of the best one's.
 
-Arm names say what they are: `small`, `large`, `large+think256`; evals name the labels of a
-run's answers the same way (`arm_name`), so a label file can hold arms from several runs.
+Arm names say what they are: `small`, `large`, `large+think256`, and `large@256` for an arm
+that carries a context budget of its own (256 tokens) instead of its model's from the context
+curve; evals name the labels of a run's answers the same way (`arm_name`), so a label file can
+hold arms from several runs.
 """
 from __future__ import annotations
 
@@ -21,9 +23,10 @@ from router.classifier import cv_log_loss
 from router.data import Label, RouterError
 from router.features import feature_vector
 
-NAME = re.compile(r"(?P<model>[a-z0-9_.-]+?)(?:\+think(?P<thinking>\d+))?")
-# The arms a trained router may offer, cheapest first; a router trains those its labels cover.
-ARM_NAMES = ("small", "large", "large+think256", "large+think1024")
+NAME = re.compile(r"(?P<model>[a-z0-9_.-]+?)(?:\+think(?P<thinking>\d+))?(?:@(?P<context>\d+))?")
+# The arms a trained router may offer; a router trains those its labels cover. The large model
+# on one passage (256 tokens) kept 92% of its F1 at half its dollars on the context curve.
+ARM_NAMES = ("small", "large@256", "large", "large+think256", "large+think1024")
 # Output tokens an arm is assumed to spend when no label says (a proxy label generates nothing).
 DEFAULT_OUTPUT_TOKENS = 48
 MIN_LABELS = 8
@@ -37,15 +40,16 @@ class Arm:
     context_budget: int | None = None   # prompt tokens; None: the tenant's (an arm's is capped by it)
 
 
-def arm_name(model: str, thinking: int = 0) -> str:
-    return f"{model}+think{thinking}" if thinking else model
+def arm_name(model: str, thinking: int = 0, context: int | None = None) -> str:
+    return model + (f"+think{thinking}" if thinking else "") + (f"@{context}" if context else "")
 
 
 def parse_arm(name: str, context_budget: int | None = None) -> Arm:
+    """`context_budget`: the model's (from the context curve), unless the name carries its own."""
     m = NAME.fullmatch(name)
     if m is None:
-        raise RouterError(f"arm {name!r}: expected MODEL or MODEL+thinkN, e.g. large+think256")
-    return Arm(name, m["model"], int(m["thinking"] or 0), context_budget)
+        raise RouterError(f"arm {name!r}: expected MODEL, MODEL+thinkN or either with @TOKENS, e.g. large+think256")
+    return Arm(name, m["model"], int(m["thinking"] or 0), int(m["context"]) if m["context"] else context_budget)
 
 
 @dataclass(frozen=True)
@@ -93,9 +97,9 @@ class ArmModel:
         return {arm.name: p[:, i] for i, arm in enumerate(self.arms)}
 
     def with_budgets(self, budgets: dict[str, int]) -> ArmModel:
-        """The same model with context budgets per engine model (from the context-budget curve)."""
-        return replace(self, arms=tuple(replace(a, context_budget=budgets.get(a.model, a.context_budget))
-                                        for a in self.arms))
+        """The same model with context budgets per engine model (from the context-budget curve),
+        for the arms that do not name their own."""
+        return replace(self, arms=tuple(parse_arm(a.name, budgets.get(a.model, a.context_budget)) for a in self.arms))
 
 
 def _p_true(model, rows: np.ndarray) -> np.ndarray:
@@ -118,6 +122,24 @@ def _fold(models: list) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
         a.append(calibrated.calibrators[0].a_)
         b.append(calibrated.calibrators[0].b_)
     return np.array(w), np.array(c), np.array(a), np.array(b)
+
+
+def arm_tokens(outcomes: dict[str, list]) -> dict[str, tuple[float, float]]:
+    """Mean prompt and output tokens per arm, from its labels. A proxy label knows its prompt
+    but generates nothing: an arm labelled only by the proxy takes the output of the arm of
+    the same model and thinking at another context budget, else DEFAULT_OUTPUT_TOKENS."""
+    def mean(xs: list) -> float | None:
+        return float(np.mean(xs)) if xs else None
+    outputs = {n: mean([o.output for o in os if o.output is not None]) for n, os in outcomes.items()}
+    out = {}
+    for name, os in outcomes.items():
+        arm = parse_arm(name)
+        siblings = [v for n, v in outputs.items()
+                    if v is not None and (parse_arm(n).model, parse_arm(n).thinking) == (arm.model, arm.thinking)]
+        output = outputs[name] if outputs[name] is not None else mean(siblings)
+        out[name] = (mean([o.prompt for o in os if o.prompt]) or 0.0,
+                     output if output is not None else float(DEFAULT_OUTPUT_TOKENS + arm.thinking))
+    return out
 
 
 def train_arms(labels: list[Label], embeddings: np.ndarray, seed: int = 0,
@@ -150,7 +172,7 @@ def train_arms(labels: list[Label], embeddings: np.ndarray, seed: int = 0,
         return total
     with_embedding = summed_loss(x_all.shape[1]) <= summed_loss(head)
     x = x_all if with_embedding else x_all[:, :head]
-    models, report, tokens = {}, {}, {}
+    models, report = {}, {}
     n_train = n_test = 0
     for name, (idx, y, outcomes) in per_arm.items():
         held = np.array([ids[i] in test for i in idx])
@@ -161,12 +183,10 @@ def train_arms(labels: list[Label], embeddings: np.ndarray, seed: int = 0,
                       "brier_base_rate": round(float(np.mean((y[~held].mean() - y[held]) ** 2)), 4)}
         n_train, n_test = max(n_train, int((~held).sum())), max(n_test, int(held.sum()))
         models[name] = fit_calibrated(x[idx], y)
-        known = [(o.prompt, o.output) for o in outcomes if o.output is not None]
-        arm = parse_arm(name)
-        tokens[name] = (float(np.mean([p for p, _ in known])) if known else 0.0,
-                        float(np.mean([o for _, o in known])) if known else DEFAULT_OUTPUT_TOKENS + arm.thinking)
-        entry |= {"prompt_tokens": round(tokens[name][0], 1), "output_tokens": round(tokens[name][1], 1)}
         report[name] = entry
+    tokens = arm_tokens({name: outcomes for name, (_, _, outcomes) in per_arm.items()})
+    for name, (prompt, output) in tokens.items():
+        report[name] |= {"prompt_tokens": round(prompt, 1), "output_tokens": round(output, 1)}
     arms = tuple(parse_arm(n) for n in ARM_NAMES if n in models)
     return (ArmModel(arms, models, tokens, int(embeddings.shape[1]), with_embedding),
             ArmReport(n_train, n_test, with_embedding, report, left_out))

@@ -653,6 +653,40 @@ def test_proxy_scores_the_reference_as_transformers_does_and_labels_from_it(tmp_
         read_thresholds(kept)
 
 
+def test_a_run_at_another_context_budget_adds_its_proxy_verdicts_as_arms(tmp_path, data, engine, embedder):
+    # The large model scored alone at a smaller context budget: its verdicts become the arm
+    # large@64 beside the labelled run's own small and large, with what its prompts cost.
+    from evals.labels import write_labels
+    from evals.proxy import best_scores, read_scores, score_run
+    from router.data import read_labels
+    files = files_for("squad", None, str(data))
+    main, other = tmp_path / "main", tmp_path / "narrow"
+    dataset = run(main, config_for("squad", files), engine, embedder)
+    narrow = config_for("squad", files, context_budget=64)
+    run(other, narrow, engine, embedder, modes=())
+    collection = build_collection(other, dataset, embedder, progress=False)
+    try:
+        score_run(other, pipeline_for(engine, narrow), narrow, dataset.examples, collection, progress=False,
+                  models=("large",))
+    finally:
+        collection.close()
+    scores = read_scores(other)
+    assert {s.model for s in scores} == {"large"}
+    best = best_scores(scores, dataset.examples)
+    threshold = float(np.median(list(best.values())))
+    assert write_labels(main, {"small": 0.0, "large": threshold}, arm_runs=[other]) == len(dataset.examples)
+    labels = read_labels(main)
+    # A question the narrow budget cannot hold was refused there: no verdict, no arm.
+    assert {l.id for l in labels if "large@64" in l.arms} == {qid for qid, _ in best}
+    labels = [l for l in labels if "large@64" in l.arms]
+    for label in labels:
+        arm = label.arms["large@64"]
+        assert arm.correct == (best[label.id, "large"] >= threshold) and arm.output is None
+        assert arm.prompt == next(s.prompt for s in scores if s.id == label.id) <= label.arms["large"].prompt
+    assert {l.arms["large@64"].correct for l in labels} == {True, False}
+    assert any(l.arms["large@64"].prompt < l.arms["large"].prompt for l in labels)     # fewer passages
+
+
 def test_heldout_scores_the_routers_arms_on_labels_it_never_saw(tmp_path):
     from evals.heldout import write_heldout
     from router.model import train

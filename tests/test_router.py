@@ -267,6 +267,22 @@ def test_arms_predict_per_arm_correctness_and_leave_out_what_cannot_be_learnt(tr
     assert [a.context_budget for a in budgets.arms] == [512, None, None]
 
 
+def test_an_arm_named_with_a_context_budget_keeps_it_and_borrows_its_models_output():
+    from router.arms import arm_name, arm_tokens, parse_arm
+    from router.data import ArmOutcome, RouterError
+    assert (arm_name("large", 0, 256), arm_name("large", 1024), arm_name("small")) == ("large@256", "large+think1024", "small")
+    arm = parse_arm("large+think256@384", 512)
+    assert (arm.model, arm.thinking, arm.context_budget) == ("large", 256, 384)
+    assert parse_arm("large@256", 512).context_budget == 256 and parse_arm("large", 512).context_budget == 512
+    with pytest.raises(RouterError, match="expected MODEL"):
+        parse_arm("large@many")
+    # A proxy-labelled arm knows its prompts but generated nothing: the same model's output stands in.
+    tokens = arm_tokens({"large": [ArmOutcome(True, 1.0, 500, 20), ArmOutcome(False, 0.0, 480, 30)],
+                         "large@256": [ArmOutcome(True, 1.0, 230), ArmOutcome(True, 1.0, 250)],
+                         "small": [ArmOutcome(True, 1.0)]})
+    assert tokens == {"large": (490.0, 25.0), "large@256": (240.0, 25.0), "small": (0.0, 48.0)}
+
+
 def test_route_arms_takes_the_cheapest_arm_near_the_best_within_the_tenants_caps():
     import time
     from router.arms import parse_arm
