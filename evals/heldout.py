@@ -6,7 +6,8 @@ generating again.
 - APGR between the small and large arms, sweeping the score P(large right) - P(small right),
   beside the oracle's (the labels' own gain) and random routing's 0.5;
 - per arm margin (a tenant's `arm_margin`), the arms' policy (router.policy.route_arms) as
-  served: its quality, its expected dollars and the share of each arm, against every single arm;
+  served: its quality (and against large-only's on the questions it could be scored on), its
+  expected dollars and the share of each arm, against every single arm;
 - the cascade (`cascade_report`), where small answers were generated.
 
 Dollars are expected, not spent: per arm, the mean prompt and output tokens of the router's
@@ -67,9 +68,13 @@ def heldout_report(folder: Path, router, embedder) -> dict:
         policy = Policy("small", PAIR, {"easy": 0, "medium": 0, "hard": 1024}, 0.5, arm_margin=margin)
         picks = [route_arms(policy, arms.arms, *PAIR, lambda i=i: {a: float(p[i]) for a, p in predicted.items()},
                             lambda arm: price[arm.name]).arm for i in range(n)]
-        scored = [right[a][i] for i, a in enumerate(picks)]
-        known = [s for s in scored if not np.isnan(s)]
-        policies[str(margin)] = {"quality": _r(float(np.mean(known))), "scored": len(known),
+        scored = np.array([right[a][i] for i, a in enumerate(picks)])
+        known = ~np.isnan(scored)
+        # Large-only on the same questions: an arm labelled on part of them (the proxy stopped
+        # early) leaves its picks elsewhere unscored, and the rest may be easier or harder.
+        policies[str(margin)] = {"quality": _r(float(scored[known].mean())), "scored": int(known.sum()),
+                                 "quality_vs_large": _r(float(scored[known].mean() / ql[known].mean()))
+                                 if ql[known].mean() else None,
                                  "cost_vs_large": _r(sum(price[a] for a in picks) / (n * price["large"])),
                                  "arms": {a: picks.count(a) for a in dict.fromkeys(picks)}}
     trained = [l for l in every if l.id in router.trained_on]

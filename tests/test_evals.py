@@ -710,7 +710,7 @@ def test_heldout_scores_the_routers_arms_on_labels_it_never_saw(tmp_path):
     best, near = report["policies"]["0.0"], report["policies"]["0.05"]
     # Margin 0 buys the best predicted arm; within 0.05 of it, the cheapest arm that answers it:
     # small for easy questions, large for medium, thinking for hard, all right.
-    assert best["quality"] == near["quality"] == 1.0
+    assert best["quality"] == near["quality"] == 1.0 and near["quality_vs_large"] == 1.5
     assert near["arms"] == {"small": 10, "large": 10, "large+think256": 10}
     assert near["cost_vs_large"] < best["cost_vs_large"]
     assert report["cascade"] is None                   # one training label in the folder: no threshold to fit
