@@ -51,7 +51,8 @@ def chosen(rows: list[dict], scores: dict[tuple[str, int], dict]) -> dict[str, i
         best = scores[mode, max(mine, key=lambda r: r["quality"])["budget"]]
         for r in mine:
             gap = np.array([best[q] - scores[mode, r["budget"]][q] for q in best])
-            r["gap"], r["gap_se"] = float(gap.mean()), float(gap.std(ddof=1) / np.sqrt(len(gap))) if len(gap) > 1 else 0.0
+            se = gap.std(ddof=1) / np.sqrt(len(gap)) if len(gap) > 1 else 0.0
+            r["gap"], r["gap_se"] = float(gap.mean()), float(se)
         out[mode] = next(r["budget"] for r in mine if r["gap"] <= r["gap_se"])
     return out
 
@@ -66,7 +67,8 @@ def markdown(rows: list[dict], picked: dict[str, int], kind: str) -> str:
              "| model | budget | F1 | gap to best (± SE) | EM | passages | prompt tokens | engine s / q | $ / 1k |",
              "|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['mode']} (`{r['model']}`) | {r['budget']}{' (chosen)' if picked[r['mode']] == r['budget'] else ''} "
-              f"| {r['quality']:.3f} | {r['gap']:.3f} ± {r['gap_se']:.3f} | {r['em']:.3f} | {r['passages']:.1f} | {r['prompt_tokens']:.0f} "
+              f"| {r['quality']:.3f} | {r['gap']:.3f} ± {r['gap_se']:.3f} | {r['em']:.3f} | {r['passages']:.1f} "
+              f"| {r['prompt_tokens']:.0f} "
               f"| {r['engine_s']:.2f} | {r['cost_per_1k']:.4f} |" for r in rows]
     return "\n".join(lines) + "\n"
 

@@ -120,7 +120,8 @@ def scoring_order(jobs: list[ScoreJob]) -> list[ScoreJob]:
 def score_run(folder: Path, pipeline: Pipeline, config: RunConfig, examples: list[Example], collection,
               progress: bool = True, models: tuple[str, ...] = tuple(MODES)) -> list[ProxyScore]:
     """Proxy scores of every distinct gold answer of every SQuAD-style question for `models`
-    (both by default; one where only its arm at this run's context budget is wanted), appended to proxy.jsonl as they come, so an interrupted run resumes (and a file
+    (both by default; one where only its arm at this run's context budget is wanted),
+    appended to proxy.jsonl as they come, so an interrupted run resumes (and a file
     from before every answer was scored gains the rest). Every question is planned first
     (retrieval and trimming are cheap), then scored grouped by the passage its prompt opens
     with, in prompt order within a group: questions whose passages coincide come together, and
