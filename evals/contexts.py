@@ -27,34 +27,34 @@ from evals.runner import RunError  # noqa: E402
 CONTEXT_FILE = "context.json"
 
 
-def context_rows(folders: list[Path], kind: str = "squad") -> tuple[list[dict], dict[tuple[str, int], dict]]:
-    """The rows, and each row's F1 by question id (for the paired differences `chosen` needs)."""
-    rows, scores = [], {}
-    for run in read_runs(folders, kind, "context_budget"):
+def context_rows(folders: list[Path], kind: str = "squad") -> list[dict]:
+    """One row per (model, budget); `gap` is the model's best quality minus the row's, paired
+    by question, and `gap_se` its standard error."""
+    runs = read_runs(folders, kind, "context_budget")
+    scores = {(run.mode, run.budget): {r.id: r.score for r in run.records} for run in runs}
+    best = {}
+    for (mode, budget), by_id in scores.items():
+        if mode not in best or np.mean(list(by_id.values())) > np.mean(list(best[mode].values())):
+            best[mode] = by_id
+    rows = []
+    for run in runs:
         rs = run.records
-        scores[run.mode, run.budget] = {r.id: r.score for r in rs}
+        gap = np.array([best[run.mode][q] - s for q, s in scores[run.mode, run.budget].items()])
         rows.append({"model": run.model, "mode": run.mode, "budget": run.budget, "questions": len(rs),
                      "quality": float(np.mean([r.score for r in rs])), "em": float(np.mean([r.em for r in rs])),
+                     "gap": float(gap.mean()),
+                     "gap_se": float(gap.std(ddof=1) / np.sqrt(len(gap))) if len(gap) > 1 else 0.0,
                      "passages": float(np.mean([r.passages for r in rs])),
                      "prompt_tokens": float(np.mean([r.tokens("prompt") for r in rs])),
                      "cost_per_1k": 1000 * float(np.mean([r.cost for r in rs])),
                      "engine_s": float(np.mean([r.engine_s for r in rs])), "folder": str(run.folder)})
-    return rows, scores
+    return rows
 
 
-def chosen(rows: list[dict], scores: dict[tuple[str, int], dict]) -> dict[str, int]:
-    """Sets each row's `gap` (the model's best quality minus its own, paired by question) and
-    `gap_se`, and returns per model the smallest budget with gap <= gap_se."""
-    out = {}
-    for mode in dict.fromkeys(r["mode"] for r in rows):
-        mine = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["budget"])
-        best = scores[mode, max(mine, key=lambda r: r["quality"])["budget"]]
-        for r in mine:
-            gap = np.array([best[q] - scores[mode, r["budget"]][q] for q in best])
-            se = gap.std(ddof=1) / np.sqrt(len(gap)) if len(gap) > 1 else 0.0
-            r["gap"], r["gap_se"] = float(gap.mean()), float(se)
-        out[mode] = next(r["budget"] for r in mine if r["gap"] <= r["gap_se"])
-    return out
+def chosen(rows: list[dict]) -> dict[str, int]:
+    """Per model, the smallest budget whose gap to the model's best is within its standard error."""
+    return {mode: min(r["budget"] for r in rows if r["mode"] == mode and r["gap"] <= r["gap_se"])
+            for mode in dict.fromkeys(r["mode"] for r in rows)}
 
 
 def markdown(rows: list[dict], picked: dict[str, int], kind: str) -> str:
@@ -74,8 +74,8 @@ def markdown(rows: list[dict], picked: dict[str, int], kind: str) -> str:
 
 
 def write_context_curve(folders: list[Path], out: Path, kind: str = "squad") -> str:
-    rows, scores = context_rows(folders, kind)
-    picked = chosen(rows, scores)
+    rows = context_rows(folders, kind)
+    picked = chosen(rows)
     out.mkdir(parents=True, exist_ok=True)
     (out / CONTEXT_FILE).write_text(json.dumps({"kind": kind, "rule": "one standard error", "chosen": picked,
                                                 "rows": rows}, indent=2) + "\n")

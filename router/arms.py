@@ -130,13 +130,15 @@ def arm_tokens(outcomes: dict[str, list]) -> dict[str, tuple[float, float]]:
     the same model and thinking at another context budget, else DEFAULT_OUTPUT_TOKENS."""
     def mean(xs: list) -> float | None:
         return float(np.mean(xs)) if xs else None
-    outputs = {n: mean([o.output for o in os if o.output is not None]) for n, os in outcomes.items()}
+    arms = {name: parse_arm(name) for name in outcomes}
+    generated: dict[tuple[str, int], list[int]] = {}       # (model, thinking) -> every output seen
+    for name, os in outcomes.items():
+        generated.setdefault((arms[name].model, arms[name].thinking), []).extend(
+            o.output for o in os if o.output is not None)
     out = {}
     for name, os in outcomes.items():
-        arm = parse_arm(name)
-        siblings = [v for n, v in outputs.items()
-                    if v is not None and (parse_arm(n).model, parse_arm(n).thinking) == (arm.model, arm.thinking)]
-        output = outputs[name] if outputs[name] is not None else mean(siblings)
+        arm = arms[name]
+        output = mean([o.output for o in os if o.output is not None]) or mean(generated[arm.model, arm.thinking])
         out[name] = (mean([o.prompt for o in os if o.prompt]) or 0.0,
                      output if output is not None else float(DEFAULT_OUTPUT_TOKENS + arm.thinking))
     return out
