@@ -50,15 +50,18 @@ bench: $(VENV)/.installed
 # and numbers, no dataset text), so a fresh machine goes on from them instead of starting over.
 # ROUTER_GEN=0 generates nothing and labels at the thresholds kept in $(THRESHOLDS). The arm
 # large@256 (the large model on one passage) is labelled by the large model's proxy scores at a
-# 256-token context budget ($(PROXY_SCORES_256), committed the same way). Hours on 2 cores:
+# 256-token context budget ($(PROXY_SCORES_256), committed the same way); its answers are
+# generated for the first $(ROUTER_NARROW) questions (about 5 s each), for the confidence model
+# that asks an unsure one again with the whole context (widening). Hours on 2 cores:
 # generating costs about a minute a question, the proxy about 14 s (both models, every gold
 # answer, AVX2 host) and 5 s for the large model at 256.
 EVALS := .cache/evals
 SLUICE := $(VENV)/bin/sluice
 EVAL_SET := mixed --mix 2:1 --quant int8 --context-budget 512
 ROUTER_N ?= 1000
-ROUTER_GEN ?= 100
+ROUTER_GEN ?= 200
 ROUTER_SMALL ?= 420
+ROUTER_NARROW ?= 300
 ROUTER_RUN := $(EVALS)/train-squad
 ROUTER_RUN_256 := $(EVALS)/train-squad-256
 ROUTER := router/trained/router.joblib
@@ -74,14 +77,15 @@ router: $(VENV)/.installed
 	test -s $(ROUTER_RUN)/proxy.jsonl || cp $(PROXY_SCORES) $(ROUTER_RUN)/proxy.jsonl
 	$(SLUICE) eval proxy $(ROUTER_RUN) $(if $(PROXY_LIMIT),--limit $(PROXY_LIMIT))
 	cp $(ROUTER_RUN)/proxy.jsonl $(PROXY_SCORES)
-	$(SLUICE) eval run squad -n $(ROUTER_N) --split train --quant int8 --context-budget 256 --modes --out $(ROUTER_RUN_256)
+	$(SLUICE) eval run squad -n $(ROUTER_N) --split train --quant int8 --context-budget 256 \
+		--modes $(if $(filter 0,$(ROUTER_NARROW)),,large) --limit $(ROUTER_NARROW) --out $(ROUTER_RUN_256)
 	test -s $(ROUTER_RUN_256)/proxy.jsonl || cp $(PROXY_SCORES_256) $(ROUTER_RUN_256)/proxy.jsonl
 	$(SLUICE) eval proxy $(ROUTER_RUN_256) --models large $(if $(PROXY_LIMIT),--limit $(PROXY_LIMIT))
 	cp $(ROUTER_RUN_256)/proxy.jsonl $(PROXY_SCORES_256)
 	$(SLUICE) eval labels $(ROUTER_RUN) --proxy $(if $(filter 0,$(ROUTER_GEN)),$(THRESHOLDS),$(ROUTER_RUN)) \
 		--arms $(ROUTER_RUN_256)
 	$(SLUICE) train-router $(ROUTER_RUN) $(if $(wildcard $(CONTEXT_CURVE)),--context-curve $(CONTEXT_CURVE)) --out $(ROUTER) \
-		--rebuild "make router ROUTER_N=$(ROUTER_N) ROUTER_GEN=$(ROUTER_GEN) ROUTER_SMALL=$(ROUTER_SMALL)$(if $(PROXY_LIMIT), PROXY_LIMIT=$(PROXY_LIMIT))"
+		--rebuild "make router ROUTER_N=$(ROUTER_N) ROUTER_GEN=$(ROUTER_GEN) ROUTER_SMALL=$(ROUTER_SMALL) ROUTER_NARROW=$(ROUTER_NARROW)$(if $(PROXY_LIMIT), PROXY_LIMIT=$(PROXY_LIMIT))"
 
 # Quality by context budget per model (docs/context-budget/): 40 SQuAD questions of the train
 # half at 256 to 2,048 prompt tokens; the chosen budgets go to the router's arms.

@@ -8,11 +8,14 @@ at the run's own? From run folders that answered the same questions with `large`
 - per arm the router picked: large-only's F1 there against the narrow arm's (the router has
   skill if the arm loses less where it was picked);
 - how many routed answers of the narrow arm equal the narrow run's (the same prompt served);
+- with --widened, run folders over the same questions in mode `routed+cascade` (the router's
+  widening: an unsure narrow answer asked again with the whole context, both calls paid as
+  served, the shared prefix cached): its shares and how many it widened, pooled the same way;
 - escalating from the narrow answer to the wide one when the narrow answer's mean token
   log-probability is under a threshold, both calls paid in full: thresholds are quantiles
   of that log-probability in TRAIN_NARROW (with TRAIN_WIDE the same questions at the wide
-  budget), applied to the test pairs; and the ROC AUC of the log-probability for "wide did
-  better" on both;
+  budget), applied to the test pairs; the oracle that escalates exactly where the wide answer
+  scores higher; and the ROC AUC of the log-probability for "wide did better" on both;
 - with --proxy, whether the proxy's labels hold at the narrow budget: its verdicts at the
   thresholds fitted at the wide one (a proxy.json) against TRAIN_NARROW's and TRAIN_WIDE's
   generated answers, from the proxy scores of runs at each budget.
@@ -22,8 +25,9 @@ narrow arm). Writes benchmarks/results/arm_split.json.
 
     python benchmarks/arm_split.py --pair .cache/evals/test-cascade .cache/evals/test-60-256 \
         --pair .cache/evals/test-60-seed1 .cache/evals/test-60-seed1-256 \
-        --train .cache/evals/context-256 .cache/evals/context-512 \
-        --proxy .cache/evals/train-squad-256 .cache/evals/train-squad .cache/evals/train-squad
+        --train .cache/evals/train-squad-256 .cache/evals/train-squad \
+        --proxy .cache/evals/train-squad-256 .cache/evals/train-squad .cache/evals/train-squad \
+        --widened .cache/evals/test-widen-s0 .cache/evals/test-widen-s1
 """
 from __future__ import annotations
 
@@ -75,11 +79,40 @@ def proxy_agreement(scored: Path, answers: dict[str, Record], threshold: float) 
             "proxy_right": float(said.mean()), "generated_right": float(right.mean())}
 
 
+def widen_row(folders: list[str], large: dict[str, Record], narrow: dict[str, Record]) -> dict | None:
+    """routed+cascade pooled over these run folders, against large-only on the same questions,
+    with how many of its answers equal large-only's (widened) or the narrow run's (kept);
+    None without any."""
+    runs = {}
+    for folder in folders:
+        runs |= answers(Path(folder), "routed+cascade")
+    ids = sorted(set(runs) & set(large))
+    if not ids:
+        return None
+    f1, big = np.array([runs[i].score for i in ids]), np.array([large[i].score for i in ids])
+    models = [[c.model for c in runs[i].calls] for i in ids]
+    return {"questions": len(ids), "f1": float(f1.mean()), "large_f1": float(big.mean()),
+            "f1_vs_large": float(f1.mean() / big.mean()),
+            "f1_se": float((f1 - big).std(ddof=1) / np.sqrt(len(ids)) / big.mean()),
+            "dollars_vs_large": sum(runs[i].cost for i in ids) / sum(large[i].cost for i in ids),
+            "engine_s_vs_large": sum(runs[i].engine_s for i in ids) / sum(large[i].engine_s for i in ids),
+            "widened": sum(m == ["large", "large"] for m in models),
+            "widened_equal_large": sum(runs[i].answer == large[i].answer for i, m in zip(ids, models)
+                                       if m == ["large", "large"]),
+            "kept_equal_narrow": sum(runs[i].answer == narrow[i].answer for i, m in zip(ids, models)
+                                     if len(m) == 1 and i in narrow),
+            "from_small": sum(m == ["small", "large"] for m in models),
+            "cached_prompt_share_of_widenings": float(np.mean([runs[i].calls[1].cached_tokens / runs[i].calls[1].prompt_tokens
+                                                               for i, m in zip(ids, models) if m == ["large", "large"]]
+                                                              or [0.0]))}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pair", nargs=2, action="append", required=True, metavar=("MAIN", "NARROW"))
     ap.add_argument("--train", nargs=2, required=True, metavar=("TRAIN_NARROW", "TRAIN_WIDE"))
     ap.add_argument("--proxy", nargs=3, metavar=("SCORES_NARROW", "SCORES_WIDE", "THRESHOLDS"))
+    ap.add_argument("--widened", nargs="*", default=[], metavar="RUN", help="runs of mode routed+cascade")
     args = ap.parse_args()
     runs: dict[str, dict[str, Record]] = {"large": {}, "routed": {}, "narrow": {}}
     for main_run, narrow_run in args.pair:
@@ -114,6 +147,10 @@ def main() -> None:
         cascade.append({"quantile": q, "threshold": t, "escalated": float(esc.mean()),
                         "f1_vs_large": float(np.where(esc, f1["large"], f1["narrow"]).mean() / large_q),
                         "dollars_vs_large": float((cost["narrow"] + esc * cost["large"]).sum() / large_c)})
+    better = f1["large"] > f1["narrow"]          # widening that knew where 512 tokens do better
+    oracle = {"escalated": float(better.mean()),
+              "f1_vs_large": float(np.where(better, f1["large"], f1["narrow"]).mean() / large_q),
+              "dollars_vs_large": float((cost["narrow"] + better * cost["large"]).sum() / large_c)}
     train_gain = np.array([train_wide[i].score > train_narrow[i].score for i in train_ids])
     auc = {"train": float(roc_auc_score(train_gain, -train_conf)) if 0 < train_gain.sum() < len(train_gain) else None,
            "test": float(roc_auc_score(f1["large"] > f1["narrow"], -conf))}
@@ -127,6 +164,8 @@ def main() -> None:
     for c in cascade:
         table.add_row(f"narrow -> wide below {c['threshold']:.3f} ({c['escalated']:.0%} escalated)",
                       f"{c['f1_vs_large']:.0%}", f"{c['dollars_vs_large']:.0%}")
+    table.add_row(f"narrow -> wide where wide does better (oracle, {oracle['escalated']:.0%} escalated)",
+                  f"{oracle['f1_vs_large']:.0%}", f"{oracle['dollars_vs_large']:.0%}")
     console.print(table)
     proxy = None
     if args.proxy:
@@ -137,9 +176,20 @@ def main() -> None:
         console.print(f"proxy at the wide budget's threshold {threshold}: {proxy}")
     console.print(f"picked narrow / large: {per_pick}; routed narrow answers equal the narrow run's: {same} of "
                   f"{per_pick['narrow']['questions']}; log-probability AUC for 'wide better': {auc}")
+    widened = widen_row(args.widened, runs["large"], runs["narrow"])
+    if widened:
+        console.print(f"routed+cascade over {widened['questions']} questions: {widened['f1_vs_large']:.1%} "
+                      f"± {widened['f1_se']:.1%} of large-only F1 at {widened['dollars_vs_large']:.1%} of its dollars "
+                      f"({widened['engine_s_vs_large']:.0%} of its engine seconds); widened {widened['widened']}, "
+                      f"escalated from small {widened['from_small']}, the widened prompts "
+                      f"{widened['cached_prompt_share_of_widenings']:.0%} cached; widened answers equal to "
+                      f"large-only's {widened['widened_equal_large']}, kept equal to the narrow run's "
+                      f"{widened['kept_equal_narrow']}")
     out = {"questions": len(ids), "large_f1": float(large_q), "shares": share, "random_split_f1_vs_large": random_split,
-           "per_pick": per_pick, "narrow_answers_equal": same, "escalate_to_wide": cascade, "auc": auc,
-           "proxy": proxy, "train_questions": len(train_ids), "pairs": args.pair, "train": args.train, "proxy_runs": args.proxy}
+           "routed_cascade": widened,
+           "per_pick": per_pick, "narrow_answers_equal": same, "escalate_to_wide": cascade, "escalate_to_wide_oracle": oracle, "auc": auc,
+           "proxy": proxy, "train_questions": len(train_ids), "pairs": args.pair, "train": args.train, "proxy_runs": args.proxy,
+           "widened_runs": args.widened}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "arm_split.json").write_text(json.dumps(out, indent=2, default=float) + "\n")
     console.print(f"wrote {RESULTS / 'arm_split.json'}")

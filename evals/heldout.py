@@ -8,7 +8,9 @@ generating again.
 - per arm margin (a tenant's `arm_margin`), the arms' policy (router.policy.route_arms) as
   served: its quality (and against large-only's on the questions it could be scored on), its
   expected dollars and the share of each arm, against every single arm;
-- the cascade (`cascade_report`), where small answers were generated.
+- the cascade (`cascade_report`), where small answers were generated, and the same for each
+  narrow arm that widens (`large@256`, asked again with the whole context when unsure),
+  where its answers were generated.
 
 Dollars are expected, not spent: per arm, the mean prompt and output tokens of the router's
 training labels at the run's prices (a proxy label generates nothing to count).
@@ -82,21 +84,26 @@ def heldout_report(folder: Path, router, embedder) -> dict:
             "sources": {s: sum(l.source == s for l in labels) for s in sorted({l.source for l in labels})},
             "expected_cost_per_question": {a: _r(c, 9) for a, c in price.items()},
             "small_vs_large": two, "arms": single, "policies": policies,
-            "cascade": cascade_report(router.confidence, trained, labels, price)}
+            "cascade": cascade_report(router.confidence, trained, labels, price),
+            "widen": {name: cascade_report(model, trained, labels, price, name) for name, model in router.narrow.items()
+                      if name in price}}
 
 
-def cascade_report(confidence, trained: list, held: list, price: dict[str, float]) -> dict | None:
-    """The cascade on its own (every question to the small model, escalated when the confidence
-    model's P(right) of its answer is under the threshold), on the held-out questions whose
-    small answer was generated: the threshold is the cheapest reaching TARGET of large-only
-    quality on the training labels, then applied as is to the held-out ones. The small call
-    is counted whole (an early verdict would cut some short). None without generated small
-    answers on both sides."""
+def cascade_report(confidence, trained: list, held: list, price: dict[str, float], first: str = "small") -> dict | None:
+    """The cascade on its own (every question to the `first` arm, escalated to the large arm
+    when the confidence model's P(right) of its answer is under the threshold), on the
+    held-out questions whose first answer was generated: the threshold is the cheapest
+    reaching TARGET of large-only quality on the training labels, then applied as is to the
+    held-out ones. The first call is counted whole (an early verdict would cut some short).
+    Only questions where both answers were generated count: a proxy verdict set against a
+    generated one mixes two measures (they disagree on about one question in six). None
+    without such questions on both sides."""
     def arrays(labels):
-        labels = [l for l in labels if l.confidence is not None and "large" in l.arms]
-        conf = np.array([confidence.of_quantiles(astuple(l.confidence)).value for l in labels])
-        qs, ql = (np.array([l.arms[a].correct for l in labels], float) for a in ("small", "large"))
-        return conf, qs, ql, np.full(len(labels), price["small"]), np.full(len(labels), price["large"])
+        labels = [l for l in labels if first in l.arms and l.arms[first].confidence is not None
+                  and "large" in l.arms and l.arms["large"].output is not None]
+        conf = np.array([confidence.of_quantiles(astuple(l.arms[first].confidence)).value for l in labels])
+        qs, ql = (np.array([l.arms[a].correct for l in labels], float) for a in (first, "large"))
+        return conf, qs, ql, np.full(len(labels), price[first]), np.full(len(labels), price["large"])
 
     train, test = arrays(trained), arrays(held)
     if len(train[0]) < 2 or len(test[0]) < 2:

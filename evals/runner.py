@@ -74,6 +74,7 @@ class Mode:
     escalation: bool = False
     threshold: float = 0.5            # escalate when the first answer's P(correct) is below it
     margin: float = 0.05              # arms: the cheapest within this of the best arm's P(correct)
+    force: str = "auto"               # which models the router may pick: a tenant's [router] models
 
     @property
     def models(self) -> tuple[str, ...]:
@@ -85,7 +86,7 @@ class Mode:
         a run measures the router, not the machine's load. `arms`: a router with arms routes
         this mode, and may pick any of them (thinking included) at the margin `threshold`."""
         thinking = {"easy": 0, "medium": 0, "hard": ARM_THINKING_CAP if arms else 0}
-        policy = Policy("small", PAIR, thinking, self.threshold, self.classifier, self.escalation,
+        policy = Policy("small", PAIR, thinking, self.threshold, self.classifier, self.escalation, self.force,
                         classifier_timeout_s=3600.0, arm_margin=self.margin)
         # Each mode its own prefix-cache namespace: a mode run after another in the same engine
         # would find that one's prompts cached, and look cheaper and faster than it is served.
@@ -96,10 +97,10 @@ MODES: dict[str, Mode] = {"small": Mode("small", "small"), "large": Mode("large"
 ROUTED_MODES = ("routed", "cascade", "routed+cascade")
 
 
-def routed_modes(threshold: float = 0.5, margin: float = 0.05) -> dict[str, Mode]:
+def routed_modes(threshold: float = 0.5, margin: float = 0.05, force: str = "auto") -> dict[str, Mode]:
     """`routed`, `cascade` and `routed+cascade` at an escalation threshold (and, with a router
-    that has arms, an arm margin)."""
-    return {name: Mode(name, "auto", c, e, threshold, margin)
+    that has arms, an arm margin and the models it may pick)."""
+    return {name: Mode(name, "auto", c, e, threshold, margin, force)
             for name, c, e in (("routed", True, False), ("cascade", False, True), ("routed+cascade", True, True))}
 
 

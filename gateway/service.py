@@ -91,8 +91,6 @@ class Job:
     tenant: Tenant
     query: Query
     answer: Answer
-    citations: list[s.Citation]
-    trimmed: s.Trimmed
     start: float
     retrieval_s: float
 
@@ -101,7 +99,13 @@ class Job:
         return self.answer.plan
 
     def meta(self) -> Meta:
-        return Meta(self.plan.request_id, self.answer.route, self.citations, self.trimmed)
+        """The route so far, and the context of the answer that stands (an escalation that
+        widened the context cites the wider one)."""
+        ctx = self.plan.context
+        citations = [s.Citation(c.number, c.hit.chunk.id, c.hit.chunk.doc_id, c.hit.chunk.title, c.hit.score)
+                     for c in ctx.citations]
+        trimmed = s.Trimmed(len(ctx.trimmed.chunks), len(ctx.trimmed.dropped), ctx.trimmed.tokens, ctx.trimmed.budget)
+        return Meta(self.plan.request_id, self.answer.route, citations, trimmed)
 
 
 @dataclass
@@ -317,11 +321,7 @@ class Gateway:
                 plan = self.pipeline.plan(terms, q, None, request_id)    # counting tokens: too quick for a thread
             else:                        # embedding, searching, counting passages, classifying: CPU
                 plan = await anyio.to_thread.run_sync(self.pipeline.plan, terms, q, collection, request_id)
-        ctx = plan.context
-        citations = [s.Citation(c.number, c.hit.chunk.id, c.hit.chunk.doc_id, c.hit.chunk.title, c.hit.score)
-                     for c in ctx.citations]
-        trimmed = s.Trimmed(len(ctx.trimmed.chunks), len(ctx.trimmed.dropped), ctx.trimmed.tokens, ctx.trimmed.budget)
-        return Job(tenant, q, self.pipeline.answer(plan), citations, trimmed, start, time.monotonic() - t)
+        return Job(tenant, q, self.pipeline.answer(plan), start, time.monotonic() - t)
 
     async def _settle(self, job: Job, p: Progress, queued: float, status: str) -> Done:
         """Write the ledger row (the request counts as answered only once it is committed)
@@ -354,6 +354,7 @@ class Gateway:
         m.answers.inc(model, status)
         m.escalations.inc(amount=int(d.escalated))
         m.early_escalations.inc(amount=int(answer.cut_early))
+        m.widened.inc(amount=int(answer.widened))
         m.routes.inc(tenant_id, calls[0][0] if calls else job.plan.route.model, d.difficulty or "none", d.source)
         for name, *counts in calls:
             for kind, n in zip(("prompt", "cached", "completion"), counts[:3]):
@@ -365,7 +366,7 @@ class Gateway:
         m.retrieval.observe(job.retrieval_s)
         if p.first_token:
             m.ttft.observe(p.first_token - job.start, model)
-        cited = sorted({int(n) for n in CITE.findall(text)} & {c.number for c in job.citations})
+        cited = sorted({int(n) for n in CITE.findall(text)} & {c.number for c in job.plan.context.citations})
         return Done(job.plan.request_id, text, s.Usage(prompt, cached, produced, thinking), spent, timings, finish, cited)
 
     async def ask(self, tenant: Tenant, query: Query) -> tuple[Meta, Done]:

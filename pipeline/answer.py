@@ -7,9 +7,10 @@ composes; `Answer` is the cascade as a small state machine that says which engin
 next (model, prompt, draft) given the calls so far: the routed model's, then, when its
 confidence is under the tenant's threshold, the large model's, with the first answer offered
 as its speculative draft (where the two agree that costs verification passes, not decode
-steps, and the answer is still the large model's own). The gateway drives an Answer through
-the async engine, evals by stepping the engine; neither decides anything itself, so what
-evals measure is what is served.
+steps, and the answer is still the large model's own). A narrow arm (the large model on the
+best passage alone) escalates to itself: the same model asked again with the tenant's whole
+context. The gateway drives an Answer through the async engine, evals by stepping the
+engine; neither decides anything itself, so what evals measure is what is served.
 """
 from __future__ import annotations
 
@@ -78,6 +79,7 @@ class Plan:
     context: RagContext
     prompt_ids: list[int]                  # the routed model's prompt
     params: SamplingParams
+    wide: RagContext | None = None         # the tenant's whole context, where the arm's is narrower
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,15 @@ class Pipeline:
     @property
     def early(self) -> EarlyExit | None:
         return self.router.early if self.router else None
+
+    def judge(self, plan: Plan, logprobs: list[float]) -> Verdict:
+        """The verdict on a first answer: by the narrow arm's own confidence model when the
+        route widens (the same model again, with the whole context), else by the small model's."""
+        r = plan.route
+        if r.escalate_to == r.model:
+            return judge(f"{r.model} with the tenant's {plan.wide.trimmed.tokens}-token context",
+                         plan.terms.policy.escalation_threshold, self.router.narrow[r.arm], logprobs)
+        return judge(r.escalate_to, plan.terms.policy.escalation_threshold, self.confidence, logprobs)
 
     def check(self, terms: Terms, q: Query) -> int:
         """Refuse what needs no work to refuse; returns the request's output token limit."""
@@ -160,21 +171,26 @@ class Pipeline:
             raise Refused(422, str(e), code="retrieval_refused") from None
         scores = [h.score for h in context.hits]
         r = self.route(terms, q, self._predictor(q, vector, scores), self._arm_cost(context.trimmed.tokens))
+        wide = None
         if r.context_budget is not None and r.context_budget < terms.context_budget and collection is not None:
             # The arm answers best from fewer passages (its context-budget curve): the same
             # search, trimmed to the arm's budget.
             try:
-                context = rag_context(collection, q.question, r.context_budget, self.engine.worker(first).tokenizer,
-                                      self.k, q.messages, vector)
+                wide, context = context, rag_context(collection, q.question, r.context_budget,
+                                                     self.engine.worker(first).tokenizer, self.k, q.messages, vector)
                 r = replace(r, reason=f"{r.reason}; context trimmed to the arm's {r.context_budget} tokens")
             except RetrievalError:       # the question alone is over the arm's budget: the tenant's stands
                 r = replace(r, context_budget=None)
+        if r.escalate_to == r.model and (wide is None or wide.trimmed.tokens <= context.trimmed.tokens):
+            r = replace(r, escalate_to=None)       # nothing wider to ask it again with
+        if r.escalate_to != r.model:               # a cascade's large model reads the arm's context
+            wide = None
         try:
             params = SamplingParams(temperature=q.temperature, top_p=q.top_p, seed=q.seed, max_tokens=max_tokens,
                                     stop=q.stop, thinking_budget=r.thinking_budget or None)
         except ValueError as e:
             raise Refused(422, str(e), code="bad_sampling_parameters") from None
-        return Plan(request_id, terms, r, context, self.prompt_ids(context, r.model, params), params)
+        return Plan(request_id, terms, r, context, self.prompt_ids(context, r.model, params), params, wide)
 
     def route(self, terms: Terms, q: Query, predict: Callable | None,
               arm_cost: Callable[[Arm], float] | None = None) -> Route:
@@ -186,7 +202,7 @@ class Pipeline:
         elif self.pair is None:
             r = Route(terms.policy.default_model, "router not installed; tenant default", source="no_router")
         elif self.arms:
-            r = route_arms(terms.policy, self.arms, *self.pair, predict, arm_cost)
+            r = route_arms(terms.policy, self.arms, *self.pair, predict, arm_cost, frozenset(self.router.narrow))
         else:
             r = route(terms.policy, *self.pair, predict)
         if q.thinking_budget is not None and q.thinking_budget != r.thinking_budget:
@@ -242,6 +258,7 @@ class Answer:
         self.verdict: Verdict | None = None
         self._early_judged = False
         self.cut_early = False                 # the first call was cut short by the early verdict
+        self.widened = False                   # escalated to the same model with the whole context
         self._logprobs: list[float] = []      # of the first call so far, for the early verdict
 
     @property
@@ -264,13 +281,14 @@ class Answer:
         spec = engine.config.speculative
         draft = list(first.token_ids) if spec is not None and spec.target == r.model and first.token_ids else None
         return EngineCall(r.model, self.pipeline.prompt_ids(plan.context, r.model, plan.params), plan.params,
-                    f"{plan.request_id}-escalated", draft)
+                          f"{plan.request_id}-escalated", draft)
 
     def observe(self, out: StepOutput) -> Verdict | None:
         """An output of the call in flight; the early verdict once the first answer has its
         first k tokens (k: the trained router's), if the tenant judges early."""
         early, r = self.pipeline.early, self.plan.route
-        if (early is None or self._early_judged or self.calls or r.escalate_to is None
+        # The early model knows the small model's prefixes only: a narrow arm is judged whole.
+        if (early is None or self._early_judged or self.calls or r.escalate_to in (None, r.model)
                 or not self.plan.terms.policy.early_escalation):
             return None
         self._logprobs += out.new_logprobs
@@ -294,13 +312,14 @@ class Answer:
         if len(self.calls) > 1 or r.escalate_to is None:
             return None
         if self.verdict is None:
-            self._judged(judge(r.escalate_to, self.plan.terms.policy.escalation_threshold, self.pipeline.confidence,
-                               completion.logprobs))
+            self._judged(self.pipeline.judge(self.plan, completion.logprobs))
         return self.verdict
 
     def _judged(self, v: Verdict) -> None:
         r = self.plan.route
         self.verdict = v
+        if v.escalate and self.plan.wide is not None:    # the escalation answers from the whole context
+            self.plan.context, self.widened = self.plan.wide, True
         self.plan.route = replace(r, reason=f"{r.reason}; {v.reason}", confidence=v.confidence, escalated=v.escalate,
                                   model=r.escalate_to if v.escalate else r.model)
 

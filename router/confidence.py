@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 from sklearn.model_selection import train_test_split
 
+from router.arms import parse_arm
 from router.calibration import fit_calibrated
 from router.data import Label, RouterError
 
@@ -108,6 +109,24 @@ def train_confidence(labels: list[Label], seed: int = 0,
                      test_size: float = 0.25) -> tuple[ConfidenceModel, ConfidenceReport]:
     rows = [(l.confidence, l.small_correct) for l in labels if l.confidence is not None]
     return _fit(rows, seed, test_size, "labels carry the small model's log-probabilities")
+
+
+def train_narrow(labels: list[Label], seed: int = 0,
+                 test_size: float = 0.25) -> tuple[dict[str, ConfidenceModel], dict[str, ConfidenceReport | str]]:
+    """A confidence model per narrow arm (one with a context budget of its own, `large@256`),
+    on its generated answers: a narrow answer judged unsure is asked again of the same model
+    with the tenant's whole context (router.policy.route_arms). Arms too thinly labelled are
+    left out, and the report says why."""
+    models, reports = {}, {}
+    names = sorted({name for l in labels for name in l.arms if parse_arm(name).context_budget is not None})
+    for name in names:
+        rows = [(l.arms[name].confidence, l.arms[name].correct) for l in labels
+                if name in l.arms and l.arms[name].confidence is not None]
+        try:
+            models[name], reports[name] = _fit(rows, seed, test_size, f"generated {name} answers")
+        except RouterError as e:
+            reports[name] = str(e)
+    return models, reports
 
 
 def train_early(labels: list[Label], seed: int = 0, test_size: float = 0.25) -> tuple[EarlyExit | None, EarlyReport]:

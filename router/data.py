@@ -28,6 +28,7 @@ class ArmOutcome(msgspec.Struct):
     score: float
     prompt: int | None = None
     output: int | None = None          # generated tokens, thinking included
+    confidence: Confidence | None = None   # of the generated answer's log-probabilities; None: proxy or none
 
 
 class Label(msgspec.Struct):

@@ -14,7 +14,8 @@ import sklearn
 
 from router.arms import ArmModel, ArmReport, train_arms
 from router.classifier import ClassifierReport, DifficultyClassifier, train_classifier
-from router.confidence import ConfidenceModel, ConfidenceReport, EarlyExit, EarlyReport, train_confidence, train_early
+from router.confidence import (ConfidenceModel, ConfidenceReport, EarlyExit, EarlyReport, train_confidence, train_early,
+                               train_narrow)
 from router.data import RouterError, read_labels
 from router.features import FEATURE_VERSION
 
@@ -30,6 +31,9 @@ class RouterModel:
     confidence: ConfidenceModel
     early: EarlyExit | None = None      # a verdict on the answer's first tokens; None: whole answers only
     arms: ArmModel | None = None        # mode=auto picks among arms; None: by difficulty between two models
+    # Per narrow arm (`large@256`), the confidence model that judges its answers: an unsure one
+    # is asked again with the tenant's whole context. An arm without one keeps its answer.
+    narrow: dict[str, ConfidenceModel] = field(default_factory=dict)
     feature_version: int = FEATURE_VERSION
     trained_on: frozenset[str] = field(default_factory=frozenset)   # question ids: evals keep them out
 
@@ -38,7 +42,7 @@ class RouterModel:
         path = Path(path)
         joblib.dump({"feature_version": self.feature_version, "sklearn": sklearn.__version__,
                      "classifier": self.classifier, "confidence": self.confidence, "early": self.early,
-                     "arms": self.arms,
+                     "arms": self.arms, "narrow": self.narrow,
                      "trained_on": sorted(self.trained_on)}, path, compress=3)
         if about is not None:
             side = {"feature_version": self.feature_version, "sklearn": sklearn.__version__,
@@ -56,8 +60,8 @@ class RouterModel:
         if version != FEATURE_VERSION:
             raise RouterError(f"{path}: router trained on feature version {version}; this code computes version "
                               f"{FEATURE_VERSION}. Train it again: sluice train-router RUN")
-        return cls(saved["classifier"], saved["confidence"], saved.get("early"), saved.get("arms"), version,
-                   frozenset(saved.get("trained_on", ())))
+        return cls(saved["classifier"], saved["confidence"], saved.get("early"), saved.get("arms"),
+                   saved.get("narrow", {}), version, frozenset(saved.get("trained_on", ())))
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,7 @@ class TrainReport:
     confidence: ConfidenceReport
     early: EarlyReport
     arms: ArmReport
+    narrow: dict[str, ConfidenceReport | str]     # per narrow arm: its confidence model's report, or why none
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -95,5 +100,8 @@ def train(labels_path: str | Path, embedder, seed: int = 0, context_budgets: dic
     arms, a_report = train_arms(labels, embeddings, seed)
     if arms is not None and context_budgets:
         arms = arms.with_budgets(context_budgets)
-    return (RouterModel(classifier, confidence, early, arms, trained_on=frozenset(l.id for l in labels)),
-            TrainReport(len(labels), c_report, k_report, e_report, a_report))
+    offered = {a.name for a in arms.arms} if arms else set()
+    narrow, n_report = train_narrow(labels, seed)
+    narrow = {name: m for name, m in narrow.items() if name in offered}
+    return (RouterModel(classifier, confidence, early, arms, narrow, trained_on=frozenset(l.id for l in labels)),
+            TrainReport(len(labels), c_report, k_report, e_report, a_report, n_report))

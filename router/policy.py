@@ -33,6 +33,7 @@ class Policy:
     early_escalation: bool = True       # judge the first answer on its first tokens too (a trained router's)
     # Arms: the cheapest arm whose P(correct) is within this of the best arm's (route_arms).
     arm_margin: float = 0.05
+    widen: bool = True                  # an unsure answer of a narrow arm is asked again with the whole context
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,9 @@ class Route:
     difficulty: str | None = None
     probability: float | None = None    # the classifier's calibrated probability of `difficulty`
     thinking_budget: int = 0            # 0: no thinking span
-    escalate_to: str | None = None      # the model a low-confidence answer goes to; None: it stands
+    # The model a low-confidence answer goes to; None: it stands. The arm's own model when the
+    # arm is narrow (context_budget set): the same question with the tenant's whole context.
+    escalate_to: str | None = None
     source: str = "classifier"          # what chose the model: client | no_router | classifier | arms | policy | fallback
     # Calibrated chance the answer is right: the arm model's before the first call, the
     # cascade's verdict on the first answer once judged.
@@ -90,12 +93,16 @@ def _escalation(p: Policy, model: str, small: str, large: str) -> str | None:
 
 
 def route_arms(p: Policy, arms: tuple[Arm, ...], small: str, large: str,
-               predict: Callable[[], dict[str, float]] | None, cost: Callable[[Arm], float]) -> Route:
+               predict: Callable[[], dict[str, float]] | None, cost: Callable[[Arm], float],
+               narrow: frozenset[str] = frozenset()) -> Route:
     """The cheapest arm whose predicted P(correct) is within the tenant's margin of the best
     arm's, among those the tenant allows: its models, its largest [thinking_budget] (and
     max_thinking_budget) as a cap on thinking, never_large / always_large. `predict` gives
     P(correct) per arm name; `cost(arm)` the expected dollars at the server's prices. When the
-    arm model is off, slow or broken, the tenant's default as `route` falls back."""
+    arm model is off, slow or broken, the tenant's default as `route` falls back. `narrow`: the
+    arms whose answers have a confidence model (router.confidence.train_narrow); an unsure one
+    is escalated to the same model with the tenant's whole context, where the tenant allows
+    escalation and widening."""
     probs, failure = (None, "classifier off for this tenant") if not p.classifier else \
         classify(predict, p.classifier_timeout_s)
     if probs is None:
@@ -114,8 +121,10 @@ def route_arms(p: Policy, arms: tuple[Arm, ...], small: str, large: str,
             if arm != best else " is the best")
     if len(ok) < len(arms):
         why = f"{why}; of {len(ok)} arms this tenant allows"
-    return Route(arm.model, why, thinking_budget=arm.thinking, escalate_to=_escalation(p, arm.model, small, large),
-                 source="arms", confidence=probs[arm.name], arm=arm.name, context_budget=arm.context_budget)
+    widens = arm.name in narrow and p.widen and p.escalation and p.escalation_threshold > 0
+    return Route(arm.model, why, thinking_budget=arm.thinking,
+                 escalate_to=arm.model if widens else _escalation(p, arm.model, small, large), source="arms",
+                 confidence=probs[arm.name], arm=arm.name, context_budget=arm.context_budget)
 
 
 def _by_difficulty(p: Policy, small: str, large: str, difficulty: Difficulty | None, failure: str | None) -> Route:

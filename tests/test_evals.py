@@ -723,3 +723,23 @@ def test_heldout_scores_the_routers_arms_on_labels_it_never_saw(tmp_path):
     assert (cascade["trained_on"], cascade["questions"]) == (91, 30)        # q0 is in twice
     assert cascade["quality_vs_large"] >= 0.85 and 0.45 <= cascade["escalated"] <= 0.6667
     assert cascade["oracle_cascade_cost_at_95_vs_large"] <= cascade["cost_vs_large"] <= 1 / 3 + 0.6667
+
+
+def test_heldout_fits_a_narrow_arms_widening_on_training_labels_and_scores_it_on_the_rest(tmp_path):
+    # large@256 is right where large is, and sure exactly when right: asking its unsure answers
+    # again buys nothing here, so the cheapest threshold reaching 95% of large-only escalates none.
+    from evals.heldout import write_heldout
+    from router.model import train
+    from tests.test_router import HashEmbedder, write_labels as router_labels
+    router, _ = train(router_labels(tmp_path / "train.jsonl", narrow=True), HashEmbedder())
+    folder = tmp_path / "test"
+    open_run(folder, config_for("squad", [tmp_path / "squad.json"]))
+    rows = [json.loads(line) for line in
+            router_labels(tmp_path / "t.jsonl", n=30, seed=1, narrow=True).read_text().splitlines()]
+    (folder / "labels.jsonl").write_text("".join(json.dumps(r | {"id": f"t{i}"}) + "\n" for i, r in enumerate(rows))
+                                         + (tmp_path / "train.jsonl").read_text())
+    widen = write_heldout(folder, router, HashEmbedder())["widen"]["large@256"]
+    assert (widen["trained_on"], widen["questions"]) == (90, 30)
+    # (The threshold is the least training confidence: a held-out answer below it escalates.)
+    assert widen["escalated"] <= 0.05 and widen["quality_vs_large"] == 1.0
+    assert widen["cost_vs_large"] < 1.0

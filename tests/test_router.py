@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import re
 
 import msgspec
 import numpy as np
@@ -39,9 +40,10 @@ ARMS_RIGHT = {"small": (True, False, False), "large": (True, True, False),
               "large+think256": (True, False, True), "large+think1024": (True, True, True)}
 
 
-def write_labels(path, n=90, seed=0):
+def write_labels(path, n=90, seed=0, narrow: bool = False):
     """Three kinds of questions whose difficulty follows their text and retrieval scores;
-    the small model's confidence tracks whether it was right; arms as ARMS_RIGHT says."""
+    the small model's confidence tracks whether it was right; arms as ARMS_RIGHT says.
+    `narrow`: the arm large@256 too, right where large is, its answers as sure as they are right."""
     rng = random.Random(seed)
     rows = []
     for i in range(n):
@@ -52,14 +54,22 @@ def write_labels(path, n=90, seed=0):
         sure = -0.05 if small else -2.0
         lp = [sure + rng.uniform(-0.3, 0.0) for _ in range(rng.randint(3, 30))]
         m, lo, p10, p25, p50, length = quantiles(lp)
+        confidence = {"mean": m, "min": lo, "p10": p10, "p25": p25, "p50": p50, "length": length}
         rows.append({"id": f"q{i}", "kind": "squad", "question": question, "small_correct": small,
                      "small_score": float(small), "small_tokens": {"prompt": 9, "cached": 0, "output": 3, "thinking": 0},
-                     "confidence": {"mean": m, "min": lo, "p10": p10, "p25": p25, "p50": p50, "length": length},
+                     "confidence": confidence,
                      "retrieval_scores": [[0.9, 0.3], [0.5, 0.45], [0.2, 0.19]][kind],
                      "large_correct": large, "large_score": float(large), "large_tokens": None,
                      "arms": {a: {"correct": right[kind], "score": float(right[kind]), "prompt": 300,
-                                  "output": 20 + int(a.partition("+think")[2] or 0)}
+                                  "output": 20 + int(a.partition("+think")[2] or 0),
+                                  "confidence": confidence if a == "small" else None}
                               for a, right in ARMS_RIGHT.items()}})
+        if narrow:
+            right = ARMS_RIGHT["large"][kind]
+            lp = [(-0.05 if right else -2.0) + rng.uniform(-0.3, 0.0) for _ in range(rng.randint(3, 30))]
+            rows[-1]["arms"]["large@256"] = {"correct": right, "score": float(right), "prompt": 250, "output": 20,
+                                             "confidence": dict(zip(("mean", "min", "p10", "p25", "p50", "length"),
+                                                                    quantiles(lp)))}
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
@@ -439,6 +449,63 @@ def test_auto_answers_through_the_arms_with_the_arm_in_the_response_and_the_ledg
     rows = gw.ledger.rows()
     assert [row.arm for row in rows[-3:]] == ["large", "small", "small"]
     assert rows[-3].route_reason == medium["route_reason"]
+
+
+def test_a_narrow_arm_gets_a_confidence_model_of_its_own_and_widens_when_unsure(tmp_path):
+    from router.policy import route_arms
+    model, report = train(write_labels(tmp_path / "labels.jsonl", narrow=True), HashEmbedder())
+    assert "large@256" in [a.name for a in model.arms.arms] and set(model.narrow) == {"large@256"}
+    assert report.narrow["large@256"].n_test > 0 and report.narrow["large@256"].brier < 0.1
+    judge = model.narrow["large@256"]
+    assert judge([-2.0] * 10).value < 0.5 < judge([-0.05] * 10).value
+    model.save(tmp_path / "r.joblib")
+    assert set(RouterModel.load(tmp_path / "r.joblib").narrow) == {"large@256"}
+    # Routed to the narrow arm, its answer escalates to the same model (with the whole context,
+    # pipeline.Answer); without widening, or without escalation, it stands.
+    probs = {"small": 0.2, "large@256": 0.7, "large": 0.72}
+    price = {"small": 1.0, "large@256": 2.0, "large": 3.0}
+    route = lambda **kw: route_arms(_policy(**kw), model.arms.arms, "small", "large", lambda: probs,
+                                    lambda a: price[a.name], frozenset(model.narrow))
+    assert (route().arm, route().escalate_to) == ("large@256", "large")
+    assert route(widen=False).escalate_to is None and route(escalation=False).escalate_to is None
+    assert route(arm_margin=0.0).escalate_to is None            # the large arm: nothing wider to ask
+    old = train(write_labels(tmp_path / "plain.jsonl"), HashEmbedder())[0]
+    assert old.narrow == {}
+
+
+def test_an_unsure_narrow_answer_is_asked_again_with_the_whole_context(tmp_path, llm, embedder):
+    from dataclasses import replace
+    from tests.test_gateway_support import DOCS
+    model, _ = train(write_labels(tmp_path / "labels.jsonl", narrow=True), embedder)
+    # 60 tokens: narrower than what this small corpus fills of the tenant's 400.
+    model.arms = replace(model.arms, arms=tuple(replace(a, context_budget=60) if a.name == "large@256" else a
+                                                for a in model.arms.arms))
+    model.save(tmp_path / "router.joblib")
+    bodies, rows, widened = {}, {}, {}
+    for widen in (True, False):
+        # Always large, the cheapest arm: large@256; threshold 1: every answer judged unsure.
+        client, gw = _client(tmp_path / f"w{widen}", llm, embedder, threshold=1.0,
+                             router=RouterConfig(str(tmp_path / "router.joblib")),
+                             extra=f'[router]\nclassifier_timeout_ms = 2000\narm_margin = 1.0\nmodels = "always_large"\n'
+                                   f"widen = {str(widen).lower()}\n")
+        with client as c:
+            wait_ready(c)
+            assert c.post("/v1/collections/kb/documents", json=DOCS, headers=auth()).status_code in (200, 201)
+            large = _ask(c, question="what is the capital of france", collection="kb", mode="large")
+            bodies[widen] = _ask(c, question="what is the capital of france", collection="kb")
+            rows[widen] = gw.ledger.rows()[-1]
+            counted = re.search(r"^sluice_widened_total (\S+)$", c.get("/metrics").text, re.M)
+            widened[widen] = float(counted.group(1) if counted else 0)
+    wide, narrow = bodies[True], bodies[False]
+    assert wide["arm"] == narrow["arm"] == "large@256" and wide["escalated"] and not narrow["escalated"]
+    assert "context trimmed to the arm's 60 tokens" in wide["route_reason"]
+    tokens = large["trimmed"]["tokens"]
+    assert 60 < tokens and f"escalated to large with the tenant's {tokens}-token context" in wide["route_reason"]
+    # The escalation is the large model on the whole context: its answer, its citations.
+    assert wide["answer"] == large["answer"] and wide["trimmed"] == large["trimmed"]
+    assert wide["citations"] == large["citations"] and narrow["trimmed"]["budget"] == 60
+    assert (rows[True].models, rows[False].models) == ("large,large", "large")
+    assert wide["cost"] > large["cost"] and widened == {True: 1.0, False: 0.0}
 
 
 def test_the_early_verdict_reads_the_shortest_prefix_that_judges_as_well(tmp_path):
