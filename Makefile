@@ -71,14 +71,14 @@ THRESHOLDS := docs/router/proxy-agreement.json
 CONTEXT_CURVE := docs/context-budget/context.json
 router: $(VENV)/.installed
 	$(SLUICE) eval run squad -n $(ROUTER_N) --split train --quant int8 --context-budget 512 \
-		--modes $(if $(filter 0,$(ROUTER_GEN)),,small large) --limit $(ROUTER_GEN) --out $(ROUTER_RUN)
+		--modes $(if $(filter 0,$(ROUTER_GEN)),,small large --limit $(ROUTER_GEN)) --out $(ROUTER_RUN)
 	$(if $(filter 0,$(ROUTER_SMALL)),,$(SLUICE) eval run squad -n $(ROUTER_N) --split train --quant int8 \
 		--context-budget 512 --modes small --limit $(ROUTER_SMALL) --out $(ROUTER_RUN))
 	test -s $(ROUTER_RUN)/proxy.jsonl || cp $(PROXY_SCORES) $(ROUTER_RUN)/proxy.jsonl
 	$(SLUICE) eval proxy $(ROUTER_RUN) $(if $(PROXY_LIMIT),--limit $(PROXY_LIMIT))
 	cp $(ROUTER_RUN)/proxy.jsonl $(PROXY_SCORES)
 	$(SLUICE) eval run squad -n $(ROUTER_N) --split train --quant int8 --context-budget 256 \
-		--modes $(if $(filter 0,$(ROUTER_NARROW)),,large) --limit $(ROUTER_NARROW) --out $(ROUTER_RUN_256)
+		--modes $(if $(filter 0,$(ROUTER_NARROW)),,large --limit $(ROUTER_NARROW)) --out $(ROUTER_RUN_256)
 	test -s $(ROUTER_RUN_256)/proxy.jsonl || cp $(PROXY_SCORES_256) $(ROUTER_RUN_256)/proxy.jsonl
 	$(SLUICE) eval proxy $(ROUTER_RUN_256) --models large $(if $(PROXY_LIMIT),--limit $(PROXY_LIMIT))
 	cp $(ROUTER_RUN_256)/proxy.jsonl $(PROXY_SCORES_256)

@@ -100,7 +100,7 @@ def widen_row(folders: list[str], large: dict[str, Record], narrow: dict[str, Re
             "widened_equal_large": sum(runs[i].answer == large[i].answer for i, m in zip(ids, models)
                                        if m == ["large", "large"]),
             "kept_equal_narrow": sum(runs[i].answer == narrow[i].answer for i, m in zip(ids, models)
-                                     if len(m) == 1 and i in narrow),
+                                     if len(m) == 1 and pick(runs[i]) == "narrow" and i in narrow),
             "from_small": sum(m == ["small", "large"] for m in models),
             "cached_prompt_share_of_widenings": float(np.mean([runs[i].calls[1].cached_tokens / runs[i].calls[1].prompt_tokens
                                                                for i, m in zip(ids, models) if m == ["large", "large"]]

@@ -6,8 +6,8 @@ generating again.
 - APGR between the small and large arms, sweeping the score P(large right) - P(small right),
   beside the oracle's (the labels' own gain) and random routing's 0.5;
 - per arm margin (a tenant's `arm_margin`), the arms' policy (router.policy.route_arms) as
-  served: its quality (and against large-only's on the questions it could be scored on), its
-  expected dollars and the share of each arm, against every single arm;
+  served, without widening: its quality (and against large-only's on the questions it could
+  be scored on), its expected dollars and the share of each arm, against every single arm;
 - the cascade (`cascade_report`), where small answers were generated, and the same for each
   narrow arm that widens (`large@256`, asked again with the whole context when unsure),
   where its answers were generated.
@@ -98,10 +98,13 @@ def cascade_report(confidence, trained: list, held: list, price: dict[str, float
     Only questions where both answers were generated count: a proxy verdict set against a
     generated one mixes two measures (they disagree on about one question in six). None
     without such questions on both sides."""
+    def features(l):         # labels written before arms kept their confidence have the small one's only
+        return l.arms[first].confidence or (l.confidence if first == "small" else None)
+
     def arrays(labels):
-        labels = [l for l in labels if first in l.arms and l.arms[first].confidence is not None
+        labels = [l for l in labels if first in l.arms and features(l) is not None
                   and "large" in l.arms and l.arms["large"].output is not None]
-        conf = np.array([confidence.of_quantiles(astuple(l.arms[first].confidence)).value for l in labels])
+        conf = np.array([confidence.of_quantiles(astuple(features(l))).value for l in labels])
         qs, ql = (np.array([l.arms[a].correct for l in labels], float) for a in (first, "large"))
         return conf, qs, ql, np.full(len(labels), price[first]), np.full(len(labels), price["large"])
 

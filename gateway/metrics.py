@@ -139,7 +139,7 @@ class GatewayMetrics:
         self.early_escalations = r.add(Counter("sluice_early_escalations_total", "escalations decided on the "
                                                "first answer's first tokens, cutting it short"))
         self.widened = r.add(Counter("sluice_widened_total", "escalations of a narrow arm's answer to the same "
-                                     "model with the tenant's whole context"))
+                                     "model with a wider context"))
         self.routes = r.add(Counter("sluice_route_decisions_total", "first-call routes by tenant, model, difficulty and "
                                     "what chose them (client, no_router, classifier, policy, fallback)",
                                     ("tenant", "model", "difficulty", "source")))

@@ -212,8 +212,11 @@ class Gateway:
         params = plan.params
         most_out = params.max_tokens + (params.thinking_budget or 0) + THINKING_OVERHEAD * bool(params.thinking_budget)
         models = [m for m in (plan.route.model, plan.route.escalate_to) if m]   # at most, if it escalates
-        est_tokens = (len(plan.prompt_ids) + most_out) * len(models)
-        est_cost = sum(cost(prices[m], len(plan.prompt_ids), 0, most_out) for m in models)
+        prompts = [len(plan.prompt_ids)] * len(models)
+        if plan.wide is not None and len(models) > 1:       # an escalation that widens reads more
+            prompts[1] += plan.wide.trimmed.tokens - plan.context.trimmed.tokens
+        est_tokens = sum(p + most_out for p in prompts)
+        est_cost = sum(cost(prices[m], p, 0, most_out) for m, p in zip(models, prompts))
         self.rates.take_tokens(tenant, est_tokens)
         try:
             self.spend.reserve(tenant, est_cost)

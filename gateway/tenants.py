@@ -52,7 +52,7 @@ class RouterSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # predicted P(correct) is within this of the best allowed arm's: 0 buys the best, 1 the cheapest.
     arm_margin: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.05
     # A narrow arm's answer (large@256: the best passage alone) judged under escalation_threshold
-    # is asked again of the same model with the whole context; false: it stands.
+    # is asked again of the same model with a wider context; false: it stands.
     widen: bool = True
 
 

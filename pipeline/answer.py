@@ -8,8 +8,8 @@ next (model, prompt, draft) given the calls so far: the routed model's, then, wh
 confidence is under the tenant's threshold, the large model's, with the first answer offered
 as its speculative draft (where the two agree that costs verification passes, not decode
 steps, and the answer is still the large model's own). A narrow arm (the large model on the
-best passage alone) escalates to itself: the same model asked again with the tenant's whole
-context. The gateway drives an Answer through the async engine, evals by stepping the
+best passage alone) escalates to itself: the same model asked again with the wider context
+its own arm reads (`large`'s budget from the context curve, within the tenant's). The gateway drives an Answer through the async engine, evals by stepping the
 engine; neither decides anything itself, so what evals measure is what is served.
 """
 from __future__ import annotations
@@ -79,7 +79,7 @@ class Plan:
     context: RagContext
     prompt_ids: list[int]                  # the routed model's prompt
     params: SamplingParams
-    wide: RagContext | None = None         # the tenant's whole context, where the arm's is narrower
+    wide: RagContext | None = None         # what a widening escalation reads; None: the route does not widen
 
 
 @dataclass(frozen=True)
@@ -120,10 +120,10 @@ class Pipeline:
 
     def judge(self, plan: Plan, logprobs: list[float]) -> Verdict:
         """The verdict on a first answer: by the narrow arm's own confidence model when the
-        route widens (the same model again, with the whole context), else by the small model's."""
+        route widens (the same model again, with a wider context), else by the small model's."""
         r = plan.route
         if r.escalate_to == r.model:
-            return judge(f"{r.model} with the tenant's {plan.wide.trimmed.tokens}-token context",
+            return judge(f"{r.model} with a {plan.wide.trimmed.tokens}-token context",
                          plan.terms.policy.escalation_threshold, self.router.narrow[r.arm], logprobs)
         return judge(r.escalate_to, plan.terms.policy.escalation_threshold, self.confidence, logprobs)
 
@@ -171,20 +171,22 @@ class Pipeline:
             raise Refused(422, str(e), code="retrieval_refused") from None
         scores = [h.score for h in context.hits]
         r = self.route(terms, q, self._predictor(q, vector, scores), self._arm_cost(context.trimmed.tokens))
-        wide = None
+        tokenizer, wide = self.engine.worker(first).tokenizer, None
         if r.context_budget is not None and r.context_budget < terms.context_budget and collection is not None:
             # The arm answers best from fewer passages (its context-budget curve): the same
             # search, trimmed to the arm's budget.
             try:
-                wide, context = context, rag_context(collection, q.question, r.context_budget,
-                                                     self.engine.worker(first).tokenizer, self.k, q.messages, vector)
+                whole, context = context, rag_context(collection, q.question, r.context_budget, tokenizer, self.k,
+                                                      q.messages, vector)
                 r = replace(r, reason=f"{r.reason}; context trimmed to the arm's {r.context_budget} tokens")
+                if r.escalate_to == r.model:       # widening: the context the model's own arm reads
+                    budget = self._wide_budget(r, terms)
+                    wide = whole if budget >= terms.context_budget else rag_context(
+                        collection, q.question, budget, tokenizer, self.k, q.messages, vector)
             except RetrievalError:       # the question alone is over the arm's budget: the tenant's stands
                 r = replace(r, context_budget=None)
         if r.escalate_to == r.model and (wide is None or wide.trimmed.tokens <= context.trimmed.tokens):
-            r = replace(r, escalate_to=None)       # nothing wider to ask it again with
-        if r.escalate_to != r.model:               # a cascade's large model reads the arm's context
-            wide = None
+            r, wide = replace(r, escalate_to=None), None    # nothing wider to ask it again with
         try:
             params = SamplingParams(temperature=q.temperature, top_p=q.top_p, seed=q.seed, max_tokens=max_tokens,
                                     stop=q.stop, thinking_budget=r.thinking_budget or None)
@@ -220,6 +222,14 @@ class Pipeline:
         if self.arms:
             return lambda: self.router.arms.predict(q.question, vector[0], scores)
         return lambda: self.router.classifier.predict(q.question, vector[0], scores)
+
+    def _wide_budget(self, r: Route, terms: Terms) -> int:
+        """The context a widened answer reads: the budget of the same model's arm without a
+        budget of its own in its name (`large` for `large@256`, from the context curve), within
+        the tenant's; the tenant's when there is no such arm."""
+        plain = [a.context_budget for a in self.arms if a.model == r.model and a.thinking == r.thinking_budget
+                 and "@" not in a.name and a.context_budget is not None]
+        return min(plain[0], terms.context_budget) if plain else terms.context_budget
 
     def _arm_cost(self, context_tokens: int) -> Callable[[Arm], float] | None:
         """An arm's expected dollars at the server's prices: the context as trimmed (to the
@@ -258,7 +268,7 @@ class Answer:
         self.verdict: Verdict | None = None
         self._early_judged = False
         self.cut_early = False                 # the first call was cut short by the early verdict
-        self.widened = False                   # escalated to the same model with the whole context
+        self.widened = False                   # escalated to the same model with a wider context
         self._logprobs: list[float] = []      # of the first call so far, for the early verdict
 
     @property
@@ -318,7 +328,7 @@ class Answer:
     def _judged(self, v: Verdict) -> None:
         r = self.plan.route
         self.verdict = v
-        if v.escalate and self.plan.wide is not None:    # the escalation answers from the whole context
+        if v.escalate and self.plan.wide is not None:    # the escalation answers from the wider context
             self.plan.context, self.widened = self.plan.wide, True
         self.plan.route = replace(r, reason=f"{r.reason}; {v.reason}", confidence=v.confidence, escalated=v.escalate,
                                   model=r.escalate_to if v.escalate else r.model)

@@ -115,7 +115,7 @@ def train_narrow(labels: list[Label], seed: int = 0,
                  test_size: float = 0.25) -> tuple[dict[str, ConfidenceModel], dict[str, ConfidenceReport | str]]:
     """A confidence model per narrow arm (one with a context budget of its own, `large@256`),
     on its generated answers: a narrow answer judged unsure is asked again of the same model
-    with the tenant's whole context (router.policy.route_arms). Arms too thinly labelled are
+    with a wider context (pipeline.Pipeline.plan). Arms too thinly labelled are
     left out, and the report says why."""
     models, reports = {}, {}
     names = sorted({name for l in labels for name in l.arms if parse_arm(name).context_budget is not None})

@@ -32,7 +32,7 @@ class RouterModel:
     early: EarlyExit | None = None      # a verdict on the answer's first tokens; None: whole answers only
     arms: ArmModel | None = None        # mode=auto picks among arms; None: by difficulty between two models
     # Per narrow arm (`large@256`), the confidence model that judges its answers: an unsure one
-    # is asked again with the tenant's whole context. An arm without one keeps its answer.
+    # is asked again with a wider context. An arm without one keeps its answer.
     narrow: dict[str, ConfidenceModel] = field(default_factory=dict)
     feature_version: int = FEATURE_VERSION
     trained_on: frozenset[str] = field(default_factory=frozenset)   # question ids: evals keep them out

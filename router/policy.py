@@ -33,7 +33,7 @@ class Policy:
     early_escalation: bool = True       # judge the first answer on its first tokens too (a trained router's)
     # Arms: the cheapest arm whose P(correct) is within this of the best arm's (route_arms).
     arm_margin: float = 0.05
-    widen: bool = True                  # an unsure answer of a narrow arm is asked again with the whole context
+    widen: bool = True                  # an unsure answer of a narrow arm is asked again with a wider context
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,8 @@ class Route:
     probability: float | None = None    # the classifier's calibrated probability of `difficulty`
     thinking_budget: int = 0            # 0: no thinking span
     # The model a low-confidence answer goes to; None: it stands. The arm's own model when the
-    # arm is narrow (context_budget set): the same question with the tenant's whole context.
+    # arm widens (a narrow arm with a confidence model of its own): the same question again,
+    # with a wider context.
     escalate_to: str | None = None
     source: str = "classifier"          # what chose the model: client | no_router | classifier | arms | policy | fallback
     # Calibrated chance the answer is right: the arm model's before the first call, the
@@ -101,7 +102,7 @@ def route_arms(p: Policy, arms: tuple[Arm, ...], small: str, large: str,
     P(correct) per arm name; `cost(arm)` the expected dollars at the server's prices. When the
     arm model is off, slow or broken, the tenant's default as `route` falls back. `narrow`: the
     arms whose answers have a confidence model (router.confidence.train_narrow); an unsure one
-    is escalated to the same model with the tenant's whole context, where the tenant allows
+    is escalated to the same model with a wider context, where the tenant allows
     escalation and widening."""
     probs, failure = (None, "classifier off for this tenant") if not p.classifier else \
         classify(predict, p.classifier_timeout_s)

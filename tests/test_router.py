@@ -477,8 +477,10 @@ def test_an_unsure_narrow_answer_is_asked_again_with_the_whole_context(tmp_path,
     from dataclasses import replace
     from tests.test_gateway_support import DOCS
     model, _ = train(write_labels(tmp_path / "labels.jsonl", narrow=True), embedder)
-    # 60 tokens: narrower than what this small corpus fills of the tenant's 400.
-    model.arms = replace(model.arms, arms=tuple(replace(a, context_budget=60) if a.name == "large@256" else a
+    # 60 tokens: narrower than what this small corpus fills of the tenant's 400; the plain large
+    # arm reads 300 (its context curve's), which the corpus does not fill either.
+    budgets = {"large@256": 60, "large": 300}
+    model.arms = replace(model.arms, arms=tuple(replace(a, context_budget=budgets.get(a.name, a.context_budget))
                                                 for a in model.arms.arms))
     model.save(tmp_path / "router.joblib")
     bodies, rows, widened = {}, {}, {}
@@ -500,9 +502,10 @@ def test_an_unsure_narrow_answer_is_asked_again_with_the_whole_context(tmp_path,
     assert wide["arm"] == narrow["arm"] == "large@256" and wide["escalated"] and not narrow["escalated"]
     assert "context trimmed to the arm's 60 tokens" in wide["route_reason"]
     tokens = large["trimmed"]["tokens"]
-    assert 60 < tokens and f"escalated to large with the tenant's {tokens}-token context" in wide["route_reason"]
-    # The escalation is the large model on the whole context: its answer, its citations.
-    assert wide["answer"] == large["answer"] and wide["trimmed"] == large["trimmed"]
+    assert 60 < tokens < 300 and f"escalated to large with a {tokens}-token context" in wide["route_reason"]
+    # The escalation is the large model on its own arm's context (here every passage, as the
+    # tenant's would be): its answer, its citations.
+    assert wide["answer"] == large["answer"] and wide["trimmed"] == {**large["trimmed"], "budget": 300}
     assert wide["citations"] == large["citations"] and narrow["trimmed"]["budget"] == 60
     assert (rows[True].models, rows[False].models) == ("large,large", "large")
     assert wide["cost"] > large["cost"] and widened == {True: 1.0, False: 0.0}
