@@ -10,7 +10,8 @@ at the run's own? From run folders that answered the same questions with `large`
 - how many routed answers of the narrow arm equal the narrow run's (the same prompt served);
 - with --widened, run folders over the same questions in mode `routed+cascade` (the router's
   widening: an unsure narrow answer asked again with the whole context, both calls paid as
-  served, the shared prefix cached): its shares and how many it widened, pooled the same way;
+  served, the shared prefix cached): its shares and how many it widened, pooled the same way
+  (dollars, not engine seconds: the large-only runs may come from another day);
 - escalating from the narrow answer to the wide one when the narrow answer's mean token
   log-probability is under a threshold, both calls paid in full: thresholds are quantiles
   of that log-probability in TRAIN_NARROW (with TRAIN_WIDE the same questions at the wide
@@ -91,20 +92,18 @@ def widen_row(folders: list[str], large: dict[str, Record], narrow: dict[str, Re
         return None
     f1, big = np.array([runs[i].score for i in ids]), np.array([large[i].score for i in ids])
     models = [[c.model for c in runs[i].calls] for i in ids]
+    widened = [i for i, m in zip(ids, models) if m == ["large", "large"]]
     return {"questions": len(ids), "f1": float(f1.mean()), "large_f1": float(big.mean()),
             "f1_vs_large": float(f1.mean() / big.mean()),
             "f1_se": float((f1 - big).std(ddof=1) / np.sqrt(len(ids)) / big.mean()),
             "dollars_vs_large": sum(runs[i].cost for i in ids) / sum(large[i].cost for i in ids),
-            "engine_s_vs_large": sum(runs[i].engine_s for i in ids) / sum(large[i].engine_s for i in ids),
-            "widened": sum(m == ["large", "large"] for m in models),
-            "widened_equal_large": sum(runs[i].answer == large[i].answer for i, m in zip(ids, models)
-                                       if m == ["large", "large"]),
+            "widened": len(widened),
+            "widened_equal_large": sum(runs[i].answer == large[i].answer for i in widened),
             "kept_equal_narrow": sum(runs[i].answer == narrow[i].answer for i, m in zip(ids, models)
                                      if len(m) == 1 and pick(runs[i]) == "narrow" and i in narrow),
             "from_small": sum(m == ["small", "large"] for m in models),
-            "cached_prompt_share_of_widenings": float(np.mean([runs[i].calls[1].cached_tokens / runs[i].calls[1].prompt_tokens
-                                                               for i, m in zip(ids, models) if m == ["large", "large"]]
-                                                              or [0.0]))}
+            "cached_prompt_share_of_widenings": sum(runs[i].calls[1].cached_tokens for i in widened) /
+                                                max(1, sum(runs[i].calls[1].prompt_tokens for i in widened))}
 
 
 def main() -> None:
@@ -179,8 +178,8 @@ def main() -> None:
     widened = widen_row(args.widened, runs["large"], runs["narrow"])
     if widened:
         console.print(f"routed+cascade over {widened['questions']} questions: {widened['f1_vs_large']:.1%} "
-                      f"± {widened['f1_se']:.1%} of large-only F1 at {widened['dollars_vs_large']:.1%} of its dollars "
-                      f"({widened['engine_s_vs_large']:.0%} of its engine seconds); widened {widened['widened']}, "
+                      f"± {widened['f1_se']:.1%} of large-only F1 at {widened['dollars_vs_large']:.1%} of its dollars; "
+                      f"widened {widened['widened']}, "
                       f"escalated from small {widened['from_small']}, the widened prompts "
                       f"{widened['cached_prompt_share_of_widenings']:.0%} cached; widened answers equal to "
                       f"large-only's {widened['widened_equal_large']}, kept equal to the narrow run's "

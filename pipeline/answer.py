@@ -21,7 +21,7 @@ from engine.llm_engine import Completion, LLMEngine, StepOutput
 from engine.sampling_params import SamplingParams
 from pipeline.prices import Price, cost
 from retrieval import OverBudget, RagContext, RetrievalError, rag_context
-from router.arms import Arm
+from router.arms import Arm, arm_name
 from router.confidence import ConfidenceModel, EarlyExit, Verdict, judge
 from router.data import RouterError
 from router.model import RouterModel
@@ -159,11 +159,10 @@ class Pipeline:
         # The context is trimmed with the tokenizer of the model that answers first without a
         # router; the routed pair shares one tokenizer, so a route cannot change the count.
         first = q.mode if q.mode != "auto" else terms.policy.default_model
-        embed = self.routes_by_classifier(terms, q)
+        embed, tokenizer = self.routes_by_classifier(terms, q), self.engine.worker(first).tokenizer
         try:
             vector = self.embedder.encode([q.question]) if embed else None
-            context = rag_context(collection, q.question, terms.context_budget, self.engine.worker(first).tokenizer,
-                                  self.k, q.messages, vector)
+            context = rag_context(collection, q.question, terms.context_budget, tokenizer, self.k, q.messages, vector)
         except OverBudget as e:
             raise Refused(422, f"the {e.what} is {e.tokens} tokens; tenant {terms.name!r} has a context "
                                f"budget of {terms.context_budget}", code="over_context_budget") from None
@@ -171,7 +170,7 @@ class Pipeline:
             raise Refused(422, str(e), code="retrieval_refused") from None
         scores = [h.score for h in context.hits]
         r = self.route(terms, q, self._predictor(q, vector, scores), self._arm_cost(context.trimmed.tokens))
-        tokenizer, wide = self.engine.worker(first).tokenizer, None
+        wide = None
         if r.context_budget is not None and r.context_budget < terms.context_budget and collection is not None:
             # The arm answers best from fewer passages (its context-budget curve): the same
             # search, trimmed to the arm's budget.
@@ -224,12 +223,11 @@ class Pipeline:
         return lambda: self.router.classifier.predict(q.question, vector[0], scores)
 
     def _wide_budget(self, r: Route, terms: Terms) -> int:
-        """The context a widened answer reads: the budget of the same model's arm without a
-        budget of its own in its name (`large` for `large@256`, from the context curve), within
-        the tenant's; the tenant's when there is no such arm."""
-        plain = [a.context_budget for a in self.arms if a.model == r.model and a.thinking == r.thinking_budget
-                 and "@" not in a.name and a.context_budget is not None]
-        return min(plain[0], terms.context_budget) if plain else terms.context_budget
+        """The context a widened answer reads: its model's plain arm's (`large` for `large@256`,
+        its budget from the context curve), within the tenant's; the tenant's without one."""
+        plain = arm_name(r.model, r.thinking_budget)
+        budget = next((a.context_budget for a in self.arms if a.name == plain), None)
+        return min(budget or terms.context_budget, terms.context_budget)
 
     def _arm_cost(self, context_tokens: int) -> Callable[[Arm], float] | None:
         """An arm's expected dollars at the server's prices: the context as trimmed (to the

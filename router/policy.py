@@ -88,9 +88,15 @@ def route(p: Policy, small: str, large: str, predict: Callable[[], Difficulty] |
     return _by_difficulty(p, small, large, difficulty, failure)
 
 
-def _escalation(p: Policy, model: str, small: str, large: str) -> str | None:
+def _escalation(p: Policy, model: str, small: str, large: str, narrow: bool = False) -> str | None:
+    """Where an unsure first answer goes: a small one to the large model; a narrow arm's
+    (`narrow`: it has a confidence model of its own) to its own model with a wider context."""
+    if not (p.escalation and p.escalation_threshold > 0):
+        return None
+    if narrow:
+        return model if p.widen else None
     large_ok = large in p.allowed and p.force != "never_large"
-    return large if (p.escalation and large_ok and model == small != large and p.escalation_threshold > 0) else None
+    return large if large_ok and model == small != large else None
 
 
 def route_arms(p: Policy, arms: tuple[Arm, ...], small: str, large: str,
@@ -122,9 +128,8 @@ def route_arms(p: Policy, arms: tuple[Arm, ...], small: str, large: str,
             if arm != best else " is the best")
     if len(ok) < len(arms):
         why = f"{why}; of {len(ok)} arms this tenant allows"
-    widens = arm.name in narrow and p.widen and p.escalation and p.escalation_threshold > 0
     return Route(arm.model, why, thinking_budget=arm.thinking,
-                 escalate_to=arm.model if widens else _escalation(p, arm.model, small, large), source="arms",
+                 escalate_to=_escalation(p, arm.model, small, large, arm.name in narrow), source="arms",
                  confidence=probs[arm.name], arm=arm.name, context_budget=arm.context_budget)
 
 
