@@ -52,9 +52,13 @@ bench: $(VENV)/.installed
 # large@256 (the large model on one passage) is labelled by the large model's proxy scores at a
 # 256-token context budget ($(PROXY_SCORES_256), committed the same way); its answers are
 # generated for the first $(ROUTER_NARROW) questions (about 5 s each), for the confidence model
-# that asks an unsure one again with the whole context (widening). Hours on 2 cores:
-# generating costs about a minute a question, the proxy about 14 s (both models, every gold
-# answer, AVX2 host) and 5 s for the large model at 256.
+# that asks an unsure one again with the whole context (widening). The thinking arms
+# (large+think256, large+think1024) are labelled on GSM8K problems of the train half: both
+# models without thinking on the first $(ROUTER_GSM8K) of 300, the large model at 256 and 1,024
+# thinking tokens on the first $(ROUTER_THINK) (free-form answers: no proxy, every answer
+# generated). Hours on 2 cores: generating costs about a minute a question, the proxy about
+# 14 s (both models, every gold answer, AVX2 host) and 5 s for the large model at 256; the
+# GSM8K runs about 20 s a problem per model and budget (concurrency 16).
 EVALS := .cache/evals
 SLUICE := $(VENV)/bin/sluice
 EVAL_SET := mixed --mix 2:1 --quant int8 --context-budget 512
@@ -62,8 +66,12 @@ ROUTER_N ?= 1000
 ROUTER_GEN ?= 200
 ROUTER_SMALL ?= 420
 ROUTER_NARROW ?= 300
+ROUTER_GSM8K ?= 150
+ROUTER_THINK ?= 60
 ROUTER_RUN := $(EVALS)/train-squad
 ROUTER_RUN_256 := $(EVALS)/train-squad-256
+ROUTER_RUN_GSM8K := $(EVALS)/train-gsm8k
+GSM8K_TRAIN := gsm8k -n 300 --split train --quant int8 --concurrency 16
 ROUTER := router/trained/router.joblib
 PROXY_SCORES := router/trained/proxy.jsonl
 PROXY_SCORES_256 := router/trained/proxy-large-256.jsonl
@@ -84,8 +92,13 @@ router: $(VENV)/.installed
 	cp $(ROUTER_RUN_256)/proxy.jsonl $(PROXY_SCORES_256)
 	$(SLUICE) eval labels $(ROUTER_RUN) --proxy $(if $(filter 0,$(ROUTER_GEN)),$(THRESHOLDS),$(ROUTER_RUN)) \
 		--arms $(ROUTER_RUN_256)
-	$(SLUICE) train-router $(ROUTER_RUN) $(if $(wildcard $(CONTEXT_CURVE)),--context-curve $(CONTEXT_CURVE)) --out $(ROUTER) \
-		--rebuild "make router ROUTER_N=$(ROUTER_N) ROUTER_GEN=$(ROUTER_GEN) ROUTER_SMALL=$(ROUTER_SMALL) ROUTER_NARROW=$(ROUTER_NARROW)$(if $(PROXY_LIMIT), PROXY_LIMIT=$(PROXY_LIMIT))"
+	$(SLUICE) eval run $(GSM8K_TRAIN) --modes small large --limit $(ROUTER_GSM8K) --out $(ROUTER_RUN_GSM8K)
+	for b in 256 1024; do $(SLUICE) eval run $(GSM8K_TRAIN) --modes large --thinking-budget $$b --limit $(ROUTER_THINK) \
+		--out $(ROUTER_RUN_GSM8K)-think$$b || exit 1; done
+	$(SLUICE) eval labels $(ROUTER_RUN_GSM8K) --arms $(ROUTER_RUN_GSM8K)-think256 $(ROUTER_RUN_GSM8K)-think1024
+	$(SLUICE) train-router $(ROUTER_RUN) $(ROUTER_RUN_GSM8K) $(if $(wildcard $(CONTEXT_CURVE)),--context-curve $(CONTEXT_CURVE)) \
+		--out $(ROUTER) --rebuild "make router ROUTER_N=$(ROUTER_N) ROUTER_GEN=$(ROUTER_GEN) ROUTER_SMALL=$(ROUTER_SMALL) \
+		ROUTER_NARROW=$(ROUTER_NARROW) ROUTER_GSM8K=$(ROUTER_GSM8K) ROUTER_THINK=$(ROUTER_THINK)$(if $(PROXY_LIMIT), PROXY_LIMIT=$(PROXY_LIMIT))"
 
 # Quality by context budget per model (docs/context-budget/): 40 SQuAD questions of the train
 # half at 256 to 2,048 prompt tokens; the chosen budgets go to the router's arms.

@@ -1,9 +1,14 @@
 """Quality against thinking budget: one row per (model, budget) from run folders that differ
 only in their thinking budget. This is the table tenants tune `thinking_budget` from.
 
-Every folder must hold the same questions (a mixed run's questions of the chosen kind count
-too, so a budget-0 row can come from the main eval), or the rows would not be comparable.
+Every row is over the questions that every folder answered (a mixed run's questions of the
+chosen kind count too, so a budget-0 row can come from the main eval), so rows compare.
 Writes budgets.json, budgets.md and budgets.png into the output folder.
+
+Beside the fixed rows: the oracle over them (per question, the cheapest answer of any row
+that is right: the ceiling of any router among these arms), and the routed modes the folders
+ran (the arms router choosing model and thinking per question, served for real); each row
+also as a share of the best fixed row's exact match, dollars and thinking tokens.
 
 With a trained router, also the policies a tenant can set: thinking tokens per difficulty,
 the model chosen by the classifier (router.policy.goes_large), each question answered as its
@@ -25,7 +30,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from evals.records import Record, RecordLog  # noqa: E402
-from evals.runner import MODES, RECORDS_FILE, RunError, read_config  # noqa: E402
+from evals.runner import MODES, RECORDS_FILE, ROUTED_MODES, RunError, read_config  # noqa: E402
 from evals.summary import difficulty_probabilities  # noqa: E402
 from router.data import DIFFICULTIES  # noqa: E402
 from router.policy import goes_large  # noqa: E402
@@ -42,44 +47,73 @@ class BudgetRun:
 
 
 def read_runs(folders: list[Path], kind: str = "gsm8k", budget: str = "thinking_budget") -> list[BudgetRun]:
-    """Each folder's small and large answers of `kind`, checked to cover the same questions;
-    `budget` names the run setting the folders differ in (thinking_budget or context_budget)."""
-    runs, questions = [], None
+    """Each folder's small and large answers of `kind`, on the questions every one of them
+    answered (a run stopped at --limit N covers its first N); `budget` names the run setting
+    the folders differ in (thinking_budget or context_budget)."""
+    runs = []
     for folder in folders:
         config = read_config(folder)
         log = RecordLog(folder / RECORDS_FILE)
         for mode in [m for m in MODES if m in log.modes()]:
-            records = sorted((r for r in log.of_mode(mode) if r.kind == kind), key=lambda r: r.id)
-            if not records:
-                continue
-            ids = {r.id for r in records}
-            if questions is None:
-                questions = ids
-            elif ids != questions:
-                raise RunError(f"{folder}: its {mode} run answered {len(ids)} {kind} questions, "
-                               f"{len(ids ^ questions)} of them not shared with the first folder's "
-                               f"{len(questions)}; the rows must come from the same questions")
-            runs.append(BudgetRun(folder, config.models[MODES[mode].model], mode, getattr(config, budget), records))
+            records = [r for r in log.of_mode(mode) if r.kind == kind]
+            if records:
+                runs.append(BudgetRun(folder, config.models[MODES[mode].model], mode, getattr(config, budget), records))
     if not runs:
         raise RunError(f"no {kind} answers in {', '.join(map(str, folders))}")
+    shared = set.intersection(*({r.id for r in run.records} for run in runs))
+    if not shared:
+        raise RunError(f"no {kind} question was answered in every one of {', '.join(map(str, folders))}")
+    for run in runs:
+        run.records = sorted((r for r in run.records if r.id in shared), key=lambda r: r.id)
     return sorted(runs, key=lambda r: (list(MODES).index(r.mode), r.budget))
 
 
 def budget_rows(runs: list[BudgetRun]) -> list[dict]:
+    return [_row(run.mode, run.model, run.budget, run.records, run.folder) for run in runs]
+
+
+def _row(mode: str, model: str, budget: int | None, records: list[Record], folder: Path | None) -> dict:
+    thinking = np.array([r.tokens("thinking") for r in records])
+    return {"model": model, "mode": mode, "budget": budget,
+            "questions": len(records), "em": float(np.mean([r.em for r in records])),
+            "thinking_tokens": float(thinking.mean()),
+            "output_tokens": float(np.mean([r.tokens("output") for r in records])),
+            # Spans the engine cut at the budget (budget forcing) rather than the model closed.
+            "forced_share": float((thinking >= budget).mean()) if budget else 0.0,
+            "engine_s": float(np.mean([r.engine_s for r in records])),
+            "cost_per_1k": 1000 * float(np.mean([r.cost for r in records])),
+            "folder": str(folder) if folder else None}
+
+
+def oracle_row(runs: list[BudgetRun]) -> dict:
+    """Per question, the cheapest answer among the runs' that is right (the cheapest of all
+    where none is): what a router that knew the answers would pay among these arms."""
+    picked = []
+    for answers in zip(*(run.records for run in runs)):
+        right = [r for r in answers if r.correct]
+        picked.append(min(right or answers, key=lambda r: r.cost))
+    return _row("oracle", "cheapest right answer", None, picked, None)
+
+
+def routed_rows(folders: list[Path], kind: str, questions: set[str]) -> list[dict]:
+    """The routed modes the folders ran, over the same questions as the fixed rows."""
     rows = []
-    for run in runs:
-        records = run.records
-        thinking = np.array([r.tokens("thinking") for r in records])
-        rows.append({"model": run.model, "mode": run.mode, "budget": run.budget,
-                     "questions": len(records), "em": float(np.mean([r.em for r in records])),
-                     "thinking_tokens": float(thinking.mean()),
-                     "output_tokens": float(np.mean([r.tokens("output") for r in records])),
-                     # Spans the engine cut at the budget (budget forcing) rather than the model closed.
-                     "forced_share": float((thinking >= run.budget).mean()) if run.budget else 0.0,
-                     "engine_s": float(np.mean([r.engine_s for r in records])),
-                     "cost_per_1k": 1000 * float(np.mean([r.cost for r in records])),
-                     "folder": str(run.folder)})
+    for folder in folders:
+        log = RecordLog(folder / RECORDS_FILE)
+        for mode in [m for m in ROUTED_MODES if m in log.modes()]:
+            records = sorted((r for r in log.of_mode(mode) if r.kind == kind and r.id in questions), key=lambda r: r.id)
+            if len(records) != len(questions):
+                raise RunError(f"{folder}: its {mode} run answered {len(records)} of the fixed rows' {len(questions)} "
+                               f"{kind} questions")
+            rows.append(_row(mode, "arms router", None, records, folder))
     return rows
+
+
+def against_best(rows: list[dict], best: dict) -> None:
+    """Each row's exact match, dollars and thinking tokens as shares of the best fixed row's."""
+    for r in rows:
+        r["vs_best"] = {"em": r["em"] / best["em"] if best["em"] else None, "cost": r["cost_per_1k"] / best["cost_per_1k"],
+                        "thinking": r["thinking_tokens"] / best["thinking_tokens"] if best["thinking_tokens"] else None}
 
 
 def policy_table(runs: list[BudgetRun], router, embedder) -> dict:
@@ -124,27 +158,36 @@ def policy_markdown(table: dict, kind: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def markdown(rows: list[dict], kind: str) -> str:
+def markdown(rows: list[dict], kind: str, best: dict) -> str:
+    share = lambda x: "–" if x is None else f"{x:.0%}"
     lines = [f"# {kind} exact match by thinking budget", "",
              f"{rows[0]['questions']} questions, the same in every row; tokens and engine seconds are means per "
              "question; forced: share of thinking spans the engine closed at the budget. Engine seconds are a "
              "share of batched steps, so they depend on each run's concurrency and mix: compare them within "
-             "a run, not across rows from different runs.", "",
-             "| model | budget | EM | thinking tokens | output tokens | forced | engine s / q | $ / 1k |",
-             "|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['mode']} (`{r['model']}`) | {r['budget']} | {r['em']:.3f} | {r['thinking_tokens']:.0f} "
-              f"| {r['output_tokens']:.0f} | {r['forced_share']:.2f} | {r['engine_s']:.2f} | {r['cost_per_1k']:.4f} |"
-              for r in rows]
+             "a run, not across rows from different runs. The oracle takes, per question, the cheapest right "
+             "answer of the fixed rows; a routed row is the arms router served for real. \"vs best\": exact "
+             f"match, dollars and thinking tokens as shares of the best fixed row's, {best['mode']} at "
+             f"{best['budget']}.", "",
+             "| model | budget | EM | thinking tokens | output tokens | forced | engine s / q | $ / 1k "
+             "| EM / $ / thinking vs best |", "|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['mode']} (`{r['model']}`) | {'–' if r['budget'] is None else r['budget']} | {r['em']:.3f} "
+              f"| {r['thinking_tokens']:.0f} | {r['output_tokens']:.0f} | {r['forced_share']:.2f} | {r['engine_s']:.2f} "
+              f"| {r['cost_per_1k']:.4f} | {share(r['vs_best']['em'])} / {share(r['vs_best']['cost'])} / "
+              f"{share(r['vs_best']['thinking'])} |" for r in rows]
     return "\n".join(lines) + "\n"
 
 
 def write_budget_table(folders: list[Path], out: Path, kind: str = "gsm8k", router=None, embedder=None) -> str:
     runs = read_runs(folders, kind)
     rows = budget_rows(runs)
+    best = max(rows, key=lambda r: (r["em"], -r["cost_per_1k"]))
+    extra = [oracle_row(runs)] + routed_rows(folders, kind, {r.id for r in runs[0].records})
+    against_best(rows + extra, best)
     policies = policy_table(runs, router, embedder) if router is not None else None
     out.mkdir(parents=True, exist_ok=True)
-    (out / "budgets.json").write_text(json.dumps({"kind": kind, "rows": rows, "policies": policies}, indent=2) + "\n")
-    text = markdown(rows, kind) + (policy_markdown(policies, kind) if policies else "")
+    (out / "budgets.json").write_text(json.dumps({"kind": kind, "rows": rows, "oracle": extra[0], "routed": extra[1:],
+                                                  "policies": policies}, indent=2) + "\n")
+    text = markdown(rows + extra, kind, best) + (policy_markdown(policies, kind) if policies else "")
     (out / "budgets.md").write_text(text)
     fig, ax = plt.subplots(figsize=(6, 4))
     if policies:
@@ -157,6 +200,8 @@ def write_budget_table(folders: list[Path], out: Path, kind: str = "gsm8k", rout
         ax.plot([r["thinking_tokens"] for r in mine], [r["em"] for r in mine], "o-", label=mode)
         for r in mine:
             ax.annotate(str(r["budget"]), (r["thinking_tokens"], r["em"]), textcoords="offset points", xytext=(4, -10))
+    for r in extra:
+        ax.plot([r["thinking_tokens"]], [r["em"]], "*", ms=10, label=r["mode"])
     save_plot(fig, ax, out / "budgets.png", "thinking tokens per question (mean)", f"{kind} exact match",
               "Exact match by thinking budget (labels: budget)")
     return text

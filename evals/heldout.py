@@ -13,7 +13,9 @@ generating again.
   where its answers were generated.
 
 Dollars are expected, not spent: per arm, the mean prompt and output tokens of the router's
-training labels at the run's prices (a proxy label generates nothing to count).
+training labels on the question's kind (retrieved or closed-book, router.arms.retrieved) at the
+run's prices (a proxy label generates nothing to count). An arm is scored only on the kinds of
+question it was trained on, as it is offered only for those.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from evals.router_metrics import (apgr, cascade_sweep, cost_at_quality, oracle_c
                                   threshold_sweep)
 from evals.runner import PAIR, RunError, read_config
 from pipeline import cost
+from router.arms import KINDS, retrieved
 from router.data import read_labels
 from router.features import feature_vector
 from router.policy import Policy, route_arms
@@ -41,35 +44,44 @@ def heldout_report(folder: Path, router, embedder) -> dict:
         raise RunError("this router has no arms (train it on labels that cover two arms or more)")
     prices = read_config(folder).prices
     arms = router.arms
+    parse = {a.name: a for a in arms.arms}
+
+    def price_of(name: str, kind: bool) -> float:
+        """An arm's expected dollars on a question of this kind; NaN where it does not cover the kind."""
+        t = arms.tokens[name].get(kind)
+        return np.nan if t is None else cost(prices[parse[name].model], round(t[0]), 0, round(t[1]))
     every = read_labels(folder)
     labels = [l for l in every if l.id not in router.trained_on
-              and all(a.name in l.arms for a in arms.arms if a.name in PAIR)]
+              and all(a in l.arms and not np.isnan(price_of(a, retrieved(l.retrieval_scores))) for a in PAIR)]
     if len(labels) < 2:
-        raise RunError(f"{folder}: {len(labels)} labelled questions the router was not trained on; need 2")
+        raise RunError(f"{folder}: {len(labels)} labelled questions the router was not trained on (of a kind "
+                       f"its small and large arms cover); need 2")
     vectors = embedder.encode([l.question for l in labels])
     rows = np.stack([feature_vector(l.question, v, l.retrieval_scores, arms.with_embedding)
                      for l, v in zip(labels, vectors)])
     predicted = arms.predict_rows(rows)
-    price = {a.name: cost(prices[a.model], round(arms.tokens[a.name][0]), 0, round(arms.tokens[a.name][1]))
-             for a in arms.arms}
-    right = {a.name: np.array([l.arms[a.name].correct if a.name in l.arms else np.nan for l in labels], float)
-             for a in arms.arms}
+    price = {a: np.array([price_of(a, retrieved(l.retrieval_scores)) for l in labels]) for a in parse}
+    right = {a: np.array([l.arms[a].correct if a in l.arms and not np.isnan(price[a][i]) else np.nan
+                          for i, l in enumerate(labels)], float) for a in parse}
     n = len(labels)
     qs, ql = right["small"], right["large"]
-    cs, cl = np.full(n, price["small"]), np.full(n, price["large"])
+    cs, cl = price["small"], price["large"]
     curves = {"router": threshold_sweep(predicted["large"] - predicted["small"], qs, ql, cs, cl),
               "oracle": threshold_sweep(oracle_scores(qs, ql), qs, ql, cs, cl),
               "oracle cascade": oracle_cascade(qs, ql, cs, cl)}
     two = {name: {"apgr": _r(apgr(c, qs.mean(), ql.mean())),
                   "cost_at_95_vs_large": _r(_share(cost_at_quality(c, TARGET * ql.mean()), cl.sum()))}
            for name, c in curves.items()}
+    # Each arm against large-only on the questions it covers.
     single = {a: {"quality": _r(float(np.nanmean(right[a]))), "labelled": int(np.sum(~np.isnan(right[a]))),
-                  "cost_vs_large": _r(price[a] / price["large"])} for a in right}
+                  "cost_vs_large": _r(np.nansum(price[a]) / cl[~np.isnan(price[a])].sum())}
+              for a in right if not np.isnan(right[a]).all()}
     policies = {}
     for margin in MARGINS:
         policy = Policy("small", PAIR, {"easy": 0, "medium": 0, "hard": 1024}, 0.5, arm_margin=margin)
-        picks = [route_arms(policy, arms.arms, *PAIR, lambda i=i: {a: float(p[i]) for a, p in predicted.items()},
-                            lambda arm: price[arm.name]).arm for i in range(n)]
+        picks = [route_arms(policy, arms.arms, *PAIR,
+                            lambda i=i: {a: float(p[i]) for a, p in predicted.items() if not np.isnan(p[i])},
+                            lambda arm, i=i: price[arm.name][i]).arm for i in range(n)]
         scored = np.array([right[a][i] for i, a in enumerate(picks)])
         known = ~np.isnan(scored)
         # Large-only on the same questions: an arm labelled on part of them (the proxy stopped
@@ -77,36 +89,45 @@ def heldout_report(folder: Path, router, embedder) -> dict:
         policies[str(margin)] = {"quality": _r(float(scored[known].mean())), "scored": int(known.sum()),
                                  "quality_vs_large": _r(float(scored[known].mean() / ql[known].mean()))
                                  if ql[known].mean() else None,
-                                 "cost_vs_large": _r(sum(price[a] for a in picks) / (n * price["large"])),
+                                 "cost_vs_large": _r(sum(price[a][i] for i, a in enumerate(picks)) / cl.sum()),
                                  "arms": {a: picks.count(a) for a in dict.fromkeys(picks)}}
     trained = [l for l in every if l.id in router.trained_on]
     return {"questions": n, "left_out_as_trained_on": len(trained),
             "sources": {s: sum(l.source == s for l in labels) for s in sorted({l.source for l in labels})},
-            "expected_cost_per_question": {a: _r(c, 9) for a, c in price.items()},
+            "kinds": {KINDS[k]: sum(retrieved(l.retrieval_scores) == k for l in labels) for k in KINDS},
+            "expected_cost_per_question": {a: {KINDS[k]: _r(price_of(a, k), 9) for k in KINDS
+                                               if not np.isnan(price_of(a, k))} for a in parse},
             "small_vs_large": two, "arms": single, "policies": policies,
-            "cascade": cascade_report(router.confidence, trained, labels, price),
-            "widen": {name: cascade_report(model, trained, labels, price, name) for name, model in router.narrow.items()
-                      if name in price}}
+            "cascade": cascade_report(router.confidence, trained, labels, price_of),
+            "widen": {name: cascade_report(model, trained, labels, price_of, name) for name, model in router.narrow.items()
+                      if name in parse}}
 
 
-def cascade_report(confidence, trained: list, held: list, price: dict[str, float], first: str = "small") -> dict | None:
+def cascade_report(confidence, trained: list, held: list, price_of, first: str = "small") -> dict | None:
     """The cascade on its own (every question to the `first` arm, escalated to the large arm
     when the confidence model's P(right) of its answer is under the threshold), on the
     held-out questions whose first answer was generated: the threshold is the cheapest
     reaching TARGET of large-only quality on the training labels, then applied as is to the
-    held-out ones. The first call is counted whole (an early verdict would cut some short).
+    held-out ones. `price_of(arm, kind)`: its expected dollars on a question of that kind
+    (router.arms.retrieved); NaN where the arm does not cover it. The first call is counted
+    whole (an early verdict would cut some short).
     Only questions where both answers were generated count: a proxy verdict set against a
     generated one mixes two measures (they disagree on about one question in six). None
     without such questions on both sides."""
     def features(l):         # labels written before arms kept their confidence have the small one's only
         return l.arms[first].confidence or (l.confidence if first == "small" else None)
 
+    def kind(l) -> bool:
+        return retrieved(l.retrieval_scores)
+
     def arrays(labels):
         labels = [l for l in labels if first in l.arms and features(l) is not None
-                  and "large" in l.arms and l.arms["large"].output is not None]
+                  and "large" in l.arms and l.arms["large"].output is not None
+                  and not np.isnan(price_of(first, kind(l)) + price_of("large", kind(l)))]
         conf = np.array([confidence.of_quantiles(astuple(features(l))).value for l in labels])
         qs, ql = (np.array([l.arms[a].correct for l in labels], float) for a in (first, "large"))
-        return conf, qs, ql, np.full(len(labels), price[first]), np.full(len(labels), price["large"])
+        cs, cl = (np.array([price_of(a, kind(l)) for l in labels]) for a in (first, "large"))
+        return conf, qs, ql, cs, cl
 
     train, test = arrays(trained), arrays(held)
     if len(train[0]) < 2 or len(test[0]) < 2:

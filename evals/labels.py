@@ -10,6 +10,7 @@ every token is sure; they cover every output token (thinking too, when a budget 
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import msgspec
 
 from evals.records import Record, RecordLog
 from evals.proxy import ProxyScore, best_scores, read_scores
-from evals.runner import RECORDS_FILE, load_dataset, read_config
+from evals.runner import RECORDS_FILE, RunError, load_dataset, read_config
 from router.arms import arm_name
 from router.confidence import EARLY_TOKENS, quantiles
 from router.data import ArmOutcome, Confidence
@@ -130,19 +131,28 @@ def with_proxy_large(label: Label, proxied: Label | None) -> Label:
                    arms=label.arms | {"large": proxied.arms["large"]}, source="mixed")
 
 
-def provenance(folder: Path) -> dict:
-    """What a router trained on this run folder's labels came from: the run's settings and
-    each model's weights (the store's sha256 of its GGUF, where it is a store model)."""
+def provenance(folders: list[Path]) -> dict:
+    """What a router trained on these run folders' labels came from: each run's settings and
+    labels by source, and each model's weights (the store's sha256 of its GGUF, where it is a
+    store model), which must be the same in every run: a router's labels say how these
+    weights did."""
     from models.store import DEFAULT_MODELS
-    config = read_config(folder)
-    rows = [msgspec.json.decode(line) for line in (folder / LABELS_FILE).read_bytes().splitlines() if line.strip()]
-    sources = {}
-    for row in rows:
-        sources[row.get("source", "generated")] = sources.get(row.get("source", "generated"), 0) + 1
-    return {"labels": {"folder": str(folder), "by_source": sources},
-            "run": msgspec.to_builtins(config) | {"files": [Path(f).name for f in config.files]},
-            "weights": {m: {"source": s, "gguf_sha256": DEFAULT_MODELS[s].sha256 if s in DEFAULT_MODELS else None}
-                        for m, s in config.models.items()}}
+    configs = [read_config(folder) for folder in folders]
+    models = {json.dumps(c.models, sort_keys=True) for c in configs}
+    if len(models) > 1:
+        raise RunError(f"the runs answered with different models ({'; '.join(sorted(models))}): train a router on "
+                       f"labels of one pair of models")
+    runs = []
+    for folder, config in zip(folders, configs):
+        rows = [msgspec.json.decode(line) for line in (folder / LABELS_FILE).read_bytes().splitlines() if line.strip()]
+        sources = {}
+        for row in rows:
+            sources[row.get("source", "generated")] = sources.get(row.get("source", "generated"), 0) + 1
+        runs.append({"folder": str(folder), "by_source": sources,
+                     "run": msgspec.to_builtins(config) | {"files": [Path(f).name for f in config.files]}})
+    return {"labels": runs, "weights": {m: {"source": s, "gguf_sha256": DEFAULT_MODELS[s].sha256
+                                            if s in DEFAULT_MODELS else None}
+                                        for m, s in configs[0].models.items()}}
 
 
 def write_labels(folder: Path, thresholds: dict[str, float] | None = None, arm_runs: list[Path] = ()) -> int:

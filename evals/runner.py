@@ -85,7 +85,9 @@ class Mode:
         """The run's one tenant, as this mode sees it. No time limit on the classifier offline:
         a run measures the router, not the machine's load. `arms`: a router with arms routes
         this mode, and may pick any of them (thinking included) at the margin `threshold`."""
-        thinking = {"easy": 0, "medium": 0, "hard": ARM_THINKING_CAP if arms else 0}
+        # The tenant allows the run's own thinking budget (the client's, on every request), and
+        # arms up to ARM_THINKING_CAP.
+        thinking = {"easy": 0, "medium": 0, "hard": max(config.thinking_budget, ARM_THINKING_CAP if arms else 0)}
         policy = Policy("small", PAIR, thinking, self.threshold, self.classifier, self.escalation, self.force,
                         classifier_timeout_s=3600.0, arm_margin=self.margin)
         # Each mode its own prefix-cache namespace: a mode run after another in the same engine

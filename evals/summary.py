@@ -126,7 +126,7 @@ def trained_router(log: RecordLog, router, embedder, hard_thinking: int = 0) -> 
         vectors = embedder.encode([r.question for r in small])
         p = router.arms.predict_rows(np.stack([feature_vector(r.question, v, r.retrieval_scores, router.arms.with_embedding)
                                                for r, v in zip(small, vectors)]))
-        need = p["large"] - p["small"]
+        need = np.nan_to_num(p["large"] - p["small"])     # a kind of question the arms never saw: no gain
         return TrainedRouter(small, large, len(every) - len(keep), need, need > Policy.arm_margin, confidence, "arms")
     probs = difficulty_probabilities(router, embedder, small)
     return TrainedRouter(small, large, len(every) - len(keep),

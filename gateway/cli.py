@@ -227,17 +227,17 @@ def cmd_train_router(args, config: ServerConfig) -> int:
     from evals.labels import provenance
     from retrieval import Embedder
     from router.model import ROUTER_FILE, train
-    run = Path(args.folder)
-    folder = run if run.is_dir() else run.parent
+    runs = [Path(f) for f in args.folders]
+    folders = [run if run.is_dir() else run.parent for run in runs]
     budgets = read_chosen(Path(args.context_curve)) if args.context_curve else None
     if not 0 <= args.holdout < 1:
         print(f"sluice train-router: --holdout must be at least 0 and below 1, got {args.holdout}", file=sys.stderr)
         return 2
-    model, report = train(run, Embedder(device="cpu"), context_budgets=budgets, holdout=args.holdout)
-    out = Path(args.out) if args.out else folder / ROUTER_FILE
-    command = " ".join(["sluice train-router", args.folder, *(["--context-curve", args.context_curve] if budgets else []),
+    about = provenance(folders) if all((f / "run.json").exists() for f in folders) else {}
+    model, report = train(runs, Embedder(device="cpu"), context_budgets=budgets, holdout=args.holdout)
+    out = Path(args.out) if args.out else folders[0] / ROUTER_FILE
+    command = " ".join(["sluice train-router", *args.folders, *(["--context-curve", args.context_curve] if budgets else []),
                         *([f"--holdout {args.holdout}"] if args.holdout else []), *(["--out", args.out] if args.out else [])])
-    about = provenance(folder) if (folder / "run.json").exists() else {}
     model.save(out, {"command": command, "rebuild": args.rebuild, **about, "context_budgets": budgets,
                      "report": report.as_dict()})
     print(json.dumps(report.as_dict(), indent=2))
@@ -290,10 +290,11 @@ def build_parser() -> argparse.ArgumentParser:
     fetch = models.add_parser("fetch", help="download, verify and convert the configured models")
     fetch.set_defaults(run=cmd_models_fetch)
 
-    train = sub.add_parser("train-router", help="train the difficulty classifier and the confidence model on a "
-                                                 "run's labels.jsonl; print held-out accuracy, ECE, confusion")
-    train.add_argument("folder", metavar="RUN", help="run folder (or its labels.jsonl)")
-    train.add_argument("--out", help="where to save the router (default: RUN/router.joblib)")
+    train = sub.add_parser("train-router", help="train the difficulty classifier and the confidence model on "
+                                                 "runs' labels.jsonl; print held-out accuracy, ECE, confusion")
+    train.add_argument("folders", nargs="+", metavar="RUN", help="run folders (or their labels.jsonl): a SQuAD "
+                                                                 "run and a GSM8K one, each labelled with its arms")
+    train.add_argument("--out", help="where to save the router (default: the first RUN/router.joblib)")
     train.add_argument("--context-curve", metavar="FILE", help="context.json from `sluice eval context`: each model's "
                                                                "chosen context budget goes to its arms")
     train.add_argument("--holdout", type=float, default=0.0, metavar="SHARE",

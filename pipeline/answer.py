@@ -21,7 +21,7 @@ from engine.llm_engine import Completion, LLMEngine, StepOutput
 from engine.sampling_params import SamplingParams
 from pipeline.prices import Price, cost
 from retrieval import OverBudget, RagContext, RetrievalError, rag_context
-from router.arms import Arm, arm_name
+from router.arms import Arm, arm_name, retrieved
 from router.confidence import ConfidenceModel, EarlyExit, Verdict, judge
 from router.data import RouterError
 from router.model import RouterModel
@@ -169,7 +169,7 @@ class Pipeline:
         except RetrievalError as e:
             raise Refused(422, str(e), code="retrieval_refused") from None
         scores = [h.score for h in context.hits]
-        r = self.route(terms, q, self._predictor(q, vector, scores), self._arm_cost(context.trimmed.tokens))
+        r = self.route(terms, q, self._predictor(q, vector, scores), self._arm_cost(context.trimmed.tokens, retrieved(scores)))
         wide = None
         if r.context_budget is not None and r.context_budget < terms.context_budget and collection is not None:
             # The arm answers best from fewer passages (its context-budget curve): the same
@@ -229,13 +229,14 @@ class Pipeline:
         budget = next((a.context_budget for a in self.arms if a.name == plain), None)
         return min(budget or terms.context_budget, terms.context_budget)
 
-    def _arm_cost(self, context_tokens: int) -> Callable[[Arm], float] | None:
+    def _arm_cost(self, context_tokens: int, kind: bool) -> Callable[[Arm], float] | None:
         """An arm's expected dollars at the server's prices: the context as trimmed (to the
-        arm's budget at most), and the output its labels spent on average (thinking included)."""
+        arm's budget at most), and the output its labels spent on average on this kind of
+        question (router.arms.retrieved), thinking included."""
         if not self.arms:
             return None
         return lambda arm: cost(self.prices[arm.model], min(context_tokens, arm.context_budget or context_tokens), 0,
-                                round(self.router.arms.tokens[arm.name][1]))
+                                round(self.router.arms.output_tokens(arm.name, kind)))
 
     def prompt_ids(self, context: RagContext, model: str, params: SamplingParams) -> list[int]:
         """The context's messages in `model`'s own chat template."""

@@ -2,7 +2,8 @@
 
 Training (from labels.jsonl) and serving (in the gateway) build the vector with the same
 function, so a model only ever sees features computed the way it was trained on. Any change
-to what goes in the vector bumps FEATURE_VERSION, which saved routers are checked against.
+to what goes in the vector, or to what a saved router holds, bumps FEATURE_VERSION, which
+saved routers are checked against.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import re
 
 import numpy as np
 
-FEATURE_VERSION = 2
+FEATURE_VERSION = 3                  # 3: arms price and offer themselves per kind of question
 QUESTION_WORDS = ("what", "who", "when", "where", "which", "why", "how")
 NUMBER = re.compile(r"\d+(?:[.,]\d+)?")
 MATH = re.compile(r"[+\-*/=%^]")
@@ -36,6 +37,10 @@ def retrieval_features(scores: list[float]) -> list[float]:
     s = sorted(scores, reverse=True)
     second = s[1] if len(s) > 1 else s[0]
     return [1.0, s[0], s[0] - second, s[0] - s[-1], float(np.mean(s)), math.log1p(len(s))]
+
+
+# The column of retrieval_features' flag (something was searched) in a feature vector.
+RETRIEVED = len(text_features(""))
 
 
 def feature_vector(question: str, embedding: np.ndarray, scores: list[float], with_embedding: bool = True) -> np.ndarray:

@@ -4,6 +4,7 @@ with a clear error instead of routing on garbage."""
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -84,15 +85,21 @@ def held_out(question_id: str, share: float) -> bool:
     return int.from_bytes(hashlib.blake2b(question_id.encode(), digest_size=4).digest(), "little") < share * 2**32
 
 
-def train(labels_path: str | Path, embedder, seed: int = 0, context_budgets: dict[str, int] | None = None,
-          holdout: float = 0.0) -> tuple[RouterModel, TrainReport]:
-    """Every model from a run's labels.jsonl (or its run folder). `embedder.encode(texts)`
+def train(labels_from: str | Path | list[str | Path], embedder, seed: int = 0,
+          context_budgets: dict[str, int] | None = None, holdout: float = 0.0) -> tuple[RouterModel, TrainReport]:
+    """Every model from the labels.jsonl of one run or several (a SQuAD run and a GSM8K one,
+    each with its arms), or their run folders. `embedder.encode(texts)`
     embeds the questions, as the gateway embeds them when it searches. `context_budgets`:
     each engine model's context budget, for its arms (evals' context-budget curve chooses them).
     `holdout`: the share of questions (by `held_out`) left out, for `evals heldout` to score."""
-    labels = [l for l in read_labels(labels_path) if not held_out(l.id, holdout)]
+    sources = labels_from if isinstance(labels_from, list) else [labels_from]
+    every = [l for source in sources for l in read_labels(source)]
+    twice = sorted(i for i, n in Counter(l.id for l in every).items() if n > 1)
+    if twice:
+        raise RouterError(f"questions labelled in more than one of {', '.join(map(str, sources))}: {', '.join(twice[:5])}")
+    labels = [l for l in every if not held_out(l.id, holdout)]
     if not labels:
-        raise RouterError(f"{labels_path}: no labels left after holding out {holdout:.0%}")
+        raise RouterError(f"{', '.join(map(str, sources))}: no labels left after holding out {holdout:.0%}")
     embeddings = np.asarray(embedder.encode([l.question for l in labels]), np.float32)
     classifier, c_report = train_classifier(labels, embeddings, seed)
     confidence, k_report = train_confidence(labels, seed)

@@ -114,6 +114,8 @@ def route_arms(p: Policy, arms: tuple[Arm, ...], small: str, large: str,
         classify(predict, p.classifier_timeout_s)
     if probs is None:
         return _by_difficulty(p, small, large, None, failure)
+    if not probs:
+        return _by_difficulty(p, small, large, None, "no arm was trained on this kind of question")
     cap = max(p.thinking.values()) if p.max_thinking is None else min(max(p.thinking.values()), p.max_thinking)
     force_large = p.force == "always_large" and large in p.allowed
     ok = [a for a in arms if a.model in p.allowed and a.thinking <= cap and a.name in probs

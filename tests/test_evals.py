@@ -488,8 +488,18 @@ def test_thinking_budget_table_and_budgets_by_difficulty(tmp_path):
         log = RecordLog(folder / RECORDS_FILE)
         for mode in ("small", "large"):
             for i, em in enumerate(ems[(mode, budget)]):
-                call = Call(mode, 10, 0, 60, 50 if budget else 0, 0.001, 0.0, 0.1, 1.0, 0.5, "stop", [])
+                dollars = 0.001 * (3 if mode == "large" else 1) * (2 if budget else 1)
+                call = Call(mode, 10, 0, 60, 50 if budget else 0, dollars, 0.0, 0.1, 1.0, 0.5, "stop", [])
                 log.append(Record(mode, f"q{i}", "gsm8k", f"q{i}", "", em, None, em, bool(em), False, 0, 0, [], [call]))
+        if not budget:      # a question only this run answered (the other stopped earlier): left out
+            log.append(Record("small", "q9", "gsm8k", "q9", "", 1.0, None, 1.0, True, False, 0, 0, [], [call]))
+        if budget:          # the arms router, served: large with thinking for q2 only, small elsewhere
+            for i in range(4):
+                call = Call("large" if i == 2 else "small", 10, 0, 60, 50 if i == 2 else 0, 0.006 if i == 2 else 0.001,
+                            0.0, 0.1, 1.0, 0.5, "stop", [])
+                em = float(i in (0, 2))
+                log.append(Record("routed+cascade", f"q{i}", "gsm8k", f"q{i}", "", em, None, em, bool(em), False, 0, 0,
+                                  [], [call]))
         log.close()
         folders.append(folder)
     router = SimpleNamespace(classifier=SimpleNamespace(
@@ -499,6 +509,15 @@ def test_thinking_budget_table_and_budgets_by_difficulty(tmp_path):
     table = json.loads((tmp_path / "out" / "budgets.json").read_text())
     assert [(r["mode"], r["budget"], r["em"]) for r in table["rows"]] == [
         ("small", 0, 0.25), ("small", 64, 0.5), ("large", 0, 0.5), ("large", 64, 1.0)]
+    assert {r["questions"] for r in table["rows"]} == {4}
+    # The best fixed row is large at 64. The oracle answers q0 with small at 0, q1 with large at 0,
+    # q3 with small at 64 and only q2 with large at 64: all right, at 3.5/24 dollars.
+    oracle, (routed,) = table["oracle"], table["routed"]
+    assert oracle["em"] == 1.0 and oracle["vs_best"]["cost"] == pytest.approx((0.001 + 0.003 + 0.006 + 0.002) / 0.024)
+    assert oracle["vs_best"]["thinking"] == pytest.approx((50 + 50) / 4 / 50)
+    assert (routed["mode"], routed["em"], routed["vs_best"]["em"]) == ("routed+cascade", 0.5, 0.5)
+    assert routed["vs_best"]["cost"] == pytest.approx(0.009 / 0.024) and routed["vs_best"]["thinking"] == 0.25
+    assert "| oracle (`cheapest right answer`) | – | 1.000 |" in text
     policies = {r["policy"]: r for r in table["policies"]["rows"]}
     assert table["policies"]["verdicts"] == {"easy": 2, "medium": 1, "hard": 1}
     # Without thinking the large model cannot do hard questions, so they stay small.
@@ -508,6 +527,22 @@ def test_thinking_budget_table_and_budgets_by_difficulty(tmp_path):
     assert (by_difficulty["em"], by_difficulty["thinking_tokens"], by_difficulty["large_share"]) == (0.75, 12.5, 0.5)
     assert by_difficulty["pareto"] and "| 0 / 0 / 64 | 0.750 | 12 |" in text
     assert (tmp_path / "out" / "budgets.png").stat().st_size > 0
+
+
+def test_a_run_at_a_thinking_budget_is_allowed_it(engine, tmp_path):
+    """Every request of a run at --thinking-budget 256 asks for 256 thinking tokens: its one
+    tenant must allow them, or each is refused (as every answer of `make thinking-table` once was)."""
+    from evals.runner import routed_modes
+    from pipeline.answer import Refused
+    config = config_for("gsm8k", [tmp_path / "gsm8k.jsonl"], thinking_budget=256)
+    pipeline = pipeline_for(engine, config)
+    for mode in [*MODES.values(), *routed_modes().values()]:
+        terms = mode.terms(config)
+        assert terms.max_thinking == 256
+        pipeline.check(terms, Query("2 + 2?", mode=mode.model, max_output_tokens=4, thinking_budget=256))
+        with pytest.raises(Refused, match="at most 256 thinking tokens"):
+            pipeline.check(terms, Query("2 + 2?", mode=mode.model, max_output_tokens=4, thinking_budget=257))
+    assert MODES["large"].terms(config, arms=True).max_thinking == 1024
 
 
 def _fake_runs(tmp_path, setting: str, scores: dict) -> list[Path]:
@@ -551,6 +586,7 @@ def test_context_curve_chooses_each_models_budget(tmp_path):
 
 def test_labels_carry_arms_from_runs_at_other_thinking_budgets(tmp_path):
     from evals.labels import provenance
+    from evals.runner import CONFIG_FILE, RunError, read_config
     from router.data import read_labels
     scores = {("small", 0): [1, 0], ("large", 0): [1, 0], ("small", 256): [1, 1], ("large", 256): [0, 1]}
     base, think = _fake_runs(tmp_path, "thinking_budget", scores)
@@ -559,9 +595,15 @@ def test_labels_carry_arms_from_runs_at_other_thinking_budgets(tmp_path):
     assert {a: o.correct for a, o in labels["q1"].arms.items()} == {
         "small": False, "large": False, "small+think256": True, "large+think256": True}
     assert (labels["q0"].arms["large+think256"].correct, labels["q0"].arms["large"].output) == (False, 5)
-    made = provenance(base)
-    assert made["labels"]["by_source"] == {"generated": 2} and made["run"]["thinking_budget"] == 0
+    made = provenance([base])
+    assert made["labels"][0]["by_source"] == {"generated": 2} and made["labels"][0]["run"]["thinking_budget"] == 0
     assert made["weights"]["small"] == {"source": "tiny-1", "gguf_sha256": None}
+    # Labels of two pairs of models say nothing about one router's models.
+    config = read_config(think)
+    (think / CONFIG_FILE).write_bytes(msgspec.json.encode(msgspec.structs.replace(
+        config, models=config.models | {"large": "other-2"})))
+    with pytest.raises(RunError, match="different models"):
+        provenance([base, think])
 
 
 def test_proxy_scores_the_reference_as_transformers_does_and_labels_from_it(tmp_path, data, engine, embedder,

@@ -16,7 +16,7 @@ from gateway.app import create_app
 from gateway.config import RouterConfig
 from router.confidence import ConfidenceModel, quantiles
 from router.data import RouterError, read_labels
-from router.features import FEATURE_VERSION, feature_vector
+from router.features import FEATURE_VERSION, RETRIEVED, feature_vector
 from router.model import RouterModel, train
 from tests.test_gateway_support import (KEYS, auth, embedder, llm, make_gateway, parse_sse,  # noqa: F401
                                         tenant_toml, wait_ready)
@@ -179,7 +179,7 @@ def test_the_checked_in_router_loads_and_says_what_made_it():
         a.model for a in model.arms.arms}
     assert side["command"].startswith("sluice train-router ") and side["rebuild"].startswith("make router")
     assert set(side["weights"]) == {"small", "large"} and all(w["gguf_sha256"] for w in side["weights"].values())
-    assert sum(side["labels"]["by_source"].values()) == len(model.trained_on)
+    assert sum(sum(run["by_source"].values()) for run in side["labels"]) == len(model.trained_on)
 
 
 def test_bad_labels_are_refused(tmp_path):
@@ -261,8 +261,9 @@ def test_arms_predict_per_arm_correctness_and_leave_out_what_cannot_be_learnt(tr
     _, model, report = trained
     arms = model.arms
     assert [a.name for a in arms.arms] == ["small", "large", "large+think256"]
-    assert "large+think1024" in report.arms.left_out and "90 right" in report.arms.left_out["large+think1024"]
-    assert report.arms.arms["large+think256"]["output_tokens"] == 276.0
+    assert "90 right" in report.arms.left_out["large+think1024 (retrieved)"]
+    think = report.arms.arms["large+think256"]["retrieved"]
+    assert (think["labels"], think["prompt_tokens"], think["output_tokens"]) == (90, 300.0, 276.0)
     for kind, question in enumerate(["what is the capital of france v0", "how many apples if 17 * 23 + 4 = ? v1",
                                      "why did the empire fall and what followed v2"]):
         p = arms.predict(question, HashEmbedder().encode([question])[0], [[0.9, 0.3], [0.5, 0.45], [0.2, 0.19]][kind])
@@ -271,10 +272,46 @@ def test_arms_predict_per_arm_correctness_and_leave_out_what_cannot_be_learnt(tr
                 assert (p[name] > 0.5) == right[kind], (question, name, p)
     # Serving's folded linear form is sklearn's predict_proba, for every arm at once.
     rows = np.random.default_rng(0).standard_normal((20, arms.folded[0].shape[1])).astype(np.float32)
+    rows[:, RETRIEVED] = 1.0            # questions answered from retrieved passages, as every label was
     for name, p in arms.predict_rows(rows).items():
-        np.testing.assert_allclose(p, arms.models[name].predict_proba(rows)[:, 1], atol=1e-6)   # sklearn: float32
+        np.testing.assert_allclose(p, arms.models[name, True].predict_proba(rows)[:, 1], atol=1e-6)   # sklearn: float32
     budgets = arms.with_budgets({"small": 512})
     assert [a.context_budget for a in budgets.arms] == [512, None, None]
+
+
+def test_arms_are_offered_and_priced_per_kind_of_question(tmp_path):
+    """Thinking arms labelled on closed-book questions only (as GSM8K labels them): offered
+    for those and not for questions answered from retrieved passages, where their classifier
+    never saw a label; every arm is priced by its labels of the question's kind."""
+    from router.policy import route_arms
+    rag = [json.loads(line) for line in write_labels(tmp_path / "rag.jsonl").read_text().splitlines()]
+    book = [r | {"id": f"c{i}", "retrieval_scores": [],
+                 "arms": {a: o | {"output": 10 * o["output"]} for a, o in r["arms"].items()}} for i, r in enumerate(rag)]
+    for r in rag:
+        r["arms"] = {a: o for a, o in r["arms"].items() if "+think" not in a}
+    for name, rows in (("rag", rag), ("book", book)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    model, report = train([tmp_path / "rag.jsonl", tmp_path / "book.jsonl"], HashEmbedder())
+    arms = model.arms
+    assert {a: set(t) for a, t in arms.tokens.items()} == {"small": {True, False}, "large": {True, False},
+                                                           "large+think256": {False}}
+    assert arms.output_tokens("large", True) == 20 and arms.output_tokens("large", False) == 200
+    assert report.arms.arms["large"]["closed_book"]["labels"] == report.arms.arms["large"]["retrieved"]["labels"] == 90
+    assert set(arms.models) == {("small", True), ("small", False), ("large", True), ("large", False),
+                                ("large+think256", False)}
+    question = "why did the empire fall and what followed v2"
+    e = HashEmbedder().encode([question])[0]
+    assert set(arms.predict(question, e, [])) == {"small", "large", "large+think256"}
+    assert set(arms.predict(question, e, [0.2, 0.19])) == {"small", "large"}
+    rows = np.stack([feature_vector(question, e, s, arms.with_embedding) for s in ([], [0.2, 0.19])])
+    assert np.isnan(arms.predict_rows(rows)["large+think256"]).tolist() == [False, True]
+    # A hard question: thinking is the arm that answers it, where it is offered.
+    policy = _policy(thinking={"easy": 0, "medium": 0, "hard": 256}, arm_margin=0.05)
+    pick = lambda scores: route_arms(policy, arms.arms, "small", "large", lambda: arms.predict(question, e, scores),
+                                     lambda arm: 1.0 if arm.model == "large" else 0.3).arm
+    assert pick([]) == "large+think256" and pick([0.2, 0.19]) in ("small", "large")
+    with pytest.raises(RouterError, match="more than one"):
+        train([tmp_path / "rag.jsonl", tmp_path / "rag.jsonl"], HashEmbedder())
 
 
 def test_an_arm_named_with_a_context_budget_keeps_it_and_borrows_its_models_output():
@@ -434,11 +471,15 @@ def test_auto_answers_through_the_arms_with_the_arm_in_the_response_and_the_ledg
     with client as c:
         wait_ready(c)
         assert c.post("/v1/collections/kb/documents", json=DOCS, headers=auth()).status_code in (200, 201)
-        medium = _ask(c, question="how many apples if 17 * 23 + 4 = ?")
+        medium = _ask(c, question="how many apples if 17 * 23 + 4 = ?", collection="kb")
         easy = _ask(c, question="what is the capital of france", collection="kb")
+        # Every label was of a question answered from retrieved passages: a closed-book one
+        # has no arm to go by, and gets the tenant's default.
+        book = _ask(c, question="how many apples if 17 * 23 + 4 = ?")
         r = c.post("/v1/ask", json={"question": "what is the capital of france", "collection": "kb", "stream": True,
                                     "max_output_tokens": 4}, headers=auth())
     assert (medium["arm"], medium["model"]) == ("large", "large")
+    assert book["arm"] is None and "no arm was trained on this kind of question" in book["route_reason"]
     assert medium["route_reason"].startswith("arms: large (P(right) ") and medium["confidence"] > 0.5
     assert (easy["arm"], easy["model"]) == ("small", "small") and easy["route_reason"].startswith("arms: small")
     # The small arm's own context budget: the same search, trimmed to 60 tokens, not the tenant's 400.
@@ -447,8 +488,8 @@ def test_auto_answers_through_the_arms_with_the_arm_in_the_response_and_the_ledg
     meta = msgspec.json.decode(parse_sse(r.text)[0][1])
     assert meta["route"]["arm"] == "small"
     rows = gw.ledger.rows()
-    assert [row.arm for row in rows[-3:]] == ["large", "small", "small"]
-    assert rows[-3].route_reason == medium["route_reason"]
+    assert [row.arm for row in rows[-4:]] == ["large", "small", None, "small"]
+    assert rows[-4].route_reason == medium["route_reason"]
 
 
 def test_a_narrow_arm_gets_a_confidence_model_of_its_own_and_widens_when_unsure(tmp_path):
