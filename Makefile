@@ -98,7 +98,7 @@ router: $(VENV)/.installed
 	$(SLUICE) eval labels $(ROUTER_RUN_GSM8K) --arms $(ROUTER_RUN_GSM8K)-think256 $(ROUTER_RUN_GSM8K)-think1024
 	$(SLUICE) train-router $(ROUTER_RUN) $(ROUTER_RUN_GSM8K) $(if $(wildcard $(CONTEXT_CURVE)),--context-curve $(CONTEXT_CURVE)) \
 		--out $(ROUTER) --rebuild "make router ROUTER_N=$(ROUTER_N) ROUTER_GEN=$(ROUTER_GEN) ROUTER_SMALL=$(ROUTER_SMALL) \
-		ROUTER_NARROW=$(ROUTER_NARROW) ROUTER_GSM8K=$(ROUTER_GSM8K) ROUTER_THINK=$(ROUTER_THINK)$(if $(PROXY_LIMIT), PROXY_LIMIT=$(PROXY_LIMIT))"
+	ROUTER_NARROW=$(ROUTER_NARROW) ROUTER_GSM8K=$(ROUTER_GSM8K) ROUTER_THINK=$(ROUTER_THINK)$(if $(PROXY_LIMIT), PROXY_LIMIT=$(PROXY_LIMIT))"
 
 # Quality by context budget per model (docs/context-budget/): 40 SQuAD questions of the train
 # half at 256 to 2,048 prompt tokens; the chosen budgets go to the router's arms.

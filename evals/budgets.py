@@ -112,7 +112,8 @@ def routed_rows(folders: list[Path], kind: str, questions: set[str]) -> list[dic
 def against_best(rows: list[dict], best: dict) -> None:
     """Each row's exact match, dollars and thinking tokens as shares of the best fixed row's."""
     for r in rows:
-        r["vs_best"] = {"em": r["em"] / best["em"] if best["em"] else None, "cost": r["cost_per_1k"] / best["cost_per_1k"],
+        r["vs_best"] = {"em": r["em"] / best["em"] if best["em"] else None,
+                        "cost": r["cost_per_1k"] / best["cost_per_1k"] if best["cost_per_1k"] else None,
                         "thinking": r["thinking_tokens"] / best["thinking_tokens"] if best["thinking_tokens"] else None}
 
 
@@ -171,7 +172,8 @@ def markdown(rows: list[dict], kind: str, best: dict) -> str:
              "| model | budget | EM | thinking tokens | output tokens | forced | engine s / q | $ / 1k "
              "| EM / $ / thinking vs best |", "|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['mode']} (`{r['model']}`) | {'–' if r['budget'] is None else r['budget']} | {r['em']:.3f} "
-              f"| {r['thinking_tokens']:.0f} | {r['output_tokens']:.0f} | {r['forced_share']:.2f} | {r['engine_s']:.2f} "
+              f"| {r['thinking_tokens']:.0f} | {r['output_tokens']:.0f} "
+              f"| {'–' if r['budget'] is None else format(r['forced_share'], '.2f')} | {r['engine_s']:.2f} "
               f"| {r['cost_per_1k']:.4f} | {share(r['vs_best']['em'])} / {share(r['vs_best']['cost'])} / "
               f"{share(r['vs_best']['thinking'])} |" for r in rows]
     return "\n".join(lines) + "\n"
