@@ -99,8 +99,8 @@ def heldout_report(folder: Path, router, embedder) -> dict:
                                                if not np.isnan(price_of(a, k))} for a in parse},
             "small_vs_large": two, "arms": single, "policies": policies,
             "cascade": cascade_report(router.confidence, trained, labels, price_of),
-            "widen": {name: cascade_report(model, trained, labels, price_of, name) for name, model in router.narrow.items()
-                      if name in parse}}
+            "widen": {name: cascade_report(model, trained, labels, price_of, name)
+                      for name, model in router.narrow.items() if name in parse}}
 
 
 def cascade_report(confidence, trained: list, held: list, price_of, first: str = "small") -> dict | None:

@@ -11,6 +11,7 @@ every token is sure; they cover every output token (thinking too, when a budget 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -145,10 +146,7 @@ def provenance(folders: list[Path]) -> dict:
     runs = []
     for folder, config in zip(folders, configs):
         rows = [msgspec.json.decode(line) for line in (folder / LABELS_FILE).read_bytes().splitlines() if line.strip()]
-        sources = {}
-        for row in rows:
-            sources[row.get("source", "generated")] = sources.get(row.get("source", "generated"), 0) + 1
-        runs.append({"folder": str(folder), "by_source": sources,
+        runs.append({"folder": str(folder), "by_source": dict(Counter(row.get("source", "generated") for row in rows)),
                      "run": msgspec.to_builtins(config) | {"files": [Path(f).name for f in config.files]}})
     return {"labels": runs, "weights": {m: {"source": s, "gguf_sha256": DEFAULT_MODELS[s].sha256
                                             if s in DEFAULT_MODELS else None}

@@ -236,7 +236,8 @@ def cmd_train_router(args, config: ServerConfig) -> int:
     about = provenance(folders) if all((f / "run.json").exists() for f in folders) else {}
     model, report = train(runs, Embedder(device="cpu"), context_budgets=budgets, holdout=args.holdout)
     out = Path(args.out) if args.out else folders[0] / ROUTER_FILE
-    command = " ".join(["sluice train-router", *args.folders, *(["--context-curve", args.context_curve] if budgets else []),
+    command = " ".join(["sluice train-router", *args.folders,
+                        *(["--context-curve", args.context_curve] if budgets else []),
                         *([f"--holdout {args.holdout}"] if args.holdout else []), *(["--out", args.out] if args.out else [])])
     model.save(out, {"command": command, "rebuild": args.rebuild, **about, "context_budgets": budgets,
                      "report": report.as_dict()})

@@ -9,8 +9,9 @@ confidence is under the tenant's threshold, the large model's, with the first an
 as its speculative draft (where the two agree that costs verification passes, not decode
 steps, and the answer is still the large model's own). A narrow arm (the large model on the
 best passage alone) escalates to itself: the same model asked again with the wider context
-its own arm reads (`large`'s budget from the context curve, within the tenant's). The gateway drives an Answer through the async engine, evals by stepping the
-engine; neither decides anything itself, so what evals measure is what is served.
+its own arm reads (`large`'s budget from the context curve, within the tenant's). The gateway
+drives an Answer through the async engine, evals by stepping the engine; neither decides
+anything itself, so what evals measure is what is served.
 """
 from __future__ import annotations
 
@@ -169,7 +170,8 @@ class Pipeline:
         except RetrievalError as e:
             raise Refused(422, str(e), code="retrieval_refused") from None
         scores = [h.score for h in context.hits]
-        r = self.route(terms, q, self._predictor(q, vector, scores), self._arm_cost(context.trimmed.tokens, retrieved(scores)))
+        r = self.route(terms, q, self._predictor(q, vector, scores),
+                       self._arm_cost(context.trimmed.tokens, retrieved(scores)))
         wide = None
         if r.context_budget is not None and r.context_budget < terms.context_budget and collection is not None:
             # The arm answers best from fewer passages (its context-budget curve): the same

@@ -4,8 +4,8 @@ with a clear error instead of routing on garbage."""
 from __future__ import annotations
 
 import hashlib
-from collections import Counter
 import json
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -96,7 +96,8 @@ def train(labels_from: str | Path | list[str | Path], embedder, seed: int = 0,
     every = [l for source in sources for l in read_labels(source)]
     twice = sorted(i for i, n in Counter(l.id for l in every).items() if n > 1)
     if twice:
-        raise RouterError(f"questions labelled in more than one of {', '.join(map(str, sources))}: {', '.join(twice[:5])}")
+        raise RouterError(f"questions labelled in more than one of {', '.join(map(str, sources))}: "
+                          f"{', '.join(twice[:5])}")
     labels = [l for l in every if not held_out(l.id, holdout)]
     if not labels:
         raise RouterError(f"{', '.join(map(str, sources))}: no labels left after holding out {holdout:.0%}")
