@@ -31,9 +31,15 @@ import numpy as np  # noqa: E402
 
 from evals.records import Record, RecordLog  # noqa: E402
 from evals.runner import MODES, RECORDS_FILE, ROUTED_MODES, RunError, read_config  # noqa: E402
-from evals.summary import difficulty_probabilities  # noqa: E402
+from evals.report import share  # noqa: E402
+from evals.summary import TARGET, difficulty_probabilities  # noqa: E402
 from router.data import DIFFICULTIES  # noqa: E402
 from router.policy import goes_large  # noqa: E402
+
+# The thinking arms' promise: the best arm's quality (TARGET of its exact match, the tolerance
+# the cascade's own target allows) at this share of its dollars, and of its thinking tokens.
+DOLLAR_TARGET = 0.5
+THINKING_TARGET = 0.5
 
 
 @dataclass
@@ -48,9 +54,9 @@ class BudgetRun:
 
 def read_runs(folders: list[Path], kind: str = "gsm8k", budget: str = "thinking_budget") -> list[BudgetRun]:
     """Each folder's small and large answers of `kind`, on the questions every one of them
-    answered (a run stopped at --limit N covers its first N); `budget` names the run setting
-    the folders differ in (thinking_budget or context_budget)."""
-    runs = []
+    and every routed mode of theirs answered (a run stopped at --limit N covers its first N);
+    `budget` names the run setting the folders differ in (thinking_budget or context_budget)."""
+    runs, routed = [], []
     for folder in folders:
         config = read_config(folder)
         log = RecordLog(folder / RECORDS_FILE)
@@ -58,9 +64,10 @@ def read_runs(folders: list[Path], kind: str = "gsm8k", budget: str = "thinking_
             records = [r for r in log.of_mode(mode) if r.kind == kind]
             if records:
                 runs.append(BudgetRun(folder, config.models[MODES[mode].model], mode, getattr(config, budget), records))
+        routed += [{r.id for r in log.of_mode(m) if r.kind == kind} for m in ROUTED_MODES if m in log.modes()]
     if not runs:
         raise RunError(f"no {kind} answers in {', '.join(map(str, folders))}")
-    shared = set.intersection(*({r.id for r in run.records} for run in runs))
+    shared = set.intersection(*({r.id for r in run.records} for run in runs), *routed)
     if not shared:
         raise RunError(f"no {kind} question was answered in every one of {', '.join(map(str, folders))}")
     for run in runs:
@@ -96,25 +103,27 @@ def oracle_row(runs: list[BudgetRun]) -> dict:
 
 
 def routed_rows(folders: list[Path], kind: str, questions: set[str]) -> list[dict]:
-    """The routed modes the folders ran, over the same questions as the fixed rows."""
+    """The routed modes the folders ran, over the same questions as the fixed rows (read_runs
+    keeps only questions they answered too)."""
     rows = []
     for folder in folders:
         log = RecordLog(folder / RECORDS_FILE)
         for mode in [m for m in ROUTED_MODES if m in log.modes()]:
             records = sorted((r for r in log.of_mode(mode) if r.kind == kind and r.id in questions), key=lambda r: r.id)
-            if len(records) != len(questions):
-                raise RunError(f"{folder}: its {mode} run answered {len(records)} of the fixed rows' {len(questions)} "
-                               f"{kind} questions")
             rows.append(_row(mode, "arms router", None, records, folder))
     return rows
 
 
 def against_best(rows: list[dict], best: dict) -> None:
-    """Each row's exact match, dollars and thinking tokens as shares of the best fixed row's."""
+    """Each row's exact match, dollars and thinking tokens as shares of the best fixed row's,
+    and whether it meets the thinking arms' targets at the best row's quality."""
     for r in rows:
-        r["vs_best"] = {"em": r["em"] / best["em"] if best["em"] else None,
-                        "cost": r["cost_per_1k"] / best["cost_per_1k"] if best["cost_per_1k"] else None,
-                        "thinking": r["thinking_tokens"] / best["thinking_tokens"] if best["thinking_tokens"] else None}
+        v = r["vs_best"] = {"em": r["em"] / best["em"] if best["em"] else None,
+                            "cost": r["cost_per_1k"] / best["cost_per_1k"] if best["cost_per_1k"] else None,
+                            "thinking": r["thinking_tokens"] / best["thinking_tokens"] if best["thinking_tokens"] else None}
+        equal = v["em"] is not None and v["em"] >= TARGET
+        r["targets"] = {"dollars": equal and v["cost"] is not None and v["cost"] <= DOLLAR_TARGET,
+                        "thinking": equal and v["thinking"] is not None and v["thinking"] <= THINKING_TARGET}
 
 
 def policy_table(runs: list[BudgetRun], router, embedder) -> dict:
@@ -160,7 +169,7 @@ def policy_markdown(table: dict, kind: str) -> str:
 
 
 def markdown(rows: list[dict], kind: str, best: dict) -> str:
-    share = lambda x: "–" if x is None else f"{x:.0%}"
+    verdict = lambda met: "met" if met else "missed"
     lines = [f"# {kind} exact match by thinking budget", "",
              f"{rows[0]['questions']} questions, the same in every row; tokens and engine seconds are means per "
              "question; forced: share of thinking spans the engine closed at the budget. Engine seconds are a "
@@ -168,14 +177,16 @@ def markdown(rows: list[dict], kind: str, best: dict) -> str:
              "a run, not across rows from different runs. The oracle takes, per question, the cheapest right "
              "answer of the fixed rows; a routed row is the arms router served for real. \"vs best\": exact "
              f"match, dollars and thinking tokens as shares of the best fixed row's, {best['mode']} at "
-             f"{best['budget']}.", "",
+             f"{best['budget']}. Targets, at {TARGET:.0%} of the best row's exact match or more: its dollars "
+             f"at {DOLLAR_TARGET:.0%} or less, and its thinking tokens at {THINKING_TARGET:.0%} or less.", "",
              "| model | budget | EM | thinking tokens | output tokens | forced | engine s / q | $ / 1k "
-             "| EM / $ / thinking vs best |", "|---|---|---|---|---|---|---|---|---|"]
+             "| EM / $ / thinking vs best | target $ / thinking |", "|---|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['mode']} (`{r['model']}`) | {'–' if r['budget'] is None else r['budget']} | {r['em']:.3f} "
               f"| {r['thinking_tokens']:.0f} | {r['output_tokens']:.0f} "
               f"| {'–' if r['budget'] is None else format(r['forced_share'], '.2f')} | {r['engine_s']:.2f} "
               f"| {r['cost_per_1k']:.4f} | {share(r['vs_best']['em'])} / {share(r['vs_best']['cost'])} / "
-              f"{share(r['vs_best']['thinking'])} |" for r in rows]
+              f"{share(r['vs_best']['thinking'])} | {verdict(r['targets']['dollars'])} / "
+              f"{verdict(r['targets']['thinking'])} |" for r in rows]
     return "\n".join(lines) + "\n"
 
 

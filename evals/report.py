@@ -13,7 +13,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from evals.records import RecordLog  # noqa: E402
 from evals.runner import RECORDS_FILE, read_config  # noqa: E402
-from evals.summary import ordered_modes, paired, router_curves, summarize, trained_router  # noqa: E402
+from evals.summary import (COST_TARGET, TARGET, ordered_modes, paired, router_curves, summarize,  # noqa: E402
+                           trained_router)
 
 PLOTS = ("quality_cost.png", "latency.png")
 
@@ -41,7 +42,9 @@ def markdown(summary: dict) -> str:
         f"{run['context_budget']} tokens, top {run['k']} hits, at most {run['max_tokens']} output tokens, thinking "
         f"budget {run['thinking_budget']}, {run['quant'] if run['quant'] != 'none' else 'float32'} weights, questions "
         f"from the {run['split']} split{' (SQuAD:GSM8K ' + ':'.join(map(str, run['mix'])) + ')' if run['dataset'] == 'mixed' else ''}. "
-        "Greedy decoding.", "",
+        "Greedy decoding." + (f" Every mode over the {next(iter(modes.values()))['questions']} questions all of "
+                              f"them answered ({summary['left_out']} answered by some modes only are left out)."
+                              if summary["left_out"] else ""), "",
         f"Prices per million input / cached input / output tokens (illustrative): {prices}.", "",
         "Quality is the mean of F1 (SQuAD, JSONL sets) or exact match of the final number (GSM8K). "
         "Tokens are means per question; TTFT and latency are in seconds, under the run's concurrency.", "",
@@ -55,10 +58,24 @@ def markdown(summary: dict) -> str:
                      f"| {s['cost']['per_1k_questions']:.4f} | {t['prompt']:.0f} | {t['cached']:.0f} "
                      f"| {t['output']:.0f} | {t['thinking']:.0f} | {s['engine_s']['per_question']:.2f} "
                      f"| {_pct(s['ttft_s'])} | {_pct(s['latency_s'])} | {_f(s['escalation_rate'])} | {s['errors']} |")
-    lines += ["", "By kind of question:", "", "| mode | kind | questions | EM | F1 |", "|---|---|---|---|---|"]
+    lines += ["", "By kind of question:", "", "| mode | kind | questions | EM | F1 | $ / 1k questions | thinking |",
+              "|---|---|---|---|---|---|---|"]
     for m, s in modes.items():
         for kind, k in s["by_kind"].items():
-            lines.append(f"| {m} | {kind} | {k['questions']} | {_f(k['em'])} | {_f(k.get('f1'))} |")
+            lines.append(f"| {m} | {kind} | {k['questions']} | {_f(k['em'])} | {_f(k.get('f1'))} "
+                         f"| {k['cost_per_1k_questions']:.4f} | {k['thinking_per_question']:.0f} |")
+    if summary.get("vs_large"):
+        lines += ["", "## Against large-only, by kind of question", "",
+                  "Each mode's quality, dollars, engine seconds and thinking tokens on a kind of question, as "
+                  "shares of the large mode's on the same questions. The target: at least "
+                  f"{TARGET:.0%} of large-only quality at {COST_TARGET:.0%} of its dollars or less.", "",
+                  f"| mode | kind | quality | $ | engine s | thinking | {TARGET:.0%} at ≤{COST_TARGET:.0%} $ |",
+                  "|---|---|---|---|---|---|---|"]
+        for m, kinds in summary["vs_large"].items():
+            for kind, x in kinds.items():
+                lines.append(f"| {m} | {kind} | {share(x['quality'])} | {share(x['cost_per_1k_questions'])} "
+                             f"| {share(x['engine_s_per_question'])} | {share(x['thinking_per_question'])} "
+                             f"| {'met' if x['target_met'] else 'missed'} |")
     pair = summary.get("small_vs_large")
     if pair:
         c, b = pair["correct"], pair["router_bounds"]
@@ -144,6 +161,10 @@ def _plot_latency(path: Path, log: RecordLog) -> None:
 
 def _f(x: float | None) -> str:
     return "–" if x is None else f"{x:.3f}"
+
+
+def share(x: float | None) -> str:
+    return "–" if x is None else f"{x:.0%}"
 
 
 def _money(x: float | None) -> str:

@@ -18,6 +18,7 @@ from router.policy import Policy, goes_large
 
 TOKEN_KINDS = ("prompt", "cached", "output", "thinking")
 TARGET = 0.95     # "cost at 95% of large-only quality"
+COST_TARGET = 0.65    # the product's promise: TARGET of large-only quality at this share of its dollars
 
 
 def ordered_modes(modes: set[str]) -> list[str]:
@@ -39,7 +40,10 @@ def mode_summary(records: list[Record]) -> dict:
         entry = {"questions": len(rs), "em": _mean(r.em for r in rs)}
         if kind != "gsm8k":
             entry["f1"] = _mean(r.f1 for r in rs)
-        by_kind[kind] = entry
+        by_kind[kind] = entry | {"quality": _mean(r.score for r in rs),
+                                 "cost_per_1k_questions": 1000 * sum(r.cost for r in rs) / len(rs),
+                                 "engine_s_per_question": _mean(r.engine_s for r in rs),
+                                 "thinking_per_question": _mean(r.tokens("thinking") for r in rs)}
     cost = sum(r.cost for r in records)
     engine = sum(r.engine_s for r in records)
     answered = {}
@@ -189,10 +193,35 @@ def pair_summary(small: list[Record], large: list[Record]) -> dict | None:
     }
 
 
+def against_large(modes: dict[str, dict]) -> dict:
+    """Each other mode's quality, dollars, engine seconds and thinking tokens per kind of
+    question as shares of the large mode's on that kind, and whether it keeps TARGET of the
+    quality at COST_TARGET of the dollars or less. Only where both answered the same number."""
+    large, out = modes["large"]["by_kind"], {}
+    for mode, s in modes.items():
+        for kind, k in s["by_kind"].items():
+            ref = large.get(kind)
+            if mode == "large" or ref is None or ref["questions"] != k["questions"]:
+                continue
+            share = {key: k[key] / ref[key] if ref[key] else None for key in
+                     ("quality", "cost_per_1k_questions", "engine_s_per_question", "thinking_per_question")}
+            share["target_met"] = (share["quality"] is not None and share["cost_per_1k_questions"] is not None
+                                   and share["quality"] >= TARGET and share["cost_per_1k_questions"] <= COST_TARGET)
+            out.setdefault(mode, {})[kind] = share
+    return out
+
+
 def summarize(config: RunConfig, log: RecordLog, trained: TrainedRouter | None = None) -> dict:
-    """With `trained` (trained_router), also the trained router's curves on this run."""
+    """Every mode over the questions all of them answered (a mode stopped at --limit N covers
+    fewer), so the rows compare. With `trained` (trained_router), also the trained router's
+    curves on this run."""
     modes = ordered_modes(log.modes())
-    out = {"run": msgspec.to_builtins(config), "modes": {m: mode_summary(log.of_mode(m)) for m in modes}}
+    answered = [{r.id for r in log.of_mode(m)} for m in modes]
+    shared = set.intersection(*answered) if answered else set()
+    out = {"run": msgspec.to_builtins(config), "left_out": len(set().union(*answered) - shared),
+           "modes": {m: mode_summary([r for r in log.of_mode(m) if r.id in shared]) for m in modes}}
+    if "large" in modes:
+        out["vs_large"] = against_large(out["modes"])
     if {"small", "large"} <= set(modes):
         out["small_vs_large"] = pair_summary(*paired(log))
     if trained is not None:

@@ -296,6 +296,20 @@ def test_run_scores_costs_and_reports(tmp_path, data, engine, embedder):
         assert m["quality"] == pytest.approx(np.mean([r.score for r in records]), abs=1e-4)
         assert set(m["by_kind"]) == {"squad", "gsm8k"} and "f1" not in m["by_kind"]["gsm8k"]
         assert m["escalation_rate"] == 0.0 and m["ttft_s"]["p50"] <= m["ttft_s"]["p95"]
+        # Per kind, the dollars add up to the mode's.
+        kinds = m["by_kind"].values()
+        assert sum(k["cost_per_1k_questions"] * k["questions"] for k in kinds) == pytest.approx(1000 * m["cost"]["total"])
+    # Small against large per kind: shares of the large mode's figures, and the target verdict.
+    small, large = (summary["modes"][m]["by_kind"] for m in ("small", "large"))
+    assert set(summary["vs_large"]) == {"small"}
+    for kind, x in summary["vs_large"]["small"].items():
+        assert x["quality"] == (pytest.approx(small[kind]["quality"] / large[kind]["quality"])
+                                if large[kind]["quality"] else None)
+        assert x["cost_per_1k_questions"] == pytest.approx(small[kind]["cost_per_1k_questions"]
+                                                           / large[kind]["cost_per_1k_questions"])
+        assert x["thinking_per_question"] is None     # no thinking at budget 0: no share of nothing
+        assert x["target_met"] == (x["quality"] is not None and x["quality"] >= 0.95
+                                   and x["cost_per_1k_questions"] <= 0.65)
     pair = summary["small_vs_large"]
     assert pair["questions"] == 10 and sum(pair["correct"].values()) == 10
     assert set(pair["router_bounds"]) == {"random", "oracle", "oracle cascade"}
@@ -308,6 +322,28 @@ def test_run_scores_costs_and_reports(tmp_path, data, engine, embedder):
     lp = small.calls[0].logprobs
     assert label["confidence"]["length"] == len(lp) and label["confidence"]["min"] == pytest.approx(min(lp), abs=1e-4)
     assert label["confidence"]["p50"] == pytest.approx(float(np.median(lp)), abs=1e-4)
+
+
+def test_a_report_compares_modes_on_the_questions_all_of_them_answered(tmp_path):
+    from evals.records import Call, Record
+    folder = tmp_path / "run"
+    open_run(folder, config_for("gsm8k", [tmp_path / "gsm8k.jsonl"]))
+    log = RecordLog(folder / RECORDS_FILE)
+    # The small model answered four questions, the large one (stopped at --limit 2) the first two.
+    for mode, ems, dollars in (("small", [1, 0, 1, 1], 0.001), ("large", [1, 1], 0.004)):
+        for i, em in enumerate(ems):
+            call = Call(mode, 10, 0, 60, 0, dollars, 0.0, 0.1, 1.0, 0.5, "stop", [])
+            log.append(Record(mode, f"q{i}", "gsm8k", f"q{i}", "", em, None, em, bool(em), False, 0, 0, [], [call]))
+    log.close()
+    summary = write_report(folder)
+    assert summary["left_out"] == 2
+    assert [(m["questions"], m["quality"]) for m in summary["modes"].values()] == [(2, 0.5), (2, 1.0)]
+    # Half the quality at a quarter of the dollars: the target (95% at 65% or less) is missed.
+    vs = summary["vs_large"]["small"]["gsm8k"]
+    assert (vs["quality"], vs["cost_per_1k_questions"], vs["target_met"]) == (0.5, 0.25, False)
+    text = (folder / "report.md").read_text()
+    assert "over the 2 questions all of them answered (2 answered by some modes only" in text
+    assert "| small | gsm8k | 50% | 25% |" in text
 
 
 STABLE = ("mode", "id", "kind", "question", "answer", "em", "f1", "score", "correct", "escalated", "passages",
@@ -478,8 +514,9 @@ def test_thinking_budget_table_and_budgets_by_difficulty(tmp_path):
     from types import SimpleNamespace
     from evals.budgets import write_budget_table
     from evals.records import Call, Record
-    ems = {("small", 0): [1, 0, 0, 0], ("small", 64): [1, 0, 0, 1],
-           ("large", 0): [1, 1, 0, 0], ("large", 64): [1, 1, 1, 1]}
+    # q4: every fixed row answered it, the routed mode (stopped earlier) did not: left out.
+    ems = {("small", 0): [1, 0, 0, 0, 1], ("small", 64): [1, 0, 0, 1, 1],
+           ("large", 0): [1, 1, 0, 0, 1], ("large", 64): [1, 1, 1, 1, 1]}
     verdict = {"q0": "easy", "q1": "medium", "q2": "hard", "q3": "easy"}
     folders = []
     for budget in (0, 64):
@@ -517,7 +554,11 @@ def test_thinking_budget_table_and_budgets_by_difficulty(tmp_path):
     assert oracle["vs_best"]["thinking"] == pytest.approx((50 + 50) / 4 / 50)
     assert (routed["mode"], routed["em"], routed["vs_best"]["em"]) == ("routed+cascade", 0.5, 0.5)
     assert routed["vs_best"]["cost"] == pytest.approx(0.009 / 0.024) and routed["vs_best"]["thinking"] == 0.25
-    assert "| oracle (`cheapest right answer`) | – | 1.000 |" in text
+    # At the best row's exact match, the oracle spends half its dollars and thinking: both
+    # targets met, at the edge; the routed row keeps half the exact match, so neither is.
+    assert oracle["targets"] == {"dollars": True, "thinking": True}
+    assert routed["targets"] == {"dollars": False, "thinking": False}
+    assert "| oracle (`cheapest right answer`) | – | 1.000 |" in text and "| met / met |" in text
     policies = {r["policy"]: r for r in table["policies"]["rows"]}
     assert table["policies"]["verdicts"] == {"easy": 2, "medium": 1, "hard": 1}
     # Without thinking the large model cannot do hard questions, so they stay small.
