@@ -64,7 +64,8 @@ def read_runs(folders: list[Path], kind: str = "gsm8k", budget: str = "thinking_
             records = [r for r in log.of_mode(mode) if r.kind == kind]
             if records:
                 runs.append(BudgetRun(folder, config.models[MODES[mode].model], mode, getattr(config, budget), records))
-        routed += [{r.id for r in log.of_mode(m) if r.kind == kind} for m in ROUTED_MODES if m in log.modes()]
+        answered = ({r.id for r in log.of_mode(m) if r.kind == kind} for m in ROUTED_MODES if m in log.modes())
+        routed += [ids for ids in answered if ids]      # a routed mode with none of this kind limits nothing
     if not runs:
         raise RunError(f"no {kind} answers in {', '.join(map(str, folders))}")
     shared = set.intersection(*({r.id for r in run.records} for run in runs), *routed)

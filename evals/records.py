@@ -115,6 +115,14 @@ class RecordLog:
             self._file.close()
             self._file = None
 
+    def keep_common(self) -> int:
+        """Drop the questions some mode did not answer (a mode stopped at --limit N covers
+        fewer), so that the modes compare on the same ones; returns how many were dropped."""
+        modes, ids = self.modes(), {i for _, i in self.records}
+        common = {i for i in ids if all((m, i) in self.records for m in modes)}
+        self.records = {key: r for key, r in self.records.items() if key[1] in common}
+        return len(ids - common)
+
     def of_mode(self, mode: str) -> list[Record]:
         return [r for (m, _), r in self.records.items() if m == mode]
 

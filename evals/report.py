@@ -12,7 +12,7 @@ matplotlib.use("Agg")      # files only; no display on servers
 import matplotlib.pyplot as plt  # noqa: E402
 
 from evals.records import RecordLog  # noqa: E402
-from evals.runner import RECORDS_FILE, read_config  # noqa: E402
+from evals.runner import RECORDS_FILE, RunError, read_config  # noqa: E402
 from evals.summary import (COST_TARGET, TARGET, ordered_modes, paired, router_curves, summarize,  # noqa: E402
                            trained_router)
 
@@ -20,12 +20,17 @@ PLOTS = ("quality_cost.png", "latency.png")
 
 
 def write_report(folder: Path, router=None, embedder=None) -> dict:
-    """(Re)write summary.json, report.md and the plots from the run folder's log; with a
-    trained router, also its curves on the questions it was not trained on."""
+    """(Re)write summary.json, report.md and the plots from the run folder's log, every mode
+    over the questions all of them answered; with a trained router, also its curves on the
+    questions it was not trained on."""
     config = read_config(folder)
     log = RecordLog(folder / RECORDS_FILE)
+    modes = log.modes()
+    left_out = log.keep_common()
+    if modes and not log.records:
+        raise RunError(f"{folder}: no question was answered by every mode ({', '.join(sorted(modes))})")
     trained = trained_router(log, router, embedder, config.thinking_budget) if router is not None else None
-    summary = summarize(config, log, trained)
+    summary = summarize(config, log, trained, left_out)
     (folder / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     _plot_quality_cost(folder / PLOTS[0], summary, log, trained)
     _plot_latency(folder / PLOTS[1], log)

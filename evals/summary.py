@@ -211,15 +211,12 @@ def against_large(modes: dict[str, dict]) -> dict:
     return out
 
 
-def summarize(config: RunConfig, log: RecordLog, trained: TrainedRouter | None = None) -> dict:
-    """Every mode over the questions all of them answered (a mode stopped at --limit N covers
-    fewer), so the rows compare. With `trained` (trained_router), also the trained router's
-    curves on this run."""
+def summarize(config: RunConfig, log: RecordLog, trained: TrainedRouter | None = None, left_out: int = 0) -> dict:
+    """With `trained` (trained_router), also the trained router's curves on this run;
+    `left_out`: questions the log had answered by some modes only (RecordLog.keep_common)."""
     modes = ordered_modes(log.modes())
-    answered = [{r.id for r in log.of_mode(m)} for m in modes]
-    shared = set.intersection(*answered) if answered else set()
-    out = {"run": msgspec.to_builtins(config), "left_out": len(set().union(*answered) - shared),
-           "modes": {m: mode_summary([r for r in log.of_mode(m) if r.id in shared]) for m in modes}}
+    out = {"run": msgspec.to_builtins(config), "left_out": left_out,
+           "modes": {m: mode_summary(log.of_mode(m)) for m in modes}}
     if "large" in modes:
         out["vs_large"] = against_large(out["modes"])
     if {"small", "large"} <= set(modes):

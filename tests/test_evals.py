@@ -23,7 +23,7 @@ from evals.report import write_report
 from evals.router_metrics import (CurvePoint, apgr, cascade_sweep, cost_at_quality, oracle_cascade, oracle_scores,
                                   threshold_sweep)
 from evals.runner import (DEFAULT_CONTEXT_BUDGET, DEFAULT_K, DEFAULT_MAX_TOKENS, MODES, RECORDS_FILE, RunConfig,
-                          build_collection, load_dataset, open_run, pipeline_for, run_modes)
+                          RunError, build_collection, load_dataset, open_run, pipeline_for, run_modes)
 from pipeline import Price, Query, cost, default_prices, parse_price
 from retrieval import Collection
 from tests.conftest import make_tiny_model
@@ -298,7 +298,8 @@ def test_run_scores_costs_and_reports(tmp_path, data, engine, embedder):
         assert m["escalation_rate"] == 0.0 and m["ttft_s"]["p50"] <= m["ttft_s"]["p95"]
         # Per kind, the dollars add up to the mode's.
         kinds = m["by_kind"].values()
-        assert sum(k["cost_per_1k_questions"] * k["questions"] for k in kinds) == pytest.approx(1000 * m["cost"]["total"])
+        assert (sum(k["cost_per_1k_questions"] * k["questions"] for k in kinds)
+                == pytest.approx(1000 * m["cost"]["total"]))
     # Small against large per kind: shares of the large mode's figures, and the target verdict.
     small, large = (summary["modes"][m]["by_kind"] for m in ("small", "large"))
     assert set(summary["vs_large"]) == {"small"}
@@ -344,6 +345,12 @@ def test_a_report_compares_modes_on_the_questions_all_of_them_answered(tmp_path)
     text = (folder / "report.md").read_text()
     assert "over the 2 questions all of them answered (2 answered by some modes only" in text
     assert "| small | gsm8k | 50% | 25% |" in text
+    # Modes that share no question cannot be compared: a clear error, not a division by zero.
+    log = RecordLog(folder / RECORDS_FILE)
+    log.append(Record("routed", "q9", "gsm8k", "q9", "", 1.0, None, 1.0, True, False, 0, 0, [], [call]))
+    log.close()
+    with pytest.raises(RunError, match="no question was answered by every mode"):
+        write_report(folder)
 
 
 STABLE = ("mode", "id", "kind", "question", "answer", "em", "f1", "score", "correct", "escalated", "passages",
@@ -606,7 +613,6 @@ def _fake_runs(tmp_path, setting: str, scores: dict) -> list[Path]:
 
 def test_context_curve_chooses_each_models_budget(tmp_path):
     from evals.contexts import read_chosen, write_context_curve
-    from evals.runner import RunError
     # The small model drowns in passages, and 256 tokens trail 512 on every question: a gap with
     # no spread is real. The large model's 1,024 beats 512 on one question of four: a gap within
     # its standard error, so the cheaper 512.
