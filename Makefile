@@ -114,12 +114,12 @@ context-curve: $(VENV)/.installed
 # of large-only quality there, and threshold 0.35, the widening fit. The best single arm on the
 # GSM8K part (large with 1,024 thinking tokens) beside it; eval budgets compares the arms, the
 # router and the oracle on those problems. The checked-in report answered the first
-# REPORT_LIMIT=150 of the 300 drawn (100 SQuAD, 50 GSM8K), about 1.5 hours on 2 cores (AVX2);
-# REPORT_LIMIT=300 goes on with the rest, about 2 hours more. Each report compares its modes
+# REPORT_LIMIT=210 of the 300 drawn (140 SQuAD, 70 GSM8K), about 2 hours on 2 cores (AVX2);
+# REPORT_LIMIT=300 goes on with the rest, about 1 hour more. Each report compares its modes
 # on the questions all of them answered.
 REPORT_RUN := $(EVALS)/report-mixed-test
 REPORT_THINK := $(EVALS)/gsm8k-test-think1024
-REPORT_LIMIT ?= 150
+REPORT_LIMIT ?= 210
 REPORT_MARGIN ?= 0.2
 REPORT_THRESHOLD ?= 0.35
 eval-report: $(VENV)/.installed
@@ -133,8 +133,8 @@ eval-report: $(VENV)/.installed
 
 # GSM8K exact match by thinking budget (docs/thinking-budgets/): the report's GSM8K problems at
 # budgets 64, 256 and 1024 (1024 goes on with the report's own thinking run); budget 0 and the
-# routed row are the report's run, so the table covers the problems it answered (50 at
-# REPORT_LIMIT=150, all 100 at 300). Hours on 2 cores.
+# routed row are the report's run, so the table covers the problems it answered (70 at
+# REPORT_LIMIT=210, all 100 at 300). Hours on 2 cores.
 THINK_RUNS := $(foreach b,64 256 1024,$(EVALS)/gsm8k-test-think$(b))
 thinking-table: eval-report
 	for b in 64 256 1024; do $(VENV)/bin/sluice eval run gsm8k -n 100 --split test --quant int8 \
