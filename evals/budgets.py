@@ -31,7 +31,7 @@ import numpy as np  # noqa: E402
 
 from evals.records import Record, RecordLog  # noqa: E402
 from evals.runner import MODES, RECORDS_FILE, ROUTED_MODES, RunError, read_config  # noqa: E402
-from evals.report import share  # noqa: E402
+from evals.report import share, verdict  # noqa: E402
 from evals.summary import TARGET, difficulty_probabilities  # noqa: E402
 from router.data import DIFFICULTIES  # noqa: E402
 from router.policy import goes_large  # noqa: E402
@@ -170,7 +170,6 @@ def policy_markdown(table: dict, kind: str) -> str:
 
 
 def markdown(rows: list[dict], kind: str, best: dict) -> str:
-    verdict = lambda met: "met" if met else "missed"
     lines = [f"# {kind} exact match by thinking budget", "",
              f"{rows[0]['questions']} questions, the same in every row; tokens and engine seconds are means per "
              "question; forced: share of thinking spans the engine closed at the budget. Engine seconds are a "

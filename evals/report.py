@@ -80,7 +80,7 @@ def markdown(summary: dict) -> str:
             for kind, x in kinds.items():
                 lines.append(f"| {m} | {kind} | {share(x['quality'])} | {share(x['cost_per_1k_questions'])} "
                              f"| {share(x['engine_s_per_question'])} | {share(x['thinking_per_question'])} "
-                             f"| {'met' if x['target_met'] else 'missed'} |")
+                             f"| {verdict(x['target_met'])} |")
     pair = summary.get("small_vs_large")
     if pair:
         c, b = pair["correct"], pair["router_bounds"]
@@ -170,6 +170,10 @@ def _f(x: float | None) -> str:
 
 def share(x: float | None) -> str:
     return "–" if x is None else f"{x:.0%}"
+
+
+def verdict(met: bool) -> str:
+    return "met" if met else "missed"
 
 
 def _money(x: float | None) -> str:

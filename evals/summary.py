@@ -3,6 +3,7 @@ engine time, latency and escalation per mode, and how the small and large models
 on the questions both answered."""
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import msgspec
@@ -43,7 +44,11 @@ def mode_summary(records: list[Record]) -> dict:
         by_kind[kind] = entry | {"quality": _mean(r.score for r in rs),
                                  "cost_per_1k_questions": 1000 * sum(r.cost for r in rs) / len(rs),
                                  "engine_s_per_question": _mean(r.engine_s for r in rs),
-                                 "thinking_per_question": _mean(r.tokens("thinking") for r in rs)}
+                                 "thinking_per_question": _mean(r.tokens("thinking") for r in rs),
+                                 # How they were answered: the models called in turn ("small,large":
+                                 # escalated; "large,large": widened), and how many thought.
+                                 "calls": dict(Counter(",".join(c.model for c in r.calls) for r in rs)),
+                                 "with_thinking": sum(r.tokens("thinking") > 0 for r in rs)}
     cost = sum(r.cost for r in records)
     engine = sum(r.engine_s for r in records)
     answered = {}
@@ -196,13 +201,14 @@ def pair_summary(small: list[Record], large: list[Record]) -> dict | None:
 def against_large(modes: dict[str, dict]) -> dict:
     """Each other mode's quality, dollars, engine seconds and thinking tokens per kind of
     question as shares of the large mode's on that kind, and whether it keeps TARGET of the
-    quality at COST_TARGET of the dollars or less. Only where both answered the same number."""
+    quality at COST_TARGET of the dollars or less. The modes answered the same questions
+    (RecordLog.keep_common)."""
     large, out = modes["large"]["by_kind"], {}
     for mode, s in modes.items():
         for kind, k in s["by_kind"].items():
-            ref = large.get(kind)
-            if mode == "large" or ref is None or ref["questions"] != k["questions"]:
+            if mode == "large":
                 continue
+            ref = large[kind]
             share = {key: k[key] / ref[key] if ref[key] else None for key in
                      ("quality", "cost_per_1k_questions", "engine_s_per_question", "thinking_per_question")}
             share["target_met"] = (share["quality"] is not None and share["cost_per_1k_questions"] is not None

@@ -298,6 +298,7 @@ def test_run_scores_costs_and_reports(tmp_path, data, engine, embedder):
         assert m["escalation_rate"] == 0.0 and m["ttft_s"]["p50"] <= m["ttft_s"]["p95"]
         # Per kind, the dollars add up to the mode's.
         kinds = m["by_kind"].values()
+        assert all(k["calls"] == {mode: k["questions"]} and k["with_thinking"] == 0 for k in kinds)
         assert (sum(k["cost_per_1k_questions"] * k["questions"] for k in kinds)
                 == pytest.approx(1000 * m["cost"]["total"]))
     # Small against large per kind: shares of the large mode's figures, and the target verdict.
@@ -470,6 +471,9 @@ def test_routed_and_cascade_modes_run_end_to_end(tmp_path, data, engine, embedde
     summary = write_report(folder, router, embedder)
     trained = summary["trained_router"]
     assert (trained["questions"], trained["left_out_as_trained_on"]) == (len(dataset.examples) - 1, 1)
+    # The summary counts how each kind of question was answered: every cascade answer escalated.
+    for kind, k in summary["modes"]["cascade"]["by_kind"].items():
+        assert k["calls"] == {"small,large": k["questions"]} and k["with_thinking"] == 0
     # The router has arms: they route first, by P(large right) - P(small right).
     assert set(trained["curves"]) == {"router: arms", "router: cascade", "router: routed+cascade"}
     assert all(c["apgr"] is None or 0 <= c["apgr"] <= 1.5 for c in trained["curves"].values())
