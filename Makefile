@@ -54,9 +54,10 @@ bench: $(VENV)/.installed
 # generated for the first $(ROUTER_NARROW) questions (about 5 s each), for the confidence model
 # that asks an unsure one again with the whole context (widening). The thinking arms
 # (large+think256, large+think1024) are labelled on GSM8K problems of the train half: both
-# models without thinking on the first $(ROUTER_GSM8K) of 300, the large model at 256 and 1,024
-# thinking tokens on the first $(ROUTER_THINK) (free-form answers: no proxy, every answer
-# generated). Hours on 2 cores: generating costs about a minute a question, the proxy about
+# models without thinking on the first $(ROUTER_GSM8K) of 300, the large model at 1,024 and 256
+# thinking tokens on the first $(ROUTER_THINK) (free-form answers: no proxy). The 256 run copies
+# the 1,024 run's answers that thought less than 256 tokens (--reuse: greedy decoding writes
+# the same ones) and generates only the rest, about half. Hours on 2 cores: generating costs about a minute a question, the proxy about
 # 14 s (both models, every gold answer, AVX2 host) and 5 s for the large model at 256; the
 # GSM8K runs about 20 s a problem per model and budget (concurrency 16).
 EVALS := .cache/evals
@@ -93,8 +94,10 @@ router: $(VENV)/.installed
 	$(SLUICE) eval labels $(ROUTER_RUN) --proxy $(if $(filter 0,$(ROUTER_GEN)),$(THRESHOLDS),$(ROUTER_RUN)) \
 		--arms $(ROUTER_RUN_256)
 	$(SLUICE) eval run $(GSM8K_TRAIN) --modes small large --limit $(ROUTER_GSM8K) --out $(ROUTER_RUN_GSM8K)
-	for b in 256 1024; do $(SLUICE) eval run $(GSM8K_TRAIN) --modes large --thinking-budget $$b --limit $(ROUTER_THINK) \
-		--out $(ROUTER_RUN_GSM8K)-think$$b || exit 1; done
+	$(SLUICE) eval run $(GSM8K_TRAIN) --modes large --thinking-budget 1024 --limit $(ROUTER_THINK) \
+		--out $(ROUTER_RUN_GSM8K)-think1024
+	$(SLUICE) eval run $(GSM8K_TRAIN) --modes large --thinking-budget 256 --limit $(ROUTER_THINK) \
+		--reuse $(ROUTER_RUN_GSM8K)-think1024 --out $(ROUTER_RUN_GSM8K)-think256
 	$(SLUICE) eval labels $(ROUTER_RUN_GSM8K) --arms $(ROUTER_RUN_GSM8K)-think256 $(ROUTER_RUN_GSM8K)-think1024
 	$(SLUICE) train-router $(ROUTER_RUN) $(ROUTER_RUN_GSM8K) $(if $(wildcard $(CONTEXT_CURVE)),--context-curve $(CONTEXT_CURVE)) \
 		--out $(ROUTER) --rebuild "make router ROUTER_N=$(ROUTER_N) ROUTER_GEN=$(ROUTER_GEN) ROUTER_SMALL=$(ROUTER_SMALL) \
@@ -132,12 +135,14 @@ eval-report: $(VENV)/.installed
 	$(SLUICE) eval budgets $(REPORT_RUN) $(REPORT_THINK) --out docs/eval-report/thinking
 
 # GSM8K exact match by thinking budget (docs/thinking-budgets/): the report's GSM8K problems at
-# budgets 64, 256 and 1024 (1024 goes on with the report's own thinking run); budget 0 and the
+# budgets 64, 256 and 1024 (1024 goes on with the report's own thinking run, and the smaller
+# budgets copy its answers that thought less than they allow: --reuse); budget 0 and the
 # routed row are the report's run, so the table covers the problems it answered (70 at
 # REPORT_LIMIT=210, all 100 at 300). Hours on 2 cores.
 THINK_RUNS := $(foreach b,64 256 1024,$(EVALS)/gsm8k-test-think$(b))
 thinking-table: eval-report
-	for b in 64 256 1024; do $(VENV)/bin/sluice eval run gsm8k -n 100 --split test --quant int8 \
-		--thinking-budget $$b --concurrency 16 --out $(EVALS)/gsm8k-test-think$$b || exit 1; done
+	for b in 1024 256 64; do $(VENV)/bin/sluice eval run gsm8k -n 100 --split test --quant int8 \
+		--thinking-budget $$b --concurrency 16 --out $(EVALS)/gsm8k-test-think$$b \
+		$$(test $$b = 1024 || echo --reuse $(EVALS)/gsm8k-test-think1024) || exit 1; done
 	$(VENV)/bin/sluice eval budgets $(REPORT_RUN) $(THINK_RUNS) --out docs/thinking-budgets \
 		--router $(ROUTER)

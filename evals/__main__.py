@@ -33,7 +33,7 @@ from evals.proxy import PROXY_FILE, PROXY_REPORT, agreement, read_thresholds, sc
 from evals.report import write_report
 from evals.runner import (DEFAULT_CONTEXT_BUDGET, DEFAULT_K, DEFAULT_MAX_TOKENS, MODES, ROUTED_MODES, RunConfig,
                           RunError, build_collection, load_dataset, open_run, pipeline_for, read_config,
-                          routed_modes, run_modes)
+                          reusable, routed_modes, run_modes)
 from pipeline import default_prices, parse_price
 from retrieval import Embedder
 from router.data import RouterError
@@ -113,6 +113,9 @@ def build_parser(prog: str = "python -m evals") -> argparse.ArgumentParser:
     run.add_argument("--price", type=_price, action="append", default=[], metavar="MODEL=IN,CACHED,OUT",
                      help="dollars per million input, cached input and output tokens; repeat per model "
                           "(default: small=0.1,0.025,0.4 large=0.3,0.075,1.2)")
+    run.add_argument("--reuse", metavar="RUN", help="a run with the same settings and a larger --thinking-budget: "
+                     "its answers that thought less than this run's budget are copied, not generated again "
+                     "(greedy decoding writes the same tokens)")
     run.add_argument("--concurrency", type=_count(1), default=8,
                      help="questions in the engine at once (default: %(default)s)")
     run.add_argument("--memory-gb", type=float, default=12.0, help="engine memory for weights and KV (default: %(default)s)")
@@ -197,7 +200,8 @@ def cmd_run(args) -> int:
     try:
         if modes:                # none: just the folder and its collection, for `proxy`
             pipeline = pipeline_for(_engine(config, modes, args.memory_gb), config, router, embedder)
-            run_modes(folder, config, dataset.examples[:args.limit], modes, pipeline, collection, args.concurrency)
+            run_modes(folder, config, dataset.examples[:args.limit], modes, pipeline, collection, args.concurrency,
+                      reuse=reusable(Path(args.reuse), config) if args.reuse else None)
     finally:
         if collection is not None:
             collection.close()

@@ -45,6 +45,9 @@ class Record:
     retrieval_scores: list[float]     # of every hit the search returned, by rank
     calls: list[Call] = field(default_factory=list)
     error: str | None = None          # why it could not be answered (scored 0)
+    # The run folder whose answer this is, copied rather than generated (runner.reusable):
+    # that run's budget was larger, and this answer never reached this run's.
+    copied_from: str | None = None
 
     @property
     def answered_by(self) -> str | None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import msgspec
@@ -134,6 +134,23 @@ def read_config(folder: Path) -> RunConfig:
     return msgspec.json.decode(path.read_bytes(), type=RunConfig)
 
 
+def reusable(folder: Path, config: RunConfig) -> dict[tuple[str, str], Record]:
+    """(mode, question id) -> an answer of another run that this run would give too: that run
+    differs only in a larger thinking budget, and the answer spent fewer thinking tokens than
+    this run's budget, so the budget never cut it. Decoding is greedy, so both runs write the
+    same tokens (up to the rounding of a different batch), and the answer is copied rather than
+    generated again: a 256-token label is free wherever the 1,024-token answer thought less.
+    Single-model modes only: a routed mode's route depends on its own run."""
+    theirs = read_config(folder)
+    if not 0 < config.thinking_budget < theirs.thinking_budget or \
+            msgspec.structs.replace(theirs, thinking_budget=config.thinking_budget) != config:
+        raise RunError(f"--reuse {folder}: its answers serve only a run with the same settings and a smaller thinking "
+                       f"budget than its {theirs.thinking_budget} (this run's: {config.thinking_budget})")
+    return {key: replace(r, copied_from=str(folder)) for key, r in RecordLog(folder / RECORDS_FILE).records.items()
+            if r.mode in MODES and r.calls and r.error is None
+            and all(c.thinking_tokens < config.thinking_budget for c in r.calls)}
+
+
 def load_dataset(config: RunConfig) -> Dataset:
     """The run's questions, the same ones every time the run is resumed."""
     return load(config.dataset, [Path(f) for f in config.files], config.n, config.seed, config.split, config.mix)
@@ -154,12 +171,17 @@ def build_collection(folder: Path, dataset: Dataset, embedder, progress: bool = 
 
 
 def run_modes(folder: Path, config: RunConfig, examples: list[Example], modes: list[Mode], pipeline: Pipeline,
-              collection: Collection | None = None, concurrency: int = 8, progress: bool = True) -> None:
-    """Each mode over the examples in turn, logged to the run folder's records."""
+              collection: Collection | None = None, concurrency: int = 8, progress: bool = True,
+              reuse: dict[tuple[str, str], Record] | None = None) -> None:
+    """Each mode over the examples in turn, logged to the run folder's records; `reuse`
+    (`reusable`): answers copied in before the engine answers the rest."""
     log = RecordLog(folder / RECORDS_FILE)
     try:
         runner = Runner(pipeline, config, log, collection, concurrency, progress)
         for mode in modes:
+            for e in examples:
+                if (mode.name, e.id) in (reuse or {}) and not log.done(mode.name, e.id):
+                    log.append(reuse[mode.name, e.id])
             runner.run(mode, examples)
     finally:
         log.close()

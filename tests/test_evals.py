@@ -836,3 +836,34 @@ def test_heldout_fits_a_narrow_arms_widening_on_training_labels_and_scores_it_on
     # (The threshold is the least training confidence: a held-out answer below it escalates.)
     assert widen["escalated"] <= 0.05 and widen["quality_vs_large"] == 1.0
     assert widen["cost_vs_large"] < 1.0
+
+
+def test_a_smaller_thinking_budget_reuses_answers_that_never_reached_it(tmp_path, data, engine, embedder):
+    """An answer that thought less than a smaller budget is the answer that budget gives (greedy
+    decoding): `reuse` copies it, and a run that generates everything agrees on each copy."""
+    from evals.runner import reusable
+    gsm8k = files_for("gsm8k", None, str(data))
+    run(tmp_path / "t8", config_for("gsm8k", gsm8k, thinking_budget=8), engine, embedder, modes=("large",))
+    small = config_for("gsm8k", gsm8k, thinking_budget=3)
+    reuse = reusable(tmp_path / "t8", small)
+    wide = RecordLog(tmp_path / "t8" / RECORDS_FILE).records
+    assert {k for k, r in wide.items() if r.tokens("thinking") < 3} == set(reuse) != set()
+    assert len(reuse) < len(wide)           # the others reached 3 tokens and are generated again
+    dataset = load_dataset(small)
+    open_run(tmp_path / "t3", small)
+    run_modes(tmp_path / "t3", small, dataset.examples, [MODES["large"]], pipeline_for(engine, small), None, 3,
+              progress=False, reuse=reuse)
+    fresh = run(tmp_path / "fresh", small, engine, embedder, modes=("large",)) and \
+        RecordLog(tmp_path / "fresh" / RECORDS_FILE).records
+    reused = RecordLog(tmp_path / "t3" / RECORDS_FILE).records
+    assert set(reused) == set(fresh)
+    for key, r in reused.items():
+        assert r.copied_from == (str(tmp_path / "t8") if key in reuse else None)
+        assert [x for c in r.calls for x in c.logprobs] == \
+            pytest.approx([x for c in fresh[key].calls for x in c.logprobs], abs=1e-3)
+        assert (r.answer, r.tokens("thinking"), r.tokens("output")) == \
+            (fresh[key].answer, fresh[key].tokens("thinking"), fresh[key].tokens("output"))
+    # Only a larger budget over the same questions serves.
+    for other in (config_for("gsm8k", gsm8k, thinking_budget=8), config_for("gsm8k", gsm8k, thinking_budget=3, k=2)):
+        with pytest.raises(RunError, match="smaller thinking budget"):
+            reusable(tmp_path / "t8", other)
