@@ -8,6 +8,9 @@ generating again.
 - per arm margin (a tenant's `arm_margin`), the arms' policy (router.policy.route_arms) as
   served, without widening: its quality (and against large-only's on the questions it could
   be scored on), its expected dollars and the share of each arm, against every single arm;
+- on closed-book questions, where the thinking arms are (`thinking_report`): each arm, the
+  oracle and the policy per margin against the best arm's exact match, dollars and thinking
+  tokens, with the thinking targets met or missed, as `eval budgets` states them on runs;
 - the cascade (`cascade_report`), where small answers were generated, and the same for each
   narrow arm that widens (`large@256`, asked again with the whole context when unsure),
   where its answers were generated.
@@ -25,6 +28,7 @@ from pathlib import Path
 import numpy as np
 from msgspec.structs import astuple
 
+from evals.budgets import against_best
 from evals.router_metrics import (apgr, cascade_sweep, cost_at_quality, oracle_cascade, oracle_scores,
                                   threshold_sweep)
 from evals.runner import PAIR, RunError, read_config
@@ -76,12 +80,13 @@ def heldout_report(folder: Path, router, embedder) -> dict:
     single = {a: {"quality": _r(float(np.nanmean(right[a]))), "labelled": int(np.sum(~np.isnan(right[a]))),
                   "cost_vs_large": _r(np.nansum(price[a]) / cl[~np.isnan(price[a])].sum())}
               for a in right if not np.isnan(right[a]).all()}
-    policies = {}
+    policies, picked = {}, {}
     for margin in MARGINS:
         policy = Policy("small", PAIR, {"easy": 0, "medium": 0, "hard": 1024}, 0.5, arm_margin=margin)
         picks = [route_arms(policy, arms.arms, *PAIR,
                             lambda i=i: {a: float(p[i]) for a, p in predicted.items() if not np.isnan(p[i])},
                             lambda arm, i=i: price[arm.name][i]).arm for i in range(n)]
+        picked[str(margin)] = picks
         scored = np.array([right[a][i] for i, a in enumerate(picks)])
         known = ~np.isnan(scored)
         # Large-only on the same questions: an arm labelled on part of them (the proxy stopped
@@ -98,9 +103,42 @@ def heldout_report(folder: Path, router, embedder) -> dict:
             "expected_cost_per_question": {a: {KINDS[k]: _r(price_of(a, k), 9) for k in KINDS
                                                if not np.isnan(price_of(a, k))} for a in parse},
             "small_vs_large": two, "arms": single, "policies": policies,
+            "thinking": thinking_report(labels, picked, prices, parse, arms),
             "cascade": cascade_report(router.confidence, trained, labels, price_of),
             "widen": {name: cascade_report(model, trained, labels, price_of, name)
                       for name, model in router.narrow.items() if name in parse}}
+
+
+def thinking_report(labels: list, picked: dict[str, list[str]], prices: dict, parse: dict, arms) -> dict | None:
+    """The thinking targets on held-out labels, as `eval budgets` states them on runs: on the
+    closed-book questions every closed-book arm answered (generated, so each arm's thinking
+    tokens and dollars are what it spent, at list price), each arm, the oracle (the cheapest
+    right arm) and the policy at each margin (`picked`: its arm per label) against the best
+    arm. None without such questions (labels written before they kept thinking tokens)."""
+    names = [a for a in parse if False in arms.tokens[a]]
+    index = [i for i, l in enumerate(labels) if not retrieved(l.retrieval_scores)
+             and all(a in l.arms and l.arms[a].thinking is not None for a in names)]
+    if len(names) < 2 or not index:
+        return None
+
+    def spent(i: int, a: str) -> float:
+        o = labels[i].arms[a]
+        return cost(prices[parse[a].model], o.prompt, 0, o.output)
+
+    def row(picks: list[str]) -> dict:
+        """picks: the arm per question of `index`."""
+        outcomes = [labels[i].arms[a] for i, a in zip(index, picks)]
+        return {"em": _r(np.mean([o.correct for o in outcomes])),
+                "thinking_tokens": _r(np.mean([o.thinking for o in outcomes]), 1),
+                "cost_per_1k": _r(1000 * np.mean([spent(i, a) for i, a in zip(index, picks)]), 6),
+                "arms": {a: picks.count(a) for a in dict.fromkeys(picks)}}
+    single = {a: row([a] * len(index)) for a in names}
+    best = max(single, key=lambda a: (single[a]["em"], -single[a]["cost_per_1k"]))
+    oracle = row([min([a for a in names if labels[i].arms[a].correct] or names, key=lambda a: spent(i, a))
+                  for i in index])
+    policies = {m: row([picks[i] for i in index]) for m, picks in picked.items()}
+    against_best([*single.values(), oracle, *policies.values()], single[best])
+    return {"questions": len(index), "best": best, "arms": single, "oracle": oracle, "policies": policies}
 
 
 def cascade_report(confidence, trained: list, held: list, price_of, first: str = "small") -> dict | None:

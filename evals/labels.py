@@ -65,7 +65,7 @@ def _tokens(r: Record) -> Tokens:
 
 def _outcome(r: Record) -> ArmOutcome:
     return ArmOutcome(r.correct, r.score, r.tokens("prompt"), r.tokens("output"),
-                      confidence([x for c in r.calls for x in c.logprobs]))
+                      confidence([x for c in r.calls for x in c.logprobs]), r.tokens("thinking"))
 
 
 def arm_outcomes(log: RecordLog, thinking: int, context: int | None = None) -> dict[str, dict[str, ArmOutcome]]:

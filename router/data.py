@@ -29,6 +29,7 @@ class ArmOutcome(msgspec.Struct):
     prompt: int | None = None
     output: int | None = None          # generated tokens, thinking included
     confidence: Confidence | None = None   # of the generated answer's log-probabilities; None: proxy or none
+    thinking: int | None = None        # of `output`, inside the thinking span; None: proxy, or an older label
 
 
 class Label(msgspec.Struct):

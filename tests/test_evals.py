@@ -818,6 +818,50 @@ def test_heldout_scores_the_routers_arms_on_labels_it_never_saw(tmp_path):
     assert cascade["oracle_cascade_cost_at_95_vs_large"] <= cascade["cost_vs_large"] <= 1 / 3 + 0.6667
 
 
+def test_heldout_states_the_thinking_targets_on_closed_book_labels(tmp_path):
+    # Closed-book problems (nothing searched): easy ones any arm answers, medium ones need the
+    # large model, hard ones thinking; large+think1024 also misses one easy problem in five
+    # (it talks itself out of it), so it is the best arm but not the cheapest right one.
+    from evals.heldout import write_heldout
+    from router.model import train
+    from tests.test_router import HashEmbedder, write_labels as router_labels
+
+    def closed_book(path, **kw) -> list[dict]:
+        rows = [json.loads(line) for line in router_labels(path, **kw).read_text().splitlines()]
+        for i, r in enumerate(rows):
+            r["retrieval_scores"] = []
+            for name, arm in r["arms"].items():
+                arm["thinking"] = int(name.partition("+think")[2] or 0)
+            if i % 15 == 0:
+                r["arms"]["large+think1024"] |= {"correct": False, "score": 0.0}
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return rows
+    closed_book(tmp_path / "train.jsonl")
+    router, _ = train(tmp_path / "train.jsonl", HashEmbedder())
+    folder = tmp_path / "test"
+    open_run(folder, config_for("gsm8k", [tmp_path / "gsm8k.jsonl"]))
+    rows = closed_book(tmp_path / "t.jsonl", n=30, seed=1)
+    (folder / "labels.jsonl").write_text("".join(json.dumps(r | {"id": f"t{i}"}) + "\n" for i, r in enumerate(rows)))
+    thinking = write_heldout(folder, router, HashEmbedder())["thinking"]
+    assert (thinking["questions"], thinking["best"]) == (30, "large+think1024")
+    best = thinking["arms"]["large+think1024"]
+    assert best["em"] == pytest.approx(28 / 30, abs=1e-4) and best["thinking_tokens"] == 1024
+    # The oracle and the policy at margin 0.05 take the cheapest right arm per problem: small,
+    # large, large+think256, a third each; every problem right, thinking only on hard ones.
+    for row in (thinking["oracle"], thinking["policies"]["0.05"]):
+        assert row["arms"] == {"small": 10, "large": 10, "large+think256": 10} and row["em"] == 1.0
+        assert row["thinking_tokens"] == pytest.approx(256 / 3, abs=0.1)
+        assert row["vs_best"]["thinking"] == pytest.approx(256 / 3 / 1024, abs=1e-3)
+        assert row["targets"] == {"dollars": True, "thinking": True}
+    assert best["targets"] == {"dollars": False, "thinking": False}     # itself: all of its own dollars
+    # Labels without thinking counts (written before labels kept them): no such block.
+    for r in rows:
+        for arm in r["arms"].values():
+            del arm["thinking"]
+    (folder / "labels.jsonl").write_text("".join(json.dumps(r | {"id": f"t{i}"}) + "\n" for i, r in enumerate(rows)))
+    assert write_heldout(folder, router, HashEmbedder())["thinking"] is None
+
+
 def test_heldout_fits_a_narrow_arms_widening_on_training_labels_and_scores_it_on_the_rest(tmp_path):
     # large@256 is right where large is, and sure exactly when right: asking its unsure answers
     # again buys nothing here, so the cheapest threshold reaching 95% of large-only escalates none.
