@@ -92,6 +92,9 @@ def build_parser(prog: str = "python -m evals") -> argparse.ArgumentParser:
     run.add_argument("--margin", type=float, default=0.05,
                      help="routed modes with a router that has arms: the cheapest arm whose P(correct) is within "
                           "this of the best arm's, as a tenant's arm_margin (default: %(default)s)")
+    run.add_argument("--closed-book-margin", type=float, metavar="MARGIN",
+                     help="--margin for closed-book questions (nothing searched: GSM8K), as a tenant's "
+                          "[router] closed_book_arm_margin (default: --margin)")
     run.add_argument("--router-models", choices=("auto", "never_large", "always_large"), default="auto",
                      help="routed modes: which models the router may pick, as a tenant's [router] models; "
                           "always_large with --margin 1 starts every question at the cheapest large arm "
@@ -195,7 +198,7 @@ def cmd_run(args) -> int:
     print(f"{len(dataset.examples)} questions; run folder {folder}", file=sys.stderr)
     embedder = Embedder() if dataset.documents or router else None
     collection = build_collection(folder, dataset, embedder) if dataset.documents else None
-    routed = routed_modes(args.threshold, args.margin, args.router_models)
+    routed = routed_modes(args.threshold, args.margin, args.router_models, args.closed_book_margin)
     modes = [MODES[m] if m in MODES else routed[m] for m in args.modes]
     try:
         if modes:                # none: just the folder and its collection, for `proxy`

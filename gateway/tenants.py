@@ -51,6 +51,9 @@ class RouterSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # A router trained with arms (small, large, large with thinking) takes the cheapest arm whose
     # predicted P(correct) is within this of the best allowed arm's: 0 buys the best, 1 the cheapest.
     arm_margin: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.05
+    # The same for closed-book questions (nothing searched), where the arms differ in thinking;
+    # unset: arm_margin.
+    closed_book_arm_margin: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
     # A narrow arm's answer (large@256: the best passage alone) judged under escalation_threshold
     # is asked again of the same model with a wider context; false: it stands.
     widen: bool = True
@@ -95,7 +98,8 @@ class Tenant:
         spec, r = self.spec, self.spec.router
         policy = Policy(spec.default_model, tuple(spec.allowed_models), msgspec.structs.asdict(spec.thinking_budget),
                         spec.escalation_threshold, r.classifier, r.escalation, r.models, r.max_thinking_budget,
-                        r.classifier_timeout_ms / 1000, r.early_escalation, r.arm_margin, r.widen)
+                        r.classifier_timeout_ms / 1000, r.early_escalation, r.arm_margin, r.closed_book_arm_margin,
+                        r.widen)
         return Terms(self.id, policy, spec.context_budget, spec.output_budget, self.salt)
 
 

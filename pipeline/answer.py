@@ -171,7 +171,7 @@ class Pipeline:
             raise Refused(422, str(e), code="retrieval_refused") from None
         scores = [h.score for h in context.hits]
         r = self.route(terms, q, self._predictor(q, vector, scores),
-                       self._arm_cost(context.trimmed.tokens, retrieved(scores)))
+                       self._arm_cost(context.trimmed.tokens, retrieved(scores)), retrieved(scores))
         wide = None
         if r.context_budget is not None and r.context_budget < terms.context_budget and collection is not None:
             # The arm answers best from fewer passages (its context-budget curve): the same
@@ -196,7 +196,7 @@ class Pipeline:
         return Plan(request_id, terms, r, context, self.prompt_ids(context, r.model, params), params, wide)
 
     def route(self, terms: Terms, q: Query, predict: Callable | None,
-              arm_cost: Callable[[Arm], float] | None = None) -> Route:
+              arm_cost: Callable[[Arm], float] | None = None, kind: bool = True) -> Route:
         """The one place a route is chosen: the tenant's policy (among the trained router's
         arms when it has them), then the client's override (an explicit model, an explicit
         thinking budget, 0 included), each once."""
@@ -205,7 +205,7 @@ class Pipeline:
         elif self.pair is None:
             r = Route(terms.policy.default_model, "router not installed; tenant default", source="no_router")
         elif self.arms:
-            r = route_arms(terms.policy, self.arms, *self.pair, predict, arm_cost, frozenset(self.router.narrow))
+            r = route_arms(terms.policy, self.arms, *self.pair, predict, arm_cost, frozenset(self.router.narrow), kind)
         else:
             r = route(terms.policy, *self.pair, predict)
         if q.thinking_budget is not None and q.thinking_budget != r.thinking_budget:

@@ -33,6 +33,10 @@ class Policy:
     early_escalation: bool = True       # judge the first answer on its first tokens too (a trained router's)
     # Arms: the cheapest arm whose P(correct) is within this of the best arm's (route_arms).
     arm_margin: float = 0.05
+    # The same for closed-book questions (nothing searched: GSM8K-like), whose arms differ in
+    # thinking rather than context; None: arm_margin. On retrieved questions the cheap arms are
+    # nearly as good, so a wide margin pays; on closed-book ones it gives up thinking that pays.
+    closed_book_margin: float | None = None
     widen: bool = True                  # an unsure answer of a narrow arm is asked again with a wider context
 
 
@@ -101,7 +105,7 @@ def _escalation(p: Policy, model: str, small: str, large: str, narrow: bool = Fa
 
 def route_arms(p: Policy, arms: tuple[Arm, ...], small: str, large: str,
                predict: Callable[[], dict[str, float]] | None, cost: Callable[[Arm], float],
-               narrow: frozenset[str] = frozenset()) -> Route:
+               narrow: frozenset[str] = frozenset(), retrieved: bool = True) -> Route:
     """The cheapest arm whose predicted P(correct) is within the tenant's margin of the best
     arm's, among those the tenant allows: its models, its largest [thinking_budget] (and
     max_thinking_budget) as a cap on thinking, never_large / always_large. `predict` gives
@@ -109,7 +113,8 @@ def route_arms(p: Policy, arms: tuple[Arm, ...], small: str, large: str,
     arm model is off, slow or broken, the tenant's default as `route` falls back. `narrow`: the
     arms whose answers have a confidence model (router.confidence.train_narrow); an unsure one
     is escalated to the same model with a wider context, where the tenant allows
-    escalation and widening."""
+    escalation and widening. `retrieved`: the question's kind (router.arms.retrieved), which
+    picks the margin."""
     probs, failure = (None, "classifier off for this tenant") if not p.classifier else \
         classify(predict, p.classifier_timeout_s)
     if probs is None:
@@ -123,10 +128,11 @@ def route_arms(p: Policy, arms: tuple[Arm, ...], small: str, large: str,
     if not ok:
         return _by_difficulty(p, small, large, None, "no arm this tenant allows")
     best = max(ok, key=lambda a: probs[a.name])
-    floor = probs[best.name] - p.arm_margin
+    margin = p.arm_margin if retrieved or p.closed_book_margin is None else p.closed_book_margin
+    floor = probs[best.name] - margin
     arm = min((a for a in ok if probs[a.name] >= floor), key=cost)
     why = f"arms: {arm.name} (P(right) {probs[arm.name]:.2f}, ${cost(arm):.6f})"
-    why += (f" is the cheapest within {p.arm_margin:.2f} of the best, {best.name} ({probs[best.name]:.2f})"
+    why += (f" is the cheapest within {margin:.2f} of the best, {best.name} ({probs[best.name]:.2f})"
             if arm != best else " is the best")
     if len(ok) < len(arms):
         why = f"{why}; of {len(ok)} arms this tenant allows"

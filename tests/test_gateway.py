@@ -441,6 +441,8 @@ TENANT_ERRORS = [
      "field 'prefix_cache_salt': expected str of length >= 8"),
     ("monthly_spend_cap_usd = 1000.0", "monthly_spend_cap_usd = -1.0",
      "field 'limits.monthly_spend_cap_usd': expected float >= 0"),
+    ("[limits]", "[router]\nclosed_book_arm_margin = 1.5\n[limits]",
+     "field 'router.closed_book_arm_margin': expected float <= 1.0"),
 ]
 
 
@@ -469,6 +471,16 @@ def test_the_example_tenant_file_is_valid():
     tenants, errors = check_folder("examples/tenants", {"small", "large"})
     assert errors == {} and [t.id for t in tenants] == ["demo"]
     assert tenants[0].spec.api_key_sha256 == [hashlib.sha256(b"sk-sluice-demo").hexdigest()]
+    policy = tenants[0].terms.policy
+    assert (policy.arm_margin, policy.closed_book_margin, policy.widen) == (0.05, None, True)   # unset: arm_margin
+
+
+def test_a_tenant_sets_its_closed_book_arm_margin(tmp_path):
+    path = tmp_path / "alpha.toml"
+    path.write_text(tenant_toml(KEYS["alpha"]).replace("[limits]", "[router]\narm_margin = 0.2\n"
+                                                                    "closed_book_arm_margin = 0.05\n[limits]"))
+    policy = load_tenant(path, {"small", "large"}).terms.policy
+    assert (policy.arm_margin, policy.closed_book_margin, policy.widen) == (0.2, 0.05, True)
 
 
 # --------------------------------------------------------------------------- limits

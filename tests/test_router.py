@@ -353,6 +353,13 @@ def test_route_arms_takes_the_cheapest_arm_near_the_best_within_the_tenants_caps
     assert route(_policy(arm_margin=0.0, force="never_large")).arm == "small"
     assert route(_policy(arm_margin=1.0, force="always_large")).arm == "large"
     assert route(_policy(arm_margin=0.0, allowed=("small",))).arm == "small"
+    # A closed-book question (nothing searched) goes by the tenant's closed-book margin, where it has one.
+    book = lambda p: route_arms(p, arms, "small", "large", lambda: probs, lambda a: price[a.name], retrieved=False)
+    assert book(_policy(arm_margin=0.1)).arm == "small"                       # none: arm_margin
+    thinks = book(_policy(arm_margin=0.1, closed_book_margin=0.0))
+    assert thinks.arm == "large+think256" and thinks.reason.endswith("is the best")
+    assert "within 0.09 of the best" in book(_policy(arm_margin=0.0, closed_book_margin=0.09)).reason
+    assert route(_policy(arm_margin=0.1, closed_book_margin=0.0)).arm == "small"    # retrieved: arm_margin
 
     def broken():
         raise RuntimeError("boom")
