@@ -57,9 +57,10 @@ bench: $(VENV)/.installed
 # models without thinking on the first $(ROUTER_GSM8K) of 300, the large model at 1,024 and 256
 # thinking tokens on the first $(ROUTER_THINK) (free-form answers: no proxy). The 256 run copies
 # the 1,024 run's answers that thought less than 256 tokens (--reuse: greedy decoding writes
-# the same ones) and generates only the rest, about half. Hours on 2 cores: generating costs about a minute a question, the proxy about
-# 14 s (both models, every gold answer, AVX2 host) and 5 s for the large model at 256; the
-# GSM8K runs about 20 s a problem per model and budget (concurrency 16).
+# the same ones) and generates only the rest (it copied 94 of problems 61 to 221). Hours on
+# 2 cores: generating costs about a minute a question, the proxy about 14 s (both models,
+# every gold answer, AVX2 host) and 5 s for the large model at 256; the GSM8K runs about 20 s
+# a problem per model and budget.
 EVALS := .cache/evals
 SLUICE := $(VENV)/bin/sluice
 EVAL_SET := mixed --mix 2:1 --quant int8 --context-budget 512
@@ -67,12 +68,12 @@ ROUTER_N ?= 1000
 ROUTER_GEN ?= 200
 ROUTER_SMALL ?= 420
 ROUTER_NARROW ?= 300
-ROUTER_GSM8K ?= 150
-ROUTER_THINK ?= 60
+ROUTER_GSM8K ?= 220
+ROUTER_THINK ?= 220
 ROUTER_RUN := $(EVALS)/train-squad
 ROUTER_RUN_256 := $(EVALS)/train-squad-256
 ROUTER_RUN_GSM8K := $(EVALS)/train-gsm8k
-GSM8K_TRAIN := gsm8k -n 300 --split train --quant int8 --concurrency 16
+GSM8K_TRAIN := gsm8k -n 300 --split train --quant int8 --concurrency 32
 ROUTER := router/trained/router.joblib
 PROXY_SCORES := router/trained/proxy.jsonl
 PROXY_SCORES_256 := router/trained/proxy-large-256.jsonl
@@ -125,9 +126,11 @@ REPORT_THINK := $(EVALS)/gsm8k-test-think1024
 REPORT_LIMIT ?= 210
 REPORT_MARGIN ?= 0.2
 REPORT_THRESHOLD ?= 0.35
+REPORT_CLOSED_BOOK_MARGIN ?=
 eval-report: $(VENV)/.installed
 	$(SLUICE) eval run $(EVAL_SET) -n 300 --split test --router $(ROUTER) --concurrency 16 --limit $(REPORT_LIMIT) \
-		--modes small large routed+cascade --margin $(REPORT_MARGIN) --threshold $(REPORT_THRESHOLD) --out $(REPORT_RUN)
+		--modes small large routed+cascade --margin $(REPORT_MARGIN) --threshold $(REPORT_THRESHOLD) \
+		$(if $(REPORT_CLOSED_BOOK_MARGIN),--closed-book-margin $(REPORT_CLOSED_BOOK_MARGIN)) --out $(REPORT_RUN)
 	$(SLUICE) eval run gsm8k -n 100 --split test --quant int8 --concurrency 16 --modes large \
 		--thinking-budget 1024 --limit $$(( $(REPORT_LIMIT) / 3 )) --out $(REPORT_THINK)
 	mkdir -p docs/eval-report
