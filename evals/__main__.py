@@ -200,11 +200,12 @@ def cmd_run(args) -> int:
     collection = build_collection(folder, dataset, embedder) if dataset.documents else None
     routed = routed_modes(args.threshold, args.margin, args.router_models, args.closed_book_margin)
     modes = [MODES[m] if m in MODES else routed[m] for m in args.modes]
+    reuse = reusable(Path(args.reuse), config) if args.reuse else None     # refused before the models load
     try:
         if modes:                # none: just the folder and its collection, for `proxy`
             pipeline = pipeline_for(_engine(config, modes, args.memory_gb), config, router, embedder)
             run_modes(folder, config, dataset.examples[:args.limit], modes, pipeline, collection, args.concurrency,
-                      reuse=reusable(Path(args.reuse), config) if args.reuse else None)
+                      reuse=reuse)
     finally:
         if collection is not None:
             collection.close()

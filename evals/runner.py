@@ -23,7 +23,7 @@ from tqdm import tqdm
 from engine.llm_engine import Completion, LLMEngine
 from evals.datasets import Dataset, Example, load
 from evals.metrics import Score, score
-from evals.records import Call, Record, RecordLog
+from evals.records import Call, Record, RecordLog, complete_lines
 from pipeline import Answer, EngineCall, Pipeline, Price, Query, Refused, Terms, call_cost
 
 from retrieval import Collection, CollectionStore
@@ -144,13 +144,16 @@ def reusable(folder: Path, config: RunConfig) -> dict[tuple[str, str], Record]:
     this run's budget, so the budget never cut it. Decoding is greedy, so both runs write the
     same tokens (up to the rounding of a different batch), and the answer is copied rather than
     generated again: a 256-token label is free wherever the 1,024-token answer thought less.
-    Single-model modes only: a routed mode's route depends on its own run."""
+    Single-model modes only: a routed mode's route depends on its own run. A copy keeps the
+    other run's timings (engine seconds, latency), measured at that run's concurrency. The other
+    run's log is only read: it may still be writing."""
     theirs = read_config(folder)
     if not 0 < config.thinking_budget < theirs.thinking_budget or \
             msgspec.structs.replace(theirs, thinking_budget=config.thinking_budget) != config:
         raise RunError(f"--reuse {folder}: its answers serve only a run with the same settings and a smaller thinking "
                        f"budget than its {theirs.thinking_budget} (this run's: {config.thinking_budget})")
-    return {key: replace(r, copied_from=str(folder)) for key, r in RecordLog(folder / RECORDS_FILE).records.items()
+    records = (msgspec.json.decode(line, type=Record) for line in complete_lines(folder / RECORDS_FILE))
+    return {(r.mode, r.id): replace(r, copied_from=str(folder)) for r in records
             if r.mode in MODES and r.calls and r.error is None
             and all(c.thinking_tokens < config.thinking_budget for c in r.calls)}
 
@@ -184,8 +187,9 @@ def run_modes(folder: Path, config: RunConfig, examples: list[Example], modes: l
         runner = Runner(pipeline, config, log, collection, concurrency, progress)
         for mode in modes:
             for e in examples:
-                if (mode.name, e.id) in (reuse or {}) and not log.done(mode.name, e.id):
-                    log.append(reuse[mode.name, e.id])
+                copy = (reuse or {}).get((mode.name, e.id))
+                if copy is not None and copy.question == e.question and not log.done(mode.name, e.id):
+                    log.append(copy)
             runner.run(mode, examples)
     finally:
         log.close()

@@ -595,6 +595,10 @@ def test_a_run_at_a_thinking_budget_is_allowed_it(engine, tmp_path):
         with pytest.raises(Refused, match="at most 256 thinking tokens"):
             pipeline.check(terms, Query("2 + 2?", mode=mode.model, max_output_tokens=4, thinking_budget=257))
     assert MODES["large"].terms(config, arms=True).max_thinking == 1024
+    # A routed mode's closed-book margin reaches its tenant's policy; unset, the one margin serves both.
+    policy = routed_modes(margin=0.2, closed_book_margin=0.05)["routed+cascade"].terms(config).policy
+    assert (policy.arm_margin, policy.closed_book_margin) == (0.2, 0.05)
+    assert routed_modes(margin=0.2)["routed"].terms(config).policy.closed_book_margin is None
 
 
 def _fake_runs(tmp_path, setting: str, scores: dict) -> list[Path]:
