@@ -134,7 +134,7 @@ def route_arms(p: Policy, arms: tuple[Arm, ...], small: str, large: str,
     why = f"arms: {arm.name} (P(right) {probs[arm.name]:.2f}, ${cost(arm):.6f})"
     why += (f" is the cheapest within {margin:.2f} of the best, {best.name} ({probs[best.name]:.2f})"
             if arm != best else " is the best")
-    if len(ok) < len(arms):
+    if len(ok) < sum(a.name in probs for a in arms):      # arms of another kind of question are not offered
         why = f"{why}; of {len(ok)} arms this tenant allows"
     return Route(arm.model, why, thinking_budget=arm.thinking,
                  escalate_to=_escalation(p, arm.model, small, large, arm.name in narrow), source="arms",

@@ -349,6 +349,9 @@ def test_route_arms_takes_the_cheapest_arm_near_the_best_within_the_tenants_caps
     # The tenant's thinking budgets cap the arms it may get: without 256 thinking tokens, large is the best left.
     capped = route(_policy(arm_margin=0.0, thinking={"easy": 0, "medium": 0, "hard": 64}))
     assert capped.arm == "large" and capped.reason.endswith("of 2 arms this tenant allows")
+    # An arm with no classifier for this kind of question is not offered, not refused by the tenant.
+    other_kind = route(_policy(arm_margin=0.0), predict=lambda: {a: p for a, p in probs.items() if a != "small"})
+    assert other_kind.arm == "large+think256" and other_kind.reason.endswith("is the best")
     assert route(_policy(arm_margin=0.0, max_thinking=0)).arm == "large"
     assert route(_policy(arm_margin=0.0, force="never_large")).arm == "small"
     assert route(_policy(arm_margin=1.0, force="always_large")).arm == "large"
