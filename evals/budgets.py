@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 from evals.records import Record, RecordLog  # noqa: E402
 from evals.runner import MODES, RECORDS_FILE, ROUTED_MODES, RunError, read_config  # noqa: E402
 from evals.report import share, verdict  # noqa: E402
-from evals.summary import TARGET, difficulty_probabilities  # noqa: E402
+from evals.summary import TARGET, difficulty_probabilities, ratio  # noqa: E402
 from router.data import DIFFICULTIES  # noqa: E402
 from router.policy import goes_large  # noqa: E402
 
@@ -119,9 +119,8 @@ def against_best(rows: list[dict], best: dict) -> None:
     """Each row's exact match, dollars and thinking tokens as shares of the best fixed row's,
     and whether it meets the thinking arms' targets at the best row's quality."""
     for r in rows:
-        v = r["vs_best"] = {"em": r["em"] / best["em"] if best["em"] else None,
-                            "cost": r["cost_per_1k"] / best["cost_per_1k"] if best["cost_per_1k"] else None,
-                            "thinking": r["thinking_tokens"] / best["thinking_tokens"] if best["thinking_tokens"] else None}
+        v = r["vs_best"] = {"em": ratio(r["em"], best["em"]), "cost": ratio(r["cost_per_1k"], best["cost_per_1k"]),
+                            "thinking": ratio(r["thinking_tokens"], best["thinking_tokens"])}
         equal = v["em"] is not None and v["em"] >= TARGET
         r["targets"] = {"dollars": equal and v["cost"] is not None and v["cost"] <= DOLLAR_TARGET,
                         "thinking": equal and v["thinking"] is not None and v["thinking"] <= THINKING_TARGET}

@@ -198,6 +198,11 @@ def pair_summary(small: list[Record], large: list[Record]) -> dict | None:
     }
 
 
+def ratio(x: float, of: float) -> float | None:
+    """x as a share of `of`; None where `of` is 0 (no share of nothing)."""
+    return x / of if of else None
+
+
 def against_large(modes: dict[str, dict]) -> dict:
     """Each other mode's quality, dollars, engine seconds and thinking tokens per kind of
     question as shares of the large mode's on that kind, and whether it keeps TARGET of the
@@ -205,11 +210,10 @@ def against_large(modes: dict[str, dict]) -> dict:
     (RecordLog.keep_common)."""
     large, out = modes["large"]["by_kind"], {}
     for mode, s in modes.items():
+        if mode == "large":
+            continue
         for kind, k in s["by_kind"].items():
-            if mode == "large":
-                continue
-            ref = large[kind]
-            share = {key: k[key] / ref[key] if ref[key] else None for key in
+            share = {key: ratio(k[key], large[kind][key]) for key in
                      ("quality", "cost_per_1k_questions", "engine_s_per_question", "thinking_per_question")}
             share["target_met"] = (share["quality"] is not None and share["cost_per_1k_questions"] is not None
                                    and share["quality"] >= TARGET and share["cost_per_1k_questions"] <= COST_TARGET)
