@@ -79,8 +79,8 @@ def _pipeline(llm, pair=("small", "large")) -> Pipeline:
     return Pipeline(llm, PRICES, pair=pair)
 
 
-def _terms(**policy) -> Terms:
-    thinking = {"easy": 0, "medium": 64, "hard": 256}
+def _terms(thinking: dict | None = None, **policy) -> Terms:
+    thinking = thinking or {"easy": 0, "medium": 64, "hard": 256}
     return Terms("acme", Policy("small", ("small", "large"), thinking, 0.5, **policy), 400, 32, b"salt-acme")
 
 
@@ -175,3 +175,20 @@ def test_an_eval_cascade_cuts_early_as_the_gateway_does(tmp_path, llm):
         assert (small.model, small.finish_reason, big.model) == ("small", "abort", "large")
         assert 3 <= small.output_tokens <= 4 and cascade.answer == large.answer
     log.close()
+
+
+def test_plan_routes_a_closed_book_question_by_the_closed_book_margin(tmp_path, llm):
+    """The pipeline tells the router the question's kind: a question asked without a
+    collection goes by the tenant's closed-book margin, not its margin for retrieved ones."""
+    from router.model import train
+    from tests.test_router import HashEmbedder, write_kinds
+    router, _ = train(write_kinds(tmp_path), HashEmbedder())
+    p = Pipeline(llm, PRICES, router=router, embedder=HashEmbedder(), pair=("small", "large"))
+    plan = lambda **margins: p.plan(_terms(thinking={"easy": 0, "medium": 0, "hard": 256}, **margins),
+                                    Query("why did the empire fall and what followed v2"), None, "r").route
+    # Where thinking answers it (a hard question), the closed-book margin of 0 takes the best arm...
+    best = plan(arm_margin=1.0, closed_book_margin=0.0)
+    assert (best.arm, best.thinking_budget) == ("large+think256", 256) and best.reason.endswith("is the best")
+    # ...and a wide one the cheapest, whatever the margin for retrieved questions says.
+    cheap = plan(arm_margin=0.0, closed_book_margin=1.0)
+    assert cheap.arm == "small" and "within 1.00 of the best, large+think256" in cheap.reason

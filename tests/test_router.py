@@ -74,6 +74,19 @@ def write_labels(path, n=90, seed=0, narrow: bool = False):
     return path
 
 
+def write_kinds(folder) -> list:
+    """write_labels' questions twice: answered from retrieved passages without the thinking
+    arms (as SQuAD labels them), and closed-book with them, ten times the output (as GSM8K)."""
+    rag = [json.loads(line) for line in write_labels(folder / "rag.jsonl").read_text().splitlines()]
+    book = [r | {"id": f"c{i}", "retrieval_scores": [],
+                 "arms": {a: o | {"output": 10 * o["output"]} for a, o in r["arms"].items()}} for i, r in enumerate(rag)]
+    for r in rag:
+        r["arms"] = {a: o for a, o in r["arms"].items() if "+think" not in a}
+    for name, rows in (("rag", rag), ("book", book)):
+        (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return [folder / "rag.jsonl", folder / "book.jsonl"]
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     path = write_labels(tmp_path_factory.mktemp("run") / "labels.jsonl")
@@ -284,14 +297,7 @@ def test_arms_are_offered_and_priced_per_kind_of_question(tmp_path):
     for those and not for questions answered from retrieved passages, where their classifier
     never saw a label; every arm is priced by its labels of the question's kind."""
     from router.policy import route_arms
-    rag = [json.loads(line) for line in write_labels(tmp_path / "rag.jsonl").read_text().splitlines()]
-    book = [r | {"id": f"c{i}", "retrieval_scores": [],
-                 "arms": {a: o | {"output": 10 * o["output"]} for a, o in r["arms"].items()}} for i, r in enumerate(rag)]
-    for r in rag:
-        r["arms"] = {a: o for a, o in r["arms"].items() if "+think" not in a}
-    for name, rows in (("rag", rag), ("book", book)):
-        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    model, report = train([tmp_path / "rag.jsonl", tmp_path / "book.jsonl"], HashEmbedder())
+    model, report = train(write_kinds(tmp_path), HashEmbedder())
     arms = model.arms
     assert {a: set(t) for a, t in arms.tokens.items()} == {"small": {True, False}, "large": {True, False},
                                                            "large+think256": {False}}
