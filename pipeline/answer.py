@@ -177,13 +177,12 @@ class Pipeline:
             # The arm answers best from fewer passages (its context-budget curve): the same
             # search, trimmed to the arm's budget.
             try:
-                whole, context = context, rag_context(collection, q.question, r.context_budget, tokenizer, self.k,
-                                                      q.messages, vector)
+                context = rag_context(collection, q.question, r.context_budget, tokenizer, self.k, q.messages, vector)
                 r = replace(r, reason=f"{r.reason}; context trimmed to the arm's {r.context_budget} tokens")
-                if r.escalate_to == r.model:       # widening: the context the model's own arm reads
-                    budget = self._wide_budget(r, terms)
-                    wide = whole if budget >= terms.context_budget else rag_context(
-                        collection, q.question, budget, tokenizer, self.k, q.messages, vector)
+                if r.escalate_to == r.model:       # widening: the context the model's own arm reads,
+                    # led by the passages the narrow call reads, so its prompt is a prefix of this one
+                    wide = rag_context(collection, q.question, self._wide_budget(r, terms), tokenizer, self.k,
+                                       q.messages, vector, lead=context.trimmed.chunks)
             except RetrievalError:       # the question alone is over the arm's budget: the tenant's stands
                 r = replace(r, context_budget=None)
         if r.escalate_to == r.model and (wide is None or wide.trimmed.tokens <= context.trimmed.tokens):

@@ -5,10 +5,11 @@ so an offline score is the score of what the service would have answered."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from .prompt import build_prompt
 from .trim import TrimResult, trim
-from .types import RetrievalError, SearchHit, TokenCounter
+from .types import Chunk, RetrievalError, SearchHit, TokenCounter
 
 
 class OverBudget(RetrievalError):
@@ -34,11 +35,12 @@ class RagContext:
 
 
 def rag_context(collection, question: str, budget: int, tokenizer: TokenCounter, k: int,
-                messages: list[dict[str, str]] | None = None, vector=None) -> RagContext:
+                messages: list[dict[str, str]] | None = None, vector=None, lead: Sequence[Chunk] = ()) -> RagContext:
     """`collection`: a retrieval Collection, or None to send the question (or `messages`) alone.
     `question` is what is searched for; the budget counts the whole conversation when
     `messages` is given; `vector` is the question's embedding when the caller has it already
-    (the gateway's router embeds the question once for both). Raises RetrievalError (OverBudget when nothing could be dropped)."""
+    (the gateway's router embeds the question once for both); `lead`: passages the prompt puts
+first, those of an earlier call that this one widens (prompt.canonical). Raises RetrievalError (OverBudget when nothing could be dropped)."""
     text = question if messages is None else "\n".join(m["content"] for m in messages)
     if collection is None:
         tokens = len(tokenizer.encode(text))
@@ -47,8 +49,8 @@ def rag_context(collection, question: str, budget: int, tokenizer: TokenCounter,
         return RagContext(messages or [{"role": "user", "content": question}], [], [],
                           TrimResult([], [], tokens, budget))
     hits = collection.search(question, k=k, vector=vector)
-    result = trim([h.chunk for h in hits], text, budget, tokenizer)
-    prompt = build_prompt(question, result.chunks)
+    result = trim([h.chunk for h in hits], text, budget, tokenizer, lead=lead)
+    prompt = build_prompt(question, result.chunks, lead=lead)
     if messages is None:
         composed = prompt.messages
     else:   # passages first, so the prefix is shared; then the client's own system message

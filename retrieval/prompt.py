@@ -3,7 +3,9 @@
 The system message depends only on the instructions and the set of passages, never on the
 question or on retrieval order: passages appear in canonical order (document, then
 position). Requests that retrieve the same chunks thus share a byte-identical prefix, which
-the engine's prefix cache reuses. Passages are cited by number; document ids, which come
+the engine's prefix cache reuses. A widened call (the pipeline's: an unsure answer from one
+passage asked again with more) leads with the passages its first call read, so its prompt
+extends that call's and the cache serves the part they share. Passages are cited by number; document ids, which come
 from users, stay out of the prompt.
 """
 from __future__ import annotations
@@ -28,22 +30,25 @@ class Prompt:
     citations: dict[str, str]  # passage number as cited ("1") -> chunk id
 
 
-def canonical(chunks: Sequence[Chunk]) -> list[Chunk]:
-    return sorted(chunks, key=lambda c: (c.doc_id, c.position))
+def canonical(chunks: Sequence[Chunk], lead: Sequence[Chunk] = ()) -> list[Chunk]:
+    """By document, then position; those of `lead` first."""
+    first = {c.id for c in lead}
+    return sorted(chunks, key=lambda c: (c.id not in first, c.doc_id, c.position))
 
 
 def passage(number: int | str, c: Chunk) -> str:
     return f"[{number}] {c.title}\n{c.text}" if c.title else f"[{number}]\n{c.text}"
 
 
-def system_text(chunks: Sequence[Chunk], instructions: str = DEFAULT_INSTRUCTIONS) -> str:
+def system_text(chunks: Sequence[Chunk], instructions: str = DEFAULT_INSTRUCTIONS, lead: Sequence[Chunk] = ()) -> str:
     """The system message for these chunks, whatever order they come in."""
-    passages = "\n\n".join(passage(n, c) for n, c in enumerate(canonical(chunks), 1))
+    passages = "\n\n".join(passage(n, c) for n, c in enumerate(canonical(chunks, lead), 1))
     return f"{instructions}\n\n{passages}" if passages else instructions
 
 
-def build_prompt(question: str, chunks: Sequence[Chunk], instructions: str = DEFAULT_INSTRUCTIONS) -> Prompt:
-    ordered = canonical(chunks)
-    return Prompt([{"role": "system", "content": system_text(ordered, instructions)},
+def build_prompt(question: str, chunks: Sequence[Chunk], instructions: str = DEFAULT_INSTRUCTIONS,
+                 lead: Sequence[Chunk] = ()) -> Prompt:
+    ordered = canonical(chunks, lead)
+    return Prompt([{"role": "system", "content": system_text(ordered, instructions, lead)},
                    {"role": "user", "content": question}],
                   {str(n): c.id for n, c in enumerate(ordered, 1)})

@@ -28,16 +28,17 @@ class Dropped:
 
 @dataclass(frozen=True)
 class TrimResult:
-    chunks: list[Chunk]  # canonical order: by document, then position
+    chunks: list[Chunk]  # in prompt order: canonical (by document, then position), the lead's first
     dropped: list[Dropped]  # in rank order
     tokens: int  # exact count of the system message plus the question
     budget: int
 
 
 def trim(ranked: Sequence[Chunk], question: str, budget: int, tokenizer: TokenCounter,
-         instructions: str = DEFAULT_INSTRUCTIONS, max_overlap: float = 0.8) -> TrimResult:
+         instructions: str = DEFAULT_INSTRUCTIONS, max_overlap: float = 0.8, lead: Sequence[Chunk] = ()) -> TrimResult:
     """Keep the best chunks that fit in `budget` tokens, `max_overlap` being the share of
-    word trigrams a chunk may have in common with a kept one before it counts as a duplicate."""
+    word trigrams a chunk may have in common with a kept one before it counts as a duplicate.
+    `lead`: chunks the prompt puts first (prompt.canonical), counted in that order."""
     count = lambda text: len(tokenizer.encode(text))
     if not question.strip():
         raise RetrievalError("the question is empty")
@@ -64,10 +65,10 @@ def trim(ranked: Sequence[Chunk], question: str, budget: int, tokenizer: TokenCo
         grams.append(g)
         used += cost
     # Subword tokenizers can count a concatenation differently from its parts: check the real text.
-    while (tokens := count(system_text(chosen, instructions)) + count(question)) > budget:
+    while (tokens := count(system_text(chosen, instructions, lead)) + count(question)) > budget:
         c = chosen.pop()
         dropped.append(Dropped(c.id, "budget", f"the assembled prompt counted {tokens} tokens"))
-    return TrimResult(canonical(chosen), dropped, tokens, budget)
+    return TrimResult(canonical(chosen, lead), dropped, tokens, budget)
 
 
 def _trigrams(text: str) -> set[tuple[str, ...]]:

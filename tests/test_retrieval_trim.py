@@ -126,3 +126,17 @@ def test_same_chunks_give_the_same_prefix_in_any_order(chunks, data):
     p1, p2 = build_prompt("First question?", one.chunks), build_prompt("Second?", shuffled)
     assert p1.messages[0]["content"].encode() == p2.messages[0]["content"].encode()
     assert p1.citations == p2.citations
+
+
+@pytest.mark.parametrize("tokenizer", TOKENIZERS, ids=lambda t: type(t).__name__)
+def test_a_widened_prompt_extends_the_narrow_one(tokenizer):
+    """Led by the narrow call's passages, the wider prompt starts with the narrow one's system
+    message (the prefix cache serves it), and its count is exact in that order."""
+    top, a, b = Chunk("z", 5, words(30, 1)), Chunk("a", 0, words(20, 2)), Chunk("b", 2, words(25, 3))
+    question = "which one?"
+    wide = trim([top, a, b], question, 100_000, tokenizer, lead=[top])
+    assert wide.chunks == [top, a, b] and trim([top, a, b], question, 100_000, tokenizer).chunks == [a, b, top]
+    short, long = build_prompt(question, [top]), build_prompt(question, wide.chunks, lead=[top])
+    assert long.messages[0]["content"].startswith(short.messages[0]["content"] + "\n\n[2]\n")
+    assert long.citations == {"1": top.id, "2": a.id, "3": b.id}
+    assert wide.tokens == count(tokenizer, long.messages[0]["content"]) + count(tokenizer, question)
