@@ -16,9 +16,8 @@ import argparse
 import json
 from pathlib import Path
 
-import msgspec
 import numpy as np
-from common import RESULTS
+from common import RESULTS, ROOT
 from rich.console import Console
 from rich.table import Table
 from sklearn.model_selection import StratifiedKFold
@@ -27,7 +26,7 @@ from evals.runner import read_config
 from pipeline.prices import cost
 from router.arms import parse_arm
 from router.calibration import fit_calibrated
-from router.confidence import row
+from router.confidence import features
 from router.data import read_labels
 
 BEST = "large+think1024"
@@ -51,7 +50,7 @@ def measure(run: Path) -> dict:
             "$": np.array([dollars(BEST, l.arms[BEST]) for l in labels]),
             "thinking": np.array([l.arms[BEST].thinking or 0 for l in labels], float)}
     share = lambda key, values: float(values.mean() / best[key].mean())
-    out = {"run": str(run), "problems": len(labels), "best": BEST,
+    out = {"run": str(run.resolve().relative_to(ROOT)), "problems": len(labels), "best": BEST,
            "best_alone": {"em": float(best["em"].mean()), "$ / 1k": 1e3 * float(best["$"].mean()),
                           "thinking": float(best["thinking"].mean())}, "first": {}}
     for name in FIRST:
@@ -59,7 +58,7 @@ def measure(run: Path) -> dict:
         right = np.array([o.correct for o in arm], bool)
         spent = np.array([dollars(name, o) for o in arm])
         thought = np.array([o.thinking or 0 for o in arm], float)
-        p = cross_validated(np.array([row(*msgspec.structs.astuple(o.confidence)) for o in arm]), right)
+        p = cross_validated(np.array([features(o.confidence) for o in arm]), right)
         cascade = lambda on: {"passed_on": float(on.mean()), "em": share("em", np.where(on, best["em"], right)),
                               "$": share("$", spent + on * best["$"]),
                               "thinking": share("thinking", thought + on * best["thinking"])}

@@ -8,8 +8,10 @@ next (model, prompt, draft) given the calls so far: the routed model's, then, wh
 confidence is under the tenant's threshold, the large model's, with the first answer offered
 as its speculative draft (where the two agree that costs verification passes, not decode
 steps, and the answer is still the large model's own). A narrow arm (the large model on the
-best passage alone) escalates to itself: the same model asked again with the wider context
-its own arm reads (`large`'s budget from the context curve, within the tenant's). The gateway
+best passage alone) escalates to itself: the same model asked again with the wider budget
+its own arm reads (`large`'s from the context curve, within the tenant's), the narrow call's
+passages first, so that its prompt extends the narrow one's and the prefix cache serves that
+part. The gateway
 drives an Answer through the async engine, evals by stepping the engine; neither decides
 anything itself, so what evals measure is what is served.
 """

@@ -39,8 +39,9 @@ def rag_context(collection, question: str, budget: int, tokenizer: TokenCounter,
     """`collection`: a retrieval Collection, or None to send the question (or `messages`) alone.
     `question` is what is searched for; the budget counts the whole conversation when
     `messages` is given; `vector` is the question's embedding when the caller has it already
-    (the gateway's router embeds the question once for both); `lead`: passages the prompt puts
-first, those of an earlier call that this one widens (prompt.canonical). Raises RetrievalError (OverBudget when nothing could be dropped)."""
+    (the gateway's router embeds the question once for both); `lead`: the passages of an
+    earlier, narrower call that this one widens, kept and put first (trim). Raises
+    RetrievalError (OverBudget when nothing could be dropped)."""
     text = question if messages is None else "\n".join(m["content"] for m in messages)
     if collection is None:
         tokens = len(tokenizer.encode(text))

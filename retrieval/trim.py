@@ -38,7 +38,9 @@ def trim(ranked: Sequence[Chunk], question: str, budget: int, tokenizer: TokenCo
          instructions: str = DEFAULT_INSTRUCTIONS, max_overlap: float = 0.8, lead: Sequence[Chunk] = ()) -> TrimResult:
     """Keep the best chunks that fit in `budget` tokens, `max_overlap` being the share of
     word trigrams a chunk may have in common with a kept one before it counts as a duplicate.
-    `lead`: chunks the prompt puts first (prompt.canonical), counted in that order."""
+    `lead`: the chunks of a narrower context this one widens. They are taken first (they fit
+    a smaller budget, so they fit this one, and the exact count gives back the others first)
+    and the prompt puts them first (prompt.canonical), so it extends the narrower prompt."""
     count = lambda text: len(tokenizer.encode(text))
     if not question.strip():
         raise RetrievalError("the question is empty")
@@ -50,7 +52,8 @@ def trim(ranked: Sequence[Chunk], question: str, budget: int, tokenizer: TokenCo
     grams: list[set] = []
     dropped: list[Dropped] = []
     used = base
-    for c in ranked:
+    first = {c.id for c in lead}
+    for c in sorted(ranked, key=lambda c: c.id not in first):     # stable: by rank within each part
         g = _trigrams(c.text)
         twin = next((o for o, og in zip(chosen, grams) if o.id == c.id or _overlap(g, og) > max_overlap), None)
         if twin is not None:

@@ -12,13 +12,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import msgspec
 import numpy as np
 from sklearn.model_selection import train_test_split
 
 from router.arms import parse_arm
 from router.calibration import fit_calibrated
-from router.data import Label, RouterError
+from router.data import Confidence as LabelConfidence, Label, RouterError
 
 # The untrained rule: the 25th percentile of token probability. Uncalibrated, but length-free.
 DEFAULT_RULE = "p25 token probability (uncalibrated)"
@@ -53,9 +52,13 @@ def quantiles(logprobs: list[float]) -> tuple[float, float, float, float, float,
             round(float(p25), 4), round(float(p50), 4), len(lp))
 
 
-def row(mean: float, least: float, p10: float, p25: float, p50: float, length: int) -> list[float]:
-    """The confidence model's features, from `quantiles` (or a label's Confidence, in its order)."""
+def _row(mean: float, least: float, p10: float, p25: float, p50: float, length: int) -> list[float]:
     return [math.exp(p10), math.exp(p25), math.exp(p50), math.exp(least), math.exp(mean), math.log1p(length)]
+
+
+def features(c: LabelConfidence) -> list[float]:
+    """The confidence model's features of an answer, from its label's quantiles."""
+    return _row(c.mean, c.min, c.p10, c.p25, c.p50, c.length)
 
 
 @dataclass
@@ -71,7 +74,7 @@ class ConfidenceModel:
         """From `quantiles` of the log-probabilities, as labels keep them."""
         if self.model is None:
             return Confidence(math.exp(q[3]), False)
-        proba = self.model.predict_proba(np.array([row(*q)]))[0]
+        proba = self.model.predict_proba(np.array([_row(*q)]))[0]
         return Confidence(float(proba[list(self.model.classes_).index(True)]), True)
 
 
@@ -155,7 +158,7 @@ def _fit(rows: list[tuple[object, bool]], seed: int, test_size: float,
          what: str) -> tuple[ConfidenceModel, ConfidenceReport]:
     if len(rows) < 8:
         raise RouterError(f"{len(rows)} {what}; need at least 8")
-    x = np.array([row(*msgspec.structs.astuple(c)) for c, _ in rows])
+    x = np.array([features(c) for c, _ in rows])
     y = np.array([right for _, right in rows])
     try:
         xa, xb, ya, yb = train_test_split(x, y, test_size=test_size, random_state=seed, stratify=y)

@@ -140,3 +140,18 @@ def test_a_widened_prompt_extends_the_narrow_one(tokenizer):
     assert long.messages[0]["content"].startswith(short.messages[0]["content"] + "\n\n[2]\n")
     assert long.citations == {"1": top.id, "2": a.id, "3": b.id}
     assert wide.tokens == count(tokenizer, long.messages[0]["content"]) + count(tokenizer, question)
+
+
+@settings(max_examples=150, deadline=None)
+@given(chunks=CHUNKS, budgets=st.lists(st.integers(60, 1500), min_size=2, max_size=2), tokenizer=st.sampled_from(TOKENIZERS))
+def test_a_wider_context_keeps_the_narrow_ones_passages_first(chunks, budgets, tokenizer):
+    """Whatever the narrow call kept (a big top passage skipped for a smaller one, a later
+    near-duplicate of it), the wider context keeps it, first, within its own budget."""
+    question, (small, large) = "Why?", sorted(budgets)
+    if small < prompt_tokens(tokenizer, question, []):
+        return
+    narrow = trim(chunks, question, small, tokenizer)
+    wide = trim(chunks, question, large, tokenizer, lead=narrow.chunks)
+    assert wide.chunks[:len(narrow.chunks)] == narrow.chunks and wide.tokens <= large
+    short, long = build_prompt(question, narrow.chunks), build_prompt(question, wide.chunks, lead=narrow.chunks)
+    assert long.messages[0]["content"].startswith(short.messages[0]["content"])
