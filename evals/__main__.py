@@ -95,6 +95,9 @@ def build_parser(prog: str = "python -m evals") -> argparse.ArgumentParser:
     run.add_argument("--closed-book-margin", type=float, metavar="MARGIN",
                      help="--margin for closed-book questions (nothing searched: GSM8K), as a tenant's "
                           "[router] closed_book_arm_margin (default: --margin)")
+    run.add_argument("--widen-canonical", dest="widen_from_cache", action="store_false",
+                     help="a widened answer reads its wider context in canonical order, as a tenant's [router] "
+                          "widen_from_cache = false (default: led by the narrow call's passages, from the cache)")
     run.add_argument("--router-models", choices=("auto", "never_large", "always_large"), default="auto",
                      help="routed modes: which models the router may pick, as a tenant's [router] models; "
                           "always_large with --margin 1 starts every question at the cheapest large arm "
@@ -198,7 +201,8 @@ def cmd_run(args) -> int:
     print(f"{len(dataset.examples)} questions; run folder {folder}", file=sys.stderr)
     embedder = Embedder() if dataset.documents or router else None
     collection = build_collection(folder, dataset, embedder) if dataset.documents else None
-    routed = routed_modes(args.threshold, args.margin, args.router_models, args.closed_book_margin)
+    routed = routed_modes(args.threshold, args.margin, args.router_models, args.closed_book_margin,
+                          args.widen_from_cache)
     modes = [MODES[m] if m in MODES else routed[m] for m in args.modes]
     reuse = reusable(Path(args.reuse), config) if args.reuse else None     # refused before the models load
     try:

@@ -76,6 +76,7 @@ class Mode:
     margin: float = 0.05              # arms: the cheapest within this of the best arm's P(correct)
     force: str = "auto"               # which models the router may pick: a tenant's [router] models
     closed_book_margin: float | None = None   # `margin` on closed-book questions; None: margin
+    widen_from_cache: bool = True     # a tenant's [router] widen_from_cache
 
     @property
     def models(self) -> tuple[str, ...]:
@@ -91,7 +92,7 @@ class Mode:
         thinking = {"easy": 0, "medium": 0, "hard": max(config.thinking_budget, ARM_THINKING_CAP if arms else 0)}
         policy = Policy("small", PAIR, thinking, self.threshold, self.classifier, self.escalation, self.force,
                         classifier_timeout_s=3600.0, arm_margin=self.margin,
-                        closed_book_margin=self.closed_book_margin)
+                        closed_book_margin=self.closed_book_margin, widen_from_cache=self.widen_from_cache)
         # Each mode its own prefix-cache namespace: a mode run after another in the same engine
         # would find that one's prompts cached, and look cheaper and faster than it is served.
         return Terms(TENANT, policy, config.context_budget, config.max_tokens, SALT + b"/" + self.name.encode())
@@ -102,11 +103,11 @@ ROUTED_MODES = ("routed", "cascade", "routed+cascade")
 
 
 def routed_modes(threshold: float = 0.5, margin: float = 0.05, force: str = "auto",
-                 closed_book_margin: float | None = None) -> dict[str, Mode]:
+                 closed_book_margin: float | None = None, widen_from_cache: bool = True) -> dict[str, Mode]:
     """`routed`, `cascade` and `routed+cascade` at an escalation threshold (and, with a router
     that has arms, an arm margin, on closed-book questions too unless given one of their own,
     and the models it may pick)."""
-    return {name: Mode(name, "auto", c, e, threshold, margin, force, closed_book_margin)
+    return {name: Mode(name, "auto", c, e, threshold, margin, force, closed_book_margin, widen_from_cache)
             for name, c, e in (("routed", True, False), ("cascade", False, True), ("routed+cascade", True, True))}
 
 

@@ -57,6 +57,9 @@ class RouterSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # A narrow arm's answer (large@256: the best passage alone) judged under escalation_threshold
     # is asked again of the same model with a wider context; false: it stands.
     widen: bool = True
+    # The wider context leads with the narrow one's passages, whose prompt the prefix cache then
+    # serves; false: in the order the plain arm reads (dearer, and it scored higher on the report).
+    widen_from_cache: bool = True
 
 
 class Limits(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -99,7 +102,7 @@ class Tenant:
         policy = Policy(spec.default_model, tuple(spec.allowed_models), msgspec.structs.asdict(spec.thinking_budget),
                         spec.escalation_threshold, r.classifier, r.escalation, r.models, r.max_thinking_budget,
                         r.classifier_timeout_ms / 1000, r.early_escalation, r.arm_margin, r.closed_book_arm_margin,
-                        r.widen)
+                        r.widen, r.widen_from_cache)
         return Terms(self.id, policy, spec.context_budget, spec.output_budget, self.salt)
 
 

@@ -184,7 +184,8 @@ class Pipeline:
                 if r.escalate_to == r.model:       # widening: the context the model's own arm reads,
                     # led by the passages the narrow call reads, so its prompt is a prefix of this one
                     wide = rag_context(collection, q.question, self._wide_budget(r, terms), tokenizer, self.k,
-                                       q.messages, vector, lead=context.trimmed.chunks)
+                                       q.messages, vector,
+                                       lead=context.trimmed.chunks if terms.policy.widen_from_cache else ())
             except RetrievalError:       # the question alone is over the arm's budget: the tenant's stands
                 r = replace(r, context_budget=None)
         if r.escalate_to == r.model and (wide is None or wide.trimmed.tokens <= context.trimmed.tokens):

@@ -541,21 +541,21 @@ def test_an_unsure_narrow_answer_is_asked_again_with_the_whole_context(tmp_path,
                                                 for a in model.arms.arms))
     model.save(tmp_path / "router.joblib")
     bodies, rows, widened = {}, {}, {}
-    for widen in (True, False):
+    for widen, cached in ((True, True), (False, True), (True, False)):
         # Always large, the cheapest arm: large@256; threshold 1: every answer judged unsure.
-        client, gw = _client(tmp_path / f"w{widen}", llm, embedder, threshold=1.0,
+        client, gw = _client(tmp_path / f"w{widen}{cached}", llm, embedder, threshold=1.0,
                              router=RouterConfig(str(tmp_path / "router.joblib")),
                              extra=f'[router]\nclassifier_timeout_ms = 2000\narm_margin = 1.0\nmodels = "always_large"\n'
-                                   f"widen = {str(widen).lower()}\n")
+                                   f"widen = {str(widen).lower()}\nwiden_from_cache = {str(cached).lower()}\n")
         with client as c:
             wait_ready(c)
             assert c.post("/v1/collections/kb/documents", json=DOCS, headers=auth()).status_code in (200, 201)
             large = _ask(c, question="what is the capital of france", collection="kb", mode="large")
-            bodies[widen] = _ask(c, question="what is the capital of france", collection="kb")
-            rows[widen] = gw.ledger.rows()[-1]
+            bodies[widen, cached] = _ask(c, question="what is the capital of france", collection="kb")
+            rows[widen, cached] = gw.ledger.rows()[-1]
             counted = re.search(r"^sluice_widened_total (\S+)$", c.get("/metrics").text, re.M)
-            widened[widen] = float(counted.group(1) if counted else 0)
-    wide, narrow = bodies[True], bodies[False]
+            widened[widen, cached] = float(counted.group(1) if counted else 0)
+    wide, narrow, canonical = bodies[True, True], bodies[False, True], bodies[True, False]
     assert wide["arm"] == narrow["arm"] == "large@256" and wide["escalated"] and not narrow["escalated"]
     assert "context trimmed to the arm's 75 tokens" in wide["route_reason"]
     assert [c["doc_id"] for c in narrow["citations"]] == ["paris"] and narrow["trimmed"]["budget"] == 75
@@ -567,8 +567,10 @@ def test_an_unsure_narrow_answer_is_asked_again_with_the_whole_context(tmp_path,
     assert [c["doc_id"] for c in large["citations"]] == ["berlin", "paris", "rome"]
     assert [c["doc_id"] for c in wide["citations"]] == ["paris", "berlin", "rome"]
     assert wide["trimmed"]["kept"] == large["trimmed"]["kept"] == 3 and wide["trimmed"]["budget"] == 300
-    assert (rows[True].models, rows[False].models) == ("large,large", "large")
-    assert widened == {True: 1.0, False: 0.0}
+    # widen_from_cache = false: the plain arm's order, large-only's prompt and answer.
+    assert canonical["citations"] == large["citations"] and canonical["answer"] == large["answer"]
+    assert (rows[True, True].models, rows[False, True].models) == ("large,large", "large")
+    assert widened == {(True, True): 1.0, (False, True): 0.0, (True, False): 1.0}
 
 
 def test_the_early_verdict_reads_the_shortest_prefix_that_judges_as_well(tmp_path):
