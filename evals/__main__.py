@@ -95,9 +95,9 @@ def build_parser(prog: str = "python -m evals") -> argparse.ArgumentParser:
     run.add_argument("--closed-book-margin", type=float, metavar="MARGIN",
                      help="--margin for closed-book questions (nothing searched: GSM8K), as a tenant's "
                           "[router] closed_book_arm_margin (default: --margin)")
-    run.add_argument("--widen-canonical", dest="widen_from_cache", action="store_false",
-                     help="a widened answer reads its wider context in canonical order, as a tenant's [router] "
-                          "widen_from_cache = false (default: led by the narrow call's passages, from the cache)")
+    run.add_argument("--widen-from-cache", action="store_true",
+                     help="a widened answer's wider context leads with the narrow call's passages, which the "
+                          "prefix cache serves, as a tenant's [router] widen_from_cache = true (default: canonical order)")
     run.add_argument("--router-models", choices=("auto", "never_large", "always_large"), default="auto",
                      help="routed modes: which models the router may pick, as a tenant's [router] models; "
                           "always_large with --margin 1 starts every question at the cheapest large arm "

@@ -76,7 +76,7 @@ class Mode:
     margin: float = 0.05              # arms: the cheapest within this of the best arm's P(correct)
     force: str = "auto"               # which models the router may pick: a tenant's [router] models
     closed_book_margin: float | None = None   # `margin` on closed-book questions; None: margin
-    widen_from_cache: bool = True     # a tenant's [router] widen_from_cache
+    widen_from_cache: bool = False    # a tenant's [router] widen_from_cache
 
     @property
     def models(self) -> tuple[str, ...]:
@@ -103,7 +103,7 @@ ROUTED_MODES = ("routed", "cascade", "routed+cascade")
 
 
 def routed_modes(threshold: float = 0.5, margin: float = 0.05, force: str = "auto",
-                 closed_book_margin: float | None = None, widen_from_cache: bool = True) -> dict[str, Mode]:
+                 closed_book_margin: float | None = None, widen_from_cache: bool = False) -> dict[str, Mode]:
     """`routed`, `cascade` and `routed+cascade` at an escalation threshold (and, with a router
     that has arms, an arm margin, on closed-book questions too unless given one of their own,
     and the models it may pick)."""

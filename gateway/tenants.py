@@ -57,9 +57,9 @@ class RouterSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # A narrow arm's answer (large@256: the best passage alone) judged under escalation_threshold
     # is asked again of the same model with a wider context; false: it stands.
     widen: bool = True
-    # The wider context leads with the narrow one's passages, whose prompt the prefix cache then
-    # serves; false: in the order the plain arm reads (dearer, and it scored higher on the report).
-    widen_from_cache: bool = True
+    # true: the wider context leads with the narrow one's passages, whose prompt the prefix cache
+    # then serves (cheaper, but it scored lower on the report); false: the plain arm's order.
+    widen_from_cache: bool = False
 
 
 class Limits(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

@@ -9,9 +9,9 @@ confidence is under the tenant's threshold, the large model's, with the first an
 as its speculative draft (where the two agree that costs verification passes, not decode
 steps, and the answer is still the large model's own). A narrow arm (the large model on the
 best passage alone) escalates to itself: the same model asked again with the wider budget
-its own arm reads (`large`'s from the context curve, within the tenant's), the narrow call's
-passages first, so that its prompt extends the narrow one's and the prefix cache serves that
-part. The gateway
+its own arm reads (`large`'s from the context curve, within the tenant's); with the tenant's
+`widen_from_cache`, the narrow call's passages first, so that its prompt extends the narrow
+one's and the prefix cache serves that part. The gateway
 drives an Answer through the async engine, evals by stepping the engine; neither decides
 anything itself, so what evals measure is what is served.
 """
@@ -182,7 +182,7 @@ class Pipeline:
                 context = rag_context(collection, q.question, r.context_budget, tokenizer, self.k, q.messages, vector)
                 r = replace(r, reason=f"{r.reason}; context trimmed to the arm's {r.context_budget} tokens")
                 if r.escalate_to == r.model:       # widening: the context the model's own arm reads,
-                    # led by the passages the narrow call reads, so its prompt is a prefix of this one
+                    # perhaps led by the narrow call's passages, so that its prompt is a prefix of this one
                     wide = rag_context(collection, q.question, self._wide_budget(r, terms), tokenizer, self.k,
                                        q.messages, vector,
                                        lead=context.trimmed.chunks if terms.policy.widen_from_cache else ())

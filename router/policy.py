@@ -38,10 +38,10 @@ class Policy:
     # nearly as good, so a wide margin pays; on closed-book ones it gives up thinking that pays.
     closed_book_margin: float | None = None
     widen: bool = True                  # an unsure answer of a narrow arm is asked again with a wider context
-    # The wider context leads with the narrow one's passages, so the prefix cache serves that
-    # part; off: the plain arm's canonical order (on the report's 25 widened SQuAD questions the
-    # lead cost 12% less and scored F1 0.42 against 0.47: docs/eval-report/widening-cache.json).
-    widen_from_cache: bool = True
+    # On: the wider context leads with the narrow one's passages, so the prefix cache serves
+    # that part. Off by default: on the report's widened SQuAD questions the lead cost 12% less
+    # and scored lower F1, a dearer trade than a lower threshold (benchmarks/results/widen_order.json).
+    widen_from_cache: bool = False
 
 
 @dataclass(frozen=True)

@@ -599,6 +599,8 @@ def test_a_run_at_a_thinking_budget_is_allowed_it(engine, tmp_path):
     policy = routed_modes(margin=0.2, closed_book_margin=0.05)["routed+cascade"].terms(config).policy
     assert (policy.arm_margin, policy.closed_book_margin) == (0.2, 0.05)
     assert routed_modes(margin=0.2)["routed"].terms(config).policy.closed_book_margin is None
+    assert not routed_modes()["routed+cascade"].terms(config).policy.widen_from_cache
+    assert routed_modes(widen_from_cache=True)["routed+cascade"].terms(config).policy.widen_from_cache
 
 
 def _fake_runs(tmp_path, setting: str, scores: dict) -> list[Path]:

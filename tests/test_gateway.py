@@ -473,16 +473,16 @@ def test_the_example_tenant_file_is_valid():
     assert tenants[0].spec.api_key_sha256 == [hashlib.sha256(b"sk-sluice-demo").hexdigest()]
     policy = tenants[0].terms.policy
     assert (policy.arm_margin, policy.closed_book_margin, policy.widen) == (0.05, None, True)   # unset: arm_margin
-    assert policy.widen_from_cache
+    assert not policy.widen_from_cache
 
 
-def test_a_tenant_sets_its_closed_book_arm_margin(tmp_path):
+def test_a_tenant_sets_its_closed_book_arm_margin_and_widening_order(tmp_path):
     path = tmp_path / "alpha.toml"
     path.write_text(tenant_toml(KEYS["alpha"]).replace("[limits]", "[router]\narm_margin = 0.2\n"
                                                                     "closed_book_arm_margin = 0.05\n"
-                                                                    "widen_from_cache = false\n[limits]"))
+                                                                    "widen_from_cache = true\n[limits]"))
     policy = load_tenant(path, {"small", "large"}).terms.policy
-    assert (policy.arm_margin, policy.closed_book_margin, policy.widen, policy.widen_from_cache) == (0.2, 0.05, True, False)
+    assert (policy.arm_margin, policy.closed_book_margin, policy.widen, policy.widen_from_cache) == (0.2, 0.05, True, True)
 
 
 # --------------------------------------------------------------------------- limits
