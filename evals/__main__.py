@@ -32,8 +32,8 @@ from evals.labels import LABELS_FILE, write_labels
 from evals.proxy import PROXY_FILE, PROXY_REPORT, agreement, read_thresholds, score_run
 from evals.report import write_report
 from evals.runner import (DEFAULT_CONTEXT_BUDGET, DEFAULT_K, DEFAULT_MAX_TOKENS, MODES, ROUTED_MODES, RunConfig,
-                          RunError, build_collection, load_dataset, open_run, pipeline_for, read_config,
-                          reusable, routed_modes, run_modes)
+                          RunError, build_collection, check_modes, load_dataset, open_run, pipeline_for,
+                          read_config, reusable, routed_modes, run_modes)
 from pipeline import default_prices, parse_price
 from retrieval import Embedder
 from router.data import RouterError
@@ -204,7 +204,8 @@ def cmd_run(args) -> int:
     routed = routed_modes(args.threshold, args.margin, args.router_models, args.closed_book_margin,
                           args.widen_from_cache)
     modes = [MODES[m] if m in MODES else routed[m] for m in args.modes]
-    reuse = reusable(Path(args.reuse), config) if args.reuse else None     # refused before the models load
+    check_modes(folder, modes)                                              # refused before the models load
+    reuse = reusable(Path(args.reuse), config) if args.reuse else None
     try:
         if modes:                # none: just the folder and its collection, for `proxy`
             pipeline = pipeline_for(_engine(config, modes, args.memory_gb), config, router, embedder)

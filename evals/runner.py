@@ -12,9 +12,10 @@ both switched on, as a tenant's [router] section switches them.
 """
 from __future__ import annotations
 
+import json
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import msgspec
@@ -39,7 +40,7 @@ DEFAULT_K = 8
 ARM_THINKING_CAP = 1024
 SALT = b"sluice-evals"        # the prefix-cache salt of the eval's one "tenant" (per mode: Mode.terms)
 TENANT, COLLECTION = "evals", "corpus"
-CONFIG_FILE, RECORDS_FILE = "run.json", "records.jsonl"
+CONFIG_FILE, RECORDS_FILE, MODES_FILE = "run.json", "records.jsonl", "modes.json"
 PAIR = ("small", "large")     # the engine's model names in a run
 
 
@@ -130,6 +131,22 @@ def open_run(folder: Path, config: RunConfig) -> None:
         return
     folder.mkdir(parents=True, exist_ok=True)
     path.write_bytes(msgspec.json.format(msgspec.json.encode(config)) + b"\n")
+
+
+def check_modes(folder: Path, modes: list[Mode]) -> None:
+    """Record each mode's settings in the run folder (margin, threshold, widening...), or check
+    them against those it ran with: answers of one mode name at two settings would be scored as
+    one. A folder from before this check records the settings it is resumed with."""
+    path = folder / MODES_FILE
+    saved = json.loads(path.read_text()) if path.exists() else {}
+    for mode in modes:
+        now, then = asdict(mode), saved.get(mode.name)
+        if then is not None and then != now:
+            diff = "; ".join(f"{k}: {then.get(k)!r} there, {now[k]!r} now" for k in now if then.get(k) != now[k])
+            raise RunError(f"{folder} ran mode {mode.name} with other settings ({diff}); give another --out, "
+                           f"or the same settings to resume it")
+        saved[mode.name] = now
+    path.write_text(json.dumps(saved, indent=2) + "\n")
 
 
 def read_config(folder: Path) -> RunConfig:

@@ -603,6 +603,18 @@ def test_a_run_at_a_thinking_budget_is_allowed_it(engine, tmp_path):
     assert routed_modes(widen_from_cache=True)["routed+cascade"].terms(config).policy.widen_from_cache
 
 
+def test_a_run_folder_keeps_its_modes_settings(tmp_path):
+    """A mode resumed at other settings (margin, threshold, widening) would mix two runs' answers
+    under one name: refused, naming what differs; new modes join the folder's record."""
+    from evals.runner import check_modes, routed_modes
+    check_modes(tmp_path, [MODES["large"], routed_modes(threshold=0.35, margin=0.2)["routed+cascade"]])
+    check_modes(tmp_path, [routed_modes(threshold=0.35, margin=0.2)["routed+cascade"], MODES["small"]])
+    assert set(json.loads((tmp_path / "modes.json").read_text())) == {"large", "routed+cascade", "small"}
+    with pytest.raises(RunError, match=r"mode routed\+cascade with other settings \(threshold: 0.35 there, 0.5 now; "
+                                       r"widen_from_cache: False there, True now\)"):
+        check_modes(tmp_path, [routed_modes(margin=0.2, widen_from_cache=True)["routed+cascade"]])
+
+
 def _fake_runs(tmp_path, setting: str, scores: dict) -> list[Path]:
     """Run folders that differ only in `setting`; scores[(mode, value)]: F1 per question."""
     from evals.records import Call, Record
