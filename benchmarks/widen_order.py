@@ -37,16 +37,15 @@ def measure(canonical_path: Path, lead_path: Path) -> dict:
         log.close()
     squad = sorted(i for i, r in canonical.items() if r.kind == "squad" and i in large)
     both = [i for i in squad if i in lead and widened(canonical[i]) and widened(lead[i])]
-    cost = lambda r: sum(c.cost for c in r.calls)
     rows = [{"id": i, "wide_prompt": [canonical[i].calls[1].prompt_tokens, lead[i].calls[1].prompt_tokens],
              "wide_cached": [canonical[i].calls[1].cached_tokens, lead[i].calls[1].cached_tokens],
-             "cost": [cost(canonical[i]), cost(lead[i])], "f1": [canonical[i].score, lead[i].score],
+             "cost": [canonical[i].cost, lead[i].cost], "f1": [canonical[i].score, lead[i].score],
              "large_only_f1": large[i].score, "same_answer": canonical[i].answer == lead[i].answer} for i in both]
     mean = lambda key, k: float(np.mean([r[key][k] for r in rows]))
     swapped = {i: lead[i] if i in both else canonical[i] for i in squad}
     share = lambda answers: {"quality": float(np.mean([answers[i].score for i in squad])
                                               / np.mean([large[i].score for i in squad])),
-                             "cost": float(sum(cost(answers[i]) for i in squad) / sum(cost(large[i]) for i in squad))}
+                             "cost": float(sum(answers[i].cost for i in squad) / sum(large[i].cost for i in squad))}
     return {"canonical": str(canonical_path), "lead": str(lead_path), "widened_in_both": len(rows),
             "widened": {"prompt_tokens": [mean("wide_prompt", 0), mean("wide_prompt", 1)],
                         "cached_tokens": [mean("wide_cached", 0), mean("wide_cached", 1)],

@@ -178,14 +178,17 @@ class Pipeline:
         if r.context_budget is not None and r.context_budget < terms.context_budget and collection is not None:
             # The arm answers best from fewer passages (its context-budget curve): the same
             # search, trimmed to the arm's budget.
+            whole = context
+            trimmed = lambda budget, lead=(): rag_context(collection, q.question, budget, tokenizer, self.k,
+                                                          q.messages, vector, lead, whole.hits)
             try:
-                context = rag_context(collection, q.question, r.context_budget, tokenizer, self.k, q.messages, vector)
+                context = trimmed(r.context_budget)
                 r = replace(r, reason=f"{r.reason}; context trimmed to the arm's {r.context_budget} tokens")
                 if r.escalate_to == r.model:       # widening: the context the model's own arm reads,
-                    # perhaps led by the narrow call's passages, so that its prompt is a prefix of this one
-                    wide = rag_context(collection, q.question, self._wide_budget(r, terms), tokenizer, self.k,
-                                       q.messages, vector,
-                                       lead=context.trimmed.chunks if terms.policy.widen_from_cache else ())
+                    # led by the narrow call's passages where the tenant widens from the cache
+                    budget = self._wide_budget(r, terms)
+                    lead = context.trimmed.chunks if terms.policy.widen_from_cache else ()
+                    wide = whole if budget >= terms.context_budget and not lead else trimmed(budget, lead)
             except RetrievalError:       # the question alone is over the arm's budget: the tenant's stands
                 r = replace(r, context_budget=None)
         if r.escalate_to == r.model and (wide is None or wide.trimmed.tokens <= context.trimmed.tokens):

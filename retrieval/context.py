@@ -35,12 +35,14 @@ class RagContext:
 
 
 def rag_context(collection, question: str, budget: int, tokenizer: TokenCounter, k: int,
-                messages: list[dict[str, str]] | None = None, vector=None, lead: Sequence[Chunk] = ()) -> RagContext:
+                messages: list[dict[str, str]] | None = None, vector=None, lead: Sequence[Chunk] = (),
+                hits: list[SearchHit] | None = None) -> RagContext:
     """`collection`: a retrieval Collection, or None to send the question (or `messages`) alone.
     `question` is what is searched for; the budget counts the whole conversation when
     `messages` is given; `vector` is the question's embedding when the caller has it already
     (the gateway's router embeds the question once for both); `lead`: the passages of an
-    earlier, narrower call that this one widens, kept and put first (trim). Raises
+    earlier, narrower call that this one widens, kept and put first (trim); `hits`: that
+    question's search results when the caller has them (one search, trimmed to several budgets). Raises
     RetrievalError (OverBudget when nothing could be dropped)."""
     text = question if messages is None else "\n".join(m["content"] for m in messages)
     if collection is None:
@@ -49,7 +51,7 @@ def rag_context(collection, question: str, budget: int, tokenizer: TokenCounter,
             raise OverBudget(tokens, budget, "question" if messages is None else "conversation")
         return RagContext(messages or [{"role": "user", "content": question}], [], [],
                           TrimResult([], [], tokens, budget))
-    hits = collection.search(question, k=k, vector=vector)
+    hits = collection.search(question, k=k, vector=vector) if hits is None else hits
     result = trim([h.chunk for h in hits], text, budget, tokenizer, lead=lead)
     prompt = build_prompt(question, result.chunks, lead=lead)
     if messages is None:

@@ -4,9 +4,10 @@ The system message depends only on the instructions and the set of passages, nev
 question or on retrieval order: passages appear in canonical order (document, then
 position). Requests that retrieve the same chunks thus share a byte-identical prefix, which
 the engine's prefix cache reuses. A widened call (the pipeline's: an unsure answer from one
-passage asked again with more) leads with the passages its first call read, so its prompt
-extends that call's and the cache serves the part they share. Passages are cited by number; document ids, which come
-from users, stay out of the prompt.
+passage asked again with more) may lead with the passages its first call read (`lead`, a
+tenant's `widen_from_cache`), so that its prompt extends that call's and the cache serves the
+part they share. Passages are cited by number; document ids, which come from users, stay out
+of the prompt.
 """
 from __future__ import annotations
 

@@ -567,9 +567,11 @@ def test_an_unsure_narrow_answer_is_asked_again_with_the_whole_context(tmp_path,
     assert [c["doc_id"] for c in large["citations"]] == ["berlin", "paris", "rome"]
     assert [c["doc_id"] for c in wide["citations"]] == ["paris", "berlin", "rome"]
     assert wide["trimmed"]["kept"] == large["trimmed"]["kept"] == 3 and wide["trimmed"]["budget"] == 300
-    # widen_from_cache = false: the plain arm's order, large-only's prompt and answer.
+    # widen_from_cache = false: the plain arm's context and order, large-only's prompt and answer,
+    # paid on top of the narrow call.
     assert canonical["citations"] == large["citations"] and canonical["answer"] == large["answer"]
-    assert (rows[True, True].models, rows[False, True].models) == ("large,large", "large")
+    assert canonical["trimmed"] == {**large["trimmed"], "budget": 300} and canonical["cost"] > large["cost"]
+    assert [rows[k].models for k in ((True, True), (False, True), (True, False))] == ["large,large", "large", "large,large"]
     assert widened == {(True, True): 1.0, (False, True): 0.0, (True, False): 1.0}
 
 
