@@ -124,6 +124,57 @@ def engine_decode(engine: LLMEngine, batch: int, tokens: int) -> dict:
     return out
 
 
+# Kernel names (cuBLAS's, torch's, ours) by the part of the step they belong to, first match wins.
+PARTS = [("quantized matmul", r"_int8_kernel|_int4_kernel|int4pack|tinygemm"),
+         ("attention", r"_decode_kernel|_prefill_kernel|_reduce|flash|attention"),
+         ("rotary + KV store", r"rotary|store_kv"),
+         ("norms", r"rms_norm"),
+         ("activation", r"silu"),
+         ("dense matmul", r"gemm|gemv|cutlass|nvjet|sm90_|xmma|splitK|Kernel2"),
+         ("sampling + logits", r"argmax|max|softmax|isfinite|logsumexp|index|gather|reduce"),
+         ("other", r".")]
+
+
+def profile_step(engine: LLMEngine, batch: int, graphs: bool, steps: int = 3) -> dict:
+    """The kernels of a steady decode step at `batch` (torch profiler over `steps` steps, eager
+    or replayed from the captured graphs): device time per kernel and per part of the step,
+    against the step's wall time; what is left of the wall time is host work and launch gaps."""
+    from torch.profiler import ProfilerActivity, profile
+    runner = engine.worker("m").runner
+    saved, runner.graphs = runner.graphs, runner.graphs if graphs else None
+    rng = random.Random(batch)
+    for _ in range(batch):
+        engine.add_request(ids(rng, 32), SamplingParams(max_tokens=steps + 8, ignore_eos=True))
+    started: set[str] = set()
+    while len(started) < batch:
+        started |= {o.request_id for o in engine.step() if o.new_token_ids}
+    engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) / steps
+    while engine.has_work():
+        engine.step()
+    runner.graphs = saved
+    kernels: dict[str, float] = {}
+    launches = 0
+    for e in prof.events():
+        if str(getattr(e, "device_type", "")).endswith("CUDA"):
+            kernels[e.name] = kernels.get(e.name, 0.0) + e.time_range.elapsed_us() / steps
+            launches += 1
+    parts: dict[str, float] = {}
+    for name, us in kernels.items():
+        part = next(p for p, pattern in PARTS if re.search(pattern, name))
+        parts[part] = parts.get(part, 0.0) + us
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:12]
+    return {"wall_us": wall * 1e6, "kernel_us": sum(kernels.values()), "kernels_per_step": launches / steps,
+            "parts_us": dict(sorted(parts.items(), key=lambda kv: -kv[1])),
+            "top_kernels_us": {name[:90]: us for name, us in top}}
+
+
 def ttft(engine: LLMEngine) -> dict:
     """A 1,500-token shared prefix: cached (same salt as the request that filled it) against
     cold (a new salt each time, so nothing is shared)."""
@@ -174,7 +225,8 @@ def hf_decode(folder: Path, batches: list[int], tokens: int) -> dict:
     return out
 
 
-def run_model(name: str, args, bw: float) -> dict:
+def run_model(name: str, args, bw: float, save) -> dict:
+    """Every quantization of one model; `save(result)` after each, so a run cut short keeps them."""
     folder, weights = model_folder(name, args.scratch)
     console.print(f"[bold]{name}[/]: {weights} weights ({folder})")
     result = {"weights": weights, "quants": {}}
@@ -194,16 +246,44 @@ def run_model(name: str, args, bw: float) -> dict:
             console.print(f"  {quant} batch {batch}: {d['tok_s']:.0f} tok/s, step {d['step_ms']:.2f} ms"
                           + (f" (replay {d['replay_ms']:.2f} ms)" if "replay_ms" in d else "")
                           + f", {d['roofline_fraction']:.0%} of the weight-read roofline")
+        r["profile"] = {f"{batch}{'' if graphs else ' eager'}": profile_step(engine, batch, graphs)
+                        for batch in args.profile_batches for graphs in (True, False)}
+        for key, p in r["profile"].items():
+            console.print(f"  {quant} profile batch {key}: step {p['wall_us']:.0f} µs, kernels {p['kernel_us']:.0f} µs: "
+                          + ", ".join(f"{part} {us:.0f}" for part, us in p["parts_us"].items()))
         r["ttft"] = ttft(engine)
         console.print(f"  {quant} TTFT cached {r['ttft']['cached_s'] * 1e3:.1f} ms / cold {r['ttft']['cold_s'] * 1e3:.1f} ms")
         r["label"] = label_cost(engine)
         console.print(f"  {quant} proxy label {r['label']['score_s'] * 1e3:.1f} ms")
         result["quants"][quant] = r
+        save(result)
         del engine
         free_cuda()
     if args.hf_batches:
         result["transformers_static"] = hf_decode(folder, args.hf_batches, args.decode_tokens)
     return result
+
+
+def targets(r: dict) -> list[dict]:
+    """Issue 35's targets for one model, from the quantizations and batches this run measured."""
+    q = r["quants"]
+    decode = {name: {int(b): d for b, d in x["decode"].items()} for name, x in q.items()}
+    rows = []
+
+    def add(target: str, measured: float, op: str, goal: float) -> None:
+        rows.append({"target": target, "measured": measured, "op": op, "goal": goal,
+                     "met": measured >= goal if op == ">=" else measured <= goal})
+    bf16 = decode.get("none", {})
+    if 1 in bf16:
+        add("bf16 batch 1: share of the weight-read roofline", bf16[1]["roofline_fraction"], ">=", 0.6)
+    if 64 in bf16:
+        add("bf16 batch 64: tok/s", bf16[64]["tok_s"], ">=", 20000)
+        if "engine_over_replay" in bf16[64]:
+            add("bf16 batch 64: engine step / graph replay", bf16[64]["engine_over_replay"], "<=", 1.15)
+    for quant, goal in (("int8", 1.5), ("int4", 2.0)):
+        if 1 in bf16 and 1 in decode.get(quant, {}):
+            add(f"{quant} batch 1 / bf16 batch 1 (tok/s)", decode[quant][1]["tok_s"] / bf16[1]["tok_s"], ">=", goal)
+    return rows
 
 
 def main() -> None:
@@ -213,6 +293,7 @@ def main() -> None:
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64])
     ap.add_argument("--hf-batches", nargs="*", type=int, default=[1, 16], help="none: skip transformers")
     ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--profile-batches", nargs="*", type=int, default=[1, 64], help="none: no kernel profile")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="leaves room for transformers")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--scratch", type=Path, default=Path("/tmp/sluice-gpu-bench"), help="random-weight folders")
@@ -225,9 +306,15 @@ def main() -> None:
     bw = copy_bandwidth_gbs()
     console.print(f"{device}: device-to-device copy {bw:.0f} GB/s (read + written)")
     results = json.loads(out.read_text()) if out.exists() else {"models": {}}
-    results |= {"machine": machine() | {"device": device, "torch": torch.__version__, "copy_bandwidth_gbs": bw}}
+    results |= {"machine": machine() | {"device": device, "torch": torch.__version__, "copy_bandwidth_gbs": bw},
+                "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
+
+    def save(name: str, result: dict) -> None:
+        results["models"][name] = result
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(results, indent=2))
     for name in args.models:
-        results["models"][name] = run_model(name, args, bw)
+        run_model(name, args, bw, lambda result, name=name: save(name, result))
     table = Table(title=f"Sluice on {device} (copy bandwidth {bw:.0f} GB/s)")
     for col in ("model", "weights", "batch", "tok/s", "roofline", "step / replay", "transformers static", "TTFT cached / cold",
                 "proxy label"):
@@ -245,6 +332,15 @@ def main() -> None:
                               f"{q['ttft']['cached_s'] * 1e3:.0f} / {q['ttft']['cold_s'] * 1e3:.0f} ms",
                               f"{q['label']['score_s'] * 1e3:.1f} ms" if "label" in q else "")
     console.print(table)
+    results["targets"] = {name: targets(r) for name, r in results["models"].items()}
+    goals = Table(title="Issue 35's targets")
+    for col in ("model", "target", "measured", "goal", "met"):
+        goals.add_column(col)
+    for name, rows in results["targets"].items():
+        for row in rows:
+            goals.add_row(name, row["target"], f"{row['measured']:.2f}", f"{row['op']} {row['goal']}",
+                          "met" if row["met"] else "[red]missed[/]")
+    console.print(goals)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
     console.print(f"wrote {out}")

@@ -24,10 +24,11 @@ from rich.table import Table
 
 from engine.config import EngineConfig, ModelEntry
 from engine.llm_engine import LLMEngine
-from engine.quantize import DEQUANT_ROWS as ROWS
+from engine.quantize import DEQUANT_ROWS
 from engine.sampling_params import SamplingParams
 
 console = Console(width=140)
+ROWS = DEQUANT_ROWS["cpu"]
 MODELS = {"small": "qwen2.5-coder-0.5b", "large": "qwen2.5-coder-1.5b"}
 
 

@@ -94,6 +94,8 @@ class BlockManager:
         """Grow or shrink the block table to cover num_tokens (a decode's newest token, drafts
         and their rollback); False, and nothing changed, when there are not enough free blocks."""
         want = (num_tokens + self.block_size - 1) // self.block_size
+        if want == len(seq.block_table):
+            return True
         if want - len(seq.block_table) > self.num_free:
             return False
         while len(seq.block_table) < want:
@@ -111,6 +113,8 @@ class BlockManager:
             return
         bs = self.block_size
         full = seq.num_computed_tokens // bs
+        if full <= seq.num_hashed_blocks:
+            return
         parent = self.blocks[seq.block_table[seq.num_hashed_blocks - 1]].hash if seq.num_hashed_blocks else b""
         for i in range(seq.num_hashed_blocks, full):
             ids = seq.token_ids[i * bs:(i + 1) * bs]
@@ -118,7 +122,7 @@ class BlockManager:
             block = self.blocks[seq.block_table[i]]
             block.hash, block.token_ids = parent, ids
             self.cached.setdefault(parent, block.block_id)
-        seq.num_hashed_blocks = max(full, seq.num_hashed_blocks)
+        seq.num_hashed_blocks = full
 
     def reset_cache(self) -> None:
         """Forget every cached block no sequence holds: a cold prefix cache, for measurements."""

@@ -37,9 +37,9 @@ class ModelEntry(msgspec.Struct, forbid_unknown_fields=True):
     kv_share: float = 1.0
     quant: str = "none"           # weight-only: "none" | "int8" | "int4"
     group_size: int = 128         # int4 group along the input dimension: 32, 64 or 128
-    # int8 on the CPU: a step of at least this many tokens (a prompt chunk) multiplies in float32
-    # over weights dequantized slice by slice instead of on torch's packed int8 op; 0: the
-    # packed op always; None: engine/quantize.py's DEQUANT_ROWS, which prefill_bench measured.
+    # A step of at least this many tokens (a prompt chunk) multiplies densely over dequantized
+    # weights instead of on the quantized kernel (int8 on the CPU, int8 and float32 int4 on CUDA);
+    # 0: the quantized kernel always; None: engine/quantize.py's DEQUANT_ROWS for the device.
     dequant_rows: int | None = None
     thinking: ThinkingConfig = ThinkingConfig()
 

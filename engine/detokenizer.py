@@ -25,8 +25,10 @@ class Detokenizer:
         if text.endswith("\ufffd") and not final:
             return ""
         new = text[len(self.prefix_text):]
-        self.prefix = next((i for i in range(self.read, len(token_ids)) if token_ids[i] not in self.tok.special_ids),
-                           self.prefix)
+        for i in range(self.read, len(token_ids)):
+            if token_ids[i] not in self.tok.special_ids:
+                self.prefix = i
+                break
         self.read = len(token_ids)
         self.prefix_text = self.tok.decode(token_ids[self.prefix:self.read])
         return new

@@ -8,7 +8,10 @@ per step, and on CUDA replays decode steps from graphs. On the CPU the same code
 every copy a no-op."""
 from __future__ import annotations
 
+import itertools
 import logging
+import math
+from array import array
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -77,11 +80,36 @@ class Device:
         return gen
 
 
-def _padded(rows: list[list[int]]) -> torch.Tensor:
-    """Block tables padded with each row's own first block: attention reads (and masks)
-    padding too, and a block of another sequence may hold its NaNs (0 * NaN is NaN)."""
-    width = max(len(r) for r in rows)
-    return torch.tensor([r + r[:1] * (width - len(r)) for r in rows], dtype=torch.long)
+def _padded(rows: list[list[int]]) -> list[int]:
+    """Block tables padded with each row's own first block (attention reads, and masks,
+    padding too, and a block of another sequence may hold its NaNs: 0 * NaN is NaN),
+    flattened."""
+    width, flat = max(map(len, rows)), []
+    for r in rows:
+        flat += r if len(r) == width else r + r[:1] * (width - len(r))
+    return flat
+
+
+def _int64(fields: list[list[int]]) -> list[torch.Tensor]:
+    """Lists of ints as int64 tensors viewing one buffer: filling an array from them costs a
+    fraction of torch.tensor over them."""
+    flat = array("q")
+    for f in fields:
+        flat.fromlist(f)
+    return list(torch.frombuffer(flat, dtype=torch.int64).split_with_sizes([len(f) for f in fields]))
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(-1) (the first largest value; a NaN counts as largest), several times
+    faster over many logits on the CPU, where argmax does not vectorize and a max does: the
+    largest of each block of 64, then the first of those, then the winning block is searched.
+    Below 2**15 logits one argmax costs less than the calls that takes."""
+    rows, vocab = logits.shape
+    if logits.device.type != "cpu" or vocab % 64 or logits.numel() < 2**15:
+        return logits.argmax(-1)
+    blocks = logits.reshape(rows, vocab // 64, 64)
+    best = blocks.amax(-1).argmax(-1)
+    return best * 64 + blocks[torch.arange(rows), best].argmax(-1)
 
 
 @dataclass
@@ -136,6 +164,7 @@ class ModelRunner:
                              if kv_int8 else (None, None)))
                           for _ in range(cfg.num_layers)]
         self.graphs: _Graphs | None = None
+        self.log_softmax_out = torch.empty(0, cfg.vocab_size, device=dev)      # _greedy's, kept across steps
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -152,44 +181,55 @@ class ModelRunner:
         for t in (t for layer in self.kv_caches for t in layer if t is not None):
             t[block_ids] = 0
 
-    def prepare(self, scheduled: list[ScheduledSeq], pad_to: int = 0) -> tuple[torch.Tensor, torch.Tensor, StepBatch,
-                                                                              list[tuple[ScheduledSeq, int]]]:
+    def prepare(self, scheduled: list[ScheduledSeq], pad_to: int = 0) -> tuple[
+            torch.Tensor, torch.Tensor, StepBatch, tuple[torch.Tensor, list[ScheduledSeq]]]:
         """Flatten the step: single-token decodes first (one batched attention call), then
-        chunks (prefills and speculative verifications). Returns each item with its first row.
+        chunks (prefills and speculative verifications). Also returns the rows the LM head
+        runs on (each sampling item's last row, or a verification's k + 1) and those items.
         pad_to: a decode-only step padded to a captured batch size with rows on the scratch block."""
-        decodes = [s for s in scheduled if s.is_decode]
-        chunks = [s for s in scheduled if not s.is_decode]
-        bs = self.block_size
-        ids, positions, slots, rows = [], [], [], []
-        for item in decodes + chunks:
+        decodes, chunks = [], []
+        for item in scheduled:
+            (decodes if item.is_decode else chunks).append(item)
+        bs, pad = self.block_size, max(pad_to - len(decodes), 0)
+        ids, positions, slots = [], [], []
+        for item in decodes:            # the newest token of each, which samples
+            seq, pos = item.seq, item.seq.num_computed_tokens
+            ids.append(seq.token_ids[pos])
+            positions.append(pos)
+            slots.append(seq.block_table[pos // bs] * bs + pos % bs)
+        head_rows, sampling = list(range(len(decodes))), list(decodes)
+        for item in chunks:
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_tokens
-            rows.append((item, len(ids)))
-            ids.extend(seq.tokens(start, end))
-            positions.append(pos := torch.arange(start, end))
-            slots.append(torch.tensor(seq.block_table)[pos // bs] * bs + pos % bs)
-        tables = [s.seq.block_table for s in decodes]
-        lens = [len(s.seq) for s in decodes]
-        if pad := max(pad_to - len(decodes), 0):
+            if item.samples:
+                head_rows += range(len(ids) + item.num_tokens - 1 - item.num_draft, len(ids) + item.num_tokens)
+                sampling.append(item)
+            ids += seq.tokens(start, end)
+            positions += range(start, end)
+            slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
+        tables, lens = [s.seq.block_table for s in decodes], [len(s.seq) for s in decodes]
+        if pad:
             ids += [0] * pad
-            positions.append(torch.zeros(pad, dtype=torch.long))
-            slots.append(torch.full((pad,), self.scratch * bs))
+            positions += [0] * pad
+            slots += [self.scratch * bs] * pad
             tables += [[self.scratch]] * pad
             lens += [1] * pad
-        host = [torch.tensor(ids), torch.cat(positions), torch.cat(slots)]
+        fields = [ids, positions, slots, head_rows]
         if decodes:
-            host += [_padded(tables), torch.tensor(lens)]
+            fields += [_padded(tables), lens]
         if chunks:
-            host += [_padded([s.seq.block_table for s in chunks]),
-                     torch.tensor([s.seq.num_computed_tokens + s.num_tokens for s in chunks]),
-                     torch.tensor([0] + [s.num_tokens for s in chunks]).cumsum(0)]
-        input_ids, positions, slot_mapping, *rest = self.device.upload(host)
+            fields += [_padded([s.seq.block_table for s in chunks]),
+                       [s.seq.num_computed_tokens + s.num_tokens for s in chunks],
+                       list(itertools.accumulate((s.num_tokens for s in chunks), initial=0))]
+        input_ids, positions, slot_mapping, head_rows, *rest = self.device.upload(_int64(fields))
         batch = StepBatch(slot_mapping, len(decodes) + pad, self.kv_caches)
         if decodes:
-            batch.decode_block_tables, batch.decode_context_lens, *rest = rest
+            tables, batch.decode_context_lens, *rest = rest
+            batch.decode_block_tables = tables.view(len(lens), -1)
         if chunks:
-            batch.prefill_block_tables, batch.prefill_context_lens, batch.prefill_query_start = rest
-        return input_ids, positions, batch, rows
+            tables, batch.prefill_context_lens, batch.prefill_query_start = rest
+            batch.prefill_block_tables = tables.view(len(chunks), -1)
+        return input_ids, positions, batch, (head_rows, sampling)
 
     @torch.inference_mode()
     def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
@@ -277,40 +317,28 @@ class ModelRunner:
         sequence whose share fails (non-finite logits, a sampling error) gets its `error` set
         and no entry."""
         bucket = self._bucket(scheduled)
-        input_ids, positions, batch, rows = self.prepare(scheduled, bucket)
+        input_ids, positions, batch, (head_rows, sampling) = self.prepare(scheduled, bucket)
         hidden = self._forward(input_ids, positions, batch, bucket)
-        # Each sampling item's last row, or a verification's k + 1: one LM-head pass over all
-        # of them, as the head is the largest matrix.
-        sampling = [(item, row + item.num_tokens - 1 - item.num_draft, 1 + item.num_draft)
-                    for item, row in rows if item.samples]
         out: dict[int, tuple[list[int], list[float]]] = {}
         probs: dict[int, torch.Tensor] = {}
-        needed = [row + j for _, row, n in sampling for j in range(n)]
-        if needed:      # an index built on the host reaches the device without a sync
-            rows_needed = hidden.index_select(0, self.device.upload([torch.tensor(needed)])[0])
-            all_logits = (self.model.logits(rows_needed) if vocab is None else vocab.logits(rows_needed)).float()
-        else:
-            all_logits = hidden[:0].float()
-        # The one read back of the step: every row's finiteness (a sub-vocabulary's -inf is
-        # not a failure), its greedy token and that token's log-probability, which is all a
-        # plain greedy request needs.
-        top = all_logits.argmax(-1)
-        finite = ~(torch.isnan(all_logits) | (all_logits == float("inf"))).any(-1) if vocab is not None \
-            else torch.isfinite(all_logits).all(-1)
-        finite, top, top_lp = torch.stack([finite.double(), top.double(),
-                                           torch.log_softmax(all_logits, -1).gather(1, top[:, None])[:, 0].double()]
-                                          ).tolist()
+        if not sampling:        # prompt chunks short of their end
+            return (out, probs) if return_probs else out
+        # One LM-head pass over every sampling row, as the head is the largest matrix.
+        rows = hidden.index_select(0, head_rows)
+        all_logits = (self.model.logits(rows) if vocab is None else vocab.logits(rows)).float()
+        top, top_lp = self._greedy(all_logits)
         at = 0
-        for item, _, n in sampling:
-            seq, logits, at = item.seq, all_logits[at:at + n], at + n
+        for item in sampling:
+            seq, first, at = item.seq, at, at + 1 + item.num_draft
+            banned = self.bans is not None and seq.thinking is not None
+            if seq.params.greedy and not item.num_draft and not banned and math.isfinite(top_lp[first]):
+                out[seq.seq_id] = ([top[first]], [top_lp[first]])      # plain greedy: nothing left to fail
+                continue
             with isolated(seq):
-                if not all(finite[at - n:at]):
+                if not all(map(math.isfinite, top_lp[first:at])):
                     raise FloatingPointError("the model's logits for this request are not finite")
-                banned = self.bans is not None and seq.thinking is not None
-                if seq.params.greedy and not item.num_draft and not banned:
-                    out[seq.seq_id] = ([int(top[at - n])], [top_lp[at - n]])
-                    continue
-                for j in range(n if banned else 0):     # row j predicts index len + j
+                logits = all_logits[first:at]
+                for j in range(at - first if banned else 0):     # row j predicts index len + j
                     logits[j, self.bans(seq, len(seq) + j)] = float("-inf")
                 generator = self.device.generator(seq)
                 if item.num_draft:
@@ -323,3 +351,19 @@ class ModelRunner:
                     1, torch.tensor(tokens, device=logits.device)[:, None])
                 out[seq.seq_id] = (tokens, lp.squeeze(1).tolist())
         return (out, probs) if return_probs else out
+
+    def _greedy(self, logits: torch.Tensor) -> tuple[list[int], list[float]]:
+        """Each row's greedy token and its log-probability, which is all a plain greedy request
+        needs, in the step's one read back. The log-softmax is the one pass that computes over
+        the logits (the argmax only reads them), and their check: a row holding a NaN or +inf
+        comes out NaN, which fails its request (a -inf is a token ruled out, as a
+        sub-vocabulary's are). It writes into a buffer kept across steps: on the CPU a fresh
+        one past 32 MiB is mapped, and page-faulted in, at every step."""
+        rows = logits.shape[0]
+        if self.log_softmax_out.shape[0] < rows:
+            self.log_softmax_out = torch.empty_like(logits)
+        logprobs = torch.log_softmax(logits, -1, out=self.log_softmax_out[:rows])
+        top = _argmax(logits)[:, None]
+        # float32 holds token ids exactly (below 2**24), so one tensor brings both back.
+        top, top_lp = torch.cat([top, logprobs.gather(1, top)], 1).T.tolist()
+        return [int(t) for t in top], top_lp

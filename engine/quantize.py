@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from engine.model import CausalLM, Linear
-from kernels import int4_matmul, int8_matmul
+from kernels import int4_matmul, int8_matmul, quant_matmul
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,38 +47,58 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 
 class QuantLinear(nn.Module):
-    """A Linear whose weight is int8 or int4; built from the shared format above. `packed`: on
-    the CPU, torch's packed ops (int4 converted once here into their layout); otherwise the
-    kernels package (the Triton kernels on CUDA) on the shared format as stored."""
+    """A Linear whose weight is int8 or int4; built from the shared format above.
+
+    `packed`: torch's packed op where the device has one, with bf16 activations around it:
+    int8 and int4 on the CPU (int4 converted once here into its layout), int4 on CUDA (tinygemm,
+    `_weight_int4pack_mm`, the kernel gpt-fast and torchao serve int4 with). Otherwise the
+    kernels package (the Triton kernels on CUDA) on the shared format as stored. From
+    `dequant_rows` rows on (a prompt chunk), a layer that keeps the stored format multiplies
+    densely over its dequantized weights instead: the quantized kernels stream weights, which
+    pays for a few rows, and a dense GEMM computes, which pays for many."""
 
     def __init__(self, mode: str, tensors: dict[str, torch.Tensor], bias: torch.Tensor | None, group: int,
                  packed: bool = True, device: torch.device | str = "cpu", dequant_rows: int = 0):
         super().__init__()
-        self.mode, self.group, self.packed = mode, group, packed
-        self.dequant_rows = dequant_rows if packed and mode == "int8" else 0
+        device = torch.device(device)
+        self.mode, self.group = mode, group
+        self.packed = packed and (device.type == "cpu" or (device.type == "cuda" and mode == "int4"
+                                                            and _tinygemm_tiles(*tensors["w"].shape) > 0))
+        # The CPU's packed int8 layout is the stored one; int4's packed layouts are not.
+        self.dequant_rows = dequant_rows if not self.packed or mode == "int8" else 0
         self.register_buffer("bias", bias, persistent=False)
-        if not packed:
+        if not self.packed:
             for name in ("w", "scales", "zeros")[:2 if mode == "int8" else 3]:
                 self.register_buffer(name, tensors[name].to(device), persistent=False)
         elif mode == "int8":
             self.register_buffer("w", tensors["w"].to(device), persistent=False)
             self.register_buffer("scales", tensors["scales"].to(device, torch.bfloat16), persistent=False)
         else:
-            q = unpack_int4(tensors["w"]).to(torch.int32)
-            self.register_buffer("w", torch._convert_weight_to_int4pack_for_cpu(q, 1).to(device), persistent=False)
-            # torch's int4 op computes (q - 8) * scale + zero_point.
+            q = unpack_int4(tensors["w"])
+            if device.type == "cpu":
+                w = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+            else:   # tinygemm takes the even k in a byte's high nibble
+                tiles = _tinygemm_tiles(*tensors["w"].shape)
+                w = torch._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(device), tiles)
+            self.register_buffer("w", w.to(device), persistent=False)
+            # Both packed int4 ops compute (q - 8) * scale + zero_point.
             scales, zeros = tensors["scales"], tensors["zeros"]
             packed_sz = torch.stack([scales, (8 - zeros) * scales], -1).transpose(0, 1).contiguous()
             self.register_buffer("scales_and_zeros", packed_sz.to(device, torch.bfloat16), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.packed or 0 < self.dequant_rows <= x.shape[0]:
+        if 0 < self.dequant_rows <= x.shape[0]:
+            y = (quant_matmul.int8_matmul(x, self.w, self.scales) if self.mode == "int8"
+                 else quant_matmul.int4_matmul(x, self.w, self.scales, self.zeros, self.group))
+        elif not self.packed:
             y = (int8_matmul(x, self.w, self.scales) if self.mode == "int8"
                  else int4_matmul(x, self.w, self.scales, self.zeros, self.group))
         else:
             xb = x.to(torch.bfloat16)
             if self.mode == "int8":
                 y = torch._weight_int8pack_mm(xb, self.w, self.scales)
+            elif x.is_cuda:
+                y = torch._weight_int4pack_mm(xb, self.w, self.group, self.scales_and_zeros)
             else:
                 y = torch._weight_int4pack_mm_for_cpu(xb, self.w, self.group, self.scales_and_zeros)
             y = y.to(x.dtype)
@@ -86,17 +106,29 @@ class QuantLinear(nn.Module):
 
     @property
     def row_block(self) -> int:
-        """`rows` takes whole aligned blocks of this many outputs: torch's packed int4 layout
-        interleaves rows within them."""
-        return row_block() if self.packed and self.mode == "int4" else 1
+        """`rows` takes whole aligned blocks of this many outputs: torch's packed int4 layouts
+        interleave rows within them (tinygemm's in tiles of 8)."""
+        if not (self.packed and self.mode == "int4"):
+            return 1
+        return 8 if self.w.is_cuda else row_block()
 
     def rows(self, ids: torch.Tensor) -> QuantLinear:
         """This layer computing only the outputs `ids` (a copy of their weights), in whole
         aligned blocks of `row_block`."""
         sub = copy.copy(self)
-        sub._buffers = {name: None if b is None else b.index_select(1 if name == "scales_and_zeros" else 0, ids)
+        tiles = self.packed and self.mode == "int4" and self.w.is_cuda      # w is [N / 8, ...]
+        sub._buffers = {name: None if b is None else
+                        b.index_select(0, ids[::8] // 8) if name == "w" and tiles else
+                        b.index_select(1 if name == "scales_and_zeros" else 0, ids)
                         for name, b in self._buffers.items()}
         return sub
+
+
+def _tinygemm_tiles(n: int, half_k: int) -> int:
+    """The inner k-tiles tinygemm packs an [n, 2 * half_k] int4 weight with (the most its k
+    allows); 0 where its layout cannot hold the layer (n not a multiple of 8)."""
+    k = 2 * half_k
+    return 0 if n % 8 else next((t for t in (8, 4, 2) if k % (16 * t) == 0), 0)
 
 
 @functools.cache
@@ -112,11 +144,15 @@ def row_block() -> int:
                        for i in range(0, 256, b)))
 
 
-# From how many rows an int8 matmul on the CPU runs on its dequantized weights (the kernels'
-# float reference twin): torch's packed int8 op computes rather than streams, and
-# benchmarks/prefill_bench.py measured float32 faster from prompts of 128 tokens on an AVX2 host
-# (1.4-1.7x) and on an AVX-512 one (1.3-1.6x). 0 turns it off, for a host whose packed op is faster.
-DEQUANT_ROWS = 64
+# From how many rows a quantized matmul runs densely on its dequantized weights (the kernels'
+# float reference twin), per device. CPU: torch's packed int8 op computes rather than streams,
+# and benchmarks/prefill_bench.py measured float32 faster from prompts of 128 tokens on an AVX2
+# host (1.4-1.7x) and on an AVX-512 one (1.3-1.6x). CUDA (int8; int4 runs tinygemm): the Triton
+# kernel reads the weight once per 64-row tile, so past some tiles cuBLAS over weights converted
+# to bf16 wins; benchmarks/gpu_kernels.py on an H100, Qwen2.5-1.5B's layers: at 256 rows the
+# Triton tiles were faster on every one (1.2-1.8x), at 1,024 cuBLAS was on all but the q|k|v
+# projection (1.1-1.9x). 0 turns it off.
+DEQUANT_ROWS = {"cpu": 64, "cuda": 512}
 
 
 def quantize_tensors(model: CausalLM, mode: str, group: int) -> dict[str, torch.Tensor]:
@@ -156,7 +192,6 @@ def apply_quantization(model: CausalLM, mode: str, group: int = 128, cache: Path
             parent, _, child = name.rpartition(".")
             own = {k.removeprefix(name + "."): v for k, v in tensors.items() if k.startswith(name + ".")}
             bias = None if module.bias is None else module.bias.data
-            layer = QuantLinear(mode, own, bias, group, packed=device.type == "cpu", device=device,
-                                dequant_rows=dequant_rows)
+            layer = QuantLinear(mode, own, bias, group, device=device, dequant_rows=dequant_rows)
             setattr(model.get_submodule(parent) if parent else model, child, layer)
     return model

@@ -28,7 +28,7 @@ class ScheduledSeq:
     @property
     def samples(self) -> bool:
         """The chunk reaches the end of the sequence, so the step yields its next token."""
-        return self.seq.num_computed_tokens + self.num_tokens - self.num_draft == len(self.seq)
+        return self.seq.num_computed_tokens + self.num_tokens - self.num_draft == len(self.seq.token_ids)
 
 
 class Scheduler:

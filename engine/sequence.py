@@ -5,10 +5,9 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum, auto
+from types import TracebackType
 
 import torch
 
@@ -114,12 +113,20 @@ class Sequence:
         return (len(self.token_ids) + block_size - 1) // block_size
 
 
-@contextmanager
-def isolated(seq: Sequence) -> Iterator[None]:
+class isolated:
     """One sequence's share of a batched step: an exception in it fails that sequence alone
-    (the engine finishes it with its error) and the batch goes on."""
-    try:
-        yield
-    except Exception as exc:
-        logging.getLogger("sluice.engine").warning("request %s failed", seq.request_id, exc_info=True)
-        seq.error = seq.error or f"{type(exc).__name__}: {exc}"
+    (the engine finishes it with its error) and the batch goes on. A class, not a generator:
+    every sequence enters one at every step, and a generator costs several times as much."""
+
+    def __init__(self, seq: Sequence):
+        self.seq = seq
+
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> bool:
+        if not isinstance(exc, Exception):
+            return False
+        logging.getLogger("sluice.engine").warning("request %s failed", self.seq.request_id, exc_info=exc)
+        self.seq.error = self.seq.error or f"{type(exc).__name__}: {exc}"
+        return True

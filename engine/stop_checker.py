@@ -118,6 +118,8 @@ class StopChecker:
         answer (before it). One may straddle steps, so a tail that could begin one is held back
         until the next step or the finish; only that tail and the new text are searched."""
         stops = seq.params.stop
+        if not stops:           # nothing to search for, nothing held back
+            return new, False
         text = seq.held_text + new
         cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
         if cut >= 0:

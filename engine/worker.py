@@ -26,7 +26,7 @@ class Worker:
     runner: ModelRunner
     thinking: ThinkingConfig
     stop: StopChecker
-    dequant_rows: int = 0           # int8 matmuls over this many rows or more dequantize (0: never)
+    dequant_rows: int = 0           # quantized matmuls over this many rows or more dequantize (0: never)
 
 
 def weight_bytes(model: CausalLM, per_token: bool = False) -> int:
@@ -84,6 +84,6 @@ def _load(entry: ModelEntry, progress: bool, device: Device) -> tuple[ModelConfi
     # A quantized model never reads its float linear weights.
     model = load_model(folder, cfg, linear_weights=entry.quant == "none", device=device.device, dtype=device.dtype)
     if entry.quant != "none":
-        rows = DEQUANT_ROWS if entry.dequant_rows is None else entry.dequant_rows
+        rows = DEQUANT_ROWS[device.device.type] if entry.dequant_rows is None else entry.dequant_rows
         model = apply_quantization(model, entry.quant, entry.group_size, cache, rows)
     return cfg, model, Tokenizer(folder)

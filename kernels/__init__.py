@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from kernels import attention, norm_rope, quant_matmul
+from kernels import activation, attention, norm_rope, quant_matmul
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 # Kernels whose Triton twin failed to launch here (say, more shared memory than the GPU has):
@@ -53,13 +53,14 @@ def _dispatch(reference: Callable) -> Callable:
     return call
 
 
-store_kv = _dispatch(attention.store_kv)
 paged_decode_attention = _dispatch(attention.paged_decode_attention)
 paged_prefill_attention = _dispatch(attention.paged_prefill_attention)
 int8_matmul = _dispatch(quant_matmul.int8_matmul)
 int4_matmul = _dispatch(quant_matmul.int4_matmul)
 add_rms_norm = _dispatch(norm_rope.add_rms_norm)
 apply_rotary = _dispatch(norm_rope.apply_rotary)
+rotary_store_kv = _dispatch(norm_rope.rotary_store_kv)
+silu_and_mul = _dispatch(activation.silu_and_mul)
 
-__all__ = ["store_kv", "paged_decode_attention", "paged_prefill_attention", "int8_matmul", "int4_matmul",
-           "add_rms_norm", "apply_rotary"]
+__all__ = ["paged_decode_attention", "paged_prefill_attention", "int8_matmul", "int4_matmul",
+           "add_rms_norm", "apply_rotary", "rotary_store_kv", "silu_and_mul"]

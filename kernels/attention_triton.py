@@ -5,7 +5,16 @@ strided views (the engine splits them out of one fused qkv projection) as long a
 is contiguous. Offsets into the caches are int64: a large KV pool passes 2**31 elements.
 The softmax runs online (flash-attention style) in fp32, in base 2 with log2(e) folded into
 the scale, because exp2 is the hardware instruction.
+
+Launches depend on shapes only, never on values read back from the device, so the engine can
+capture decode in CUDA graphs. When few sequences would leave SMs idle, decode splits each
+context over several programs and a second kernel merges their partial outputs
+(flash-decoding). Tile sizes keep every kernel within the 99 KB of shared memory a block gets
+on consumer GPUs at head_dim 128, float32 included (tests/test_kernels.py compiles them for
+sm_86 and sm_90 to check).
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -23,6 +32,20 @@ def _quantize(x):
 
 
 @triton.jit
+def _write_kv(k, v, k_cache, v_cache, k_scale, v_scale, slot, h, d, mask,
+              KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, QUANT: tl.constexpr):
+    """One token's keys and values [heads, head_dim] into its cache slot, quantized when int8."""
+    dst = slot * KV_HEADS * HEAD_DIM + h[:, None] * HEAD_DIM + d[None, :]
+    if QUANT:
+        k, ks = _quantize(k.to(tl.float32))
+        v, vs = _quantize(v.to(tl.float32))
+        tl.store(k_scale + slot * KV_HEADS + h, ks, mask=h < KV_HEADS)
+        tl.store(v_scale + slot * KV_HEADS + h, vs, mask=h < KV_HEADS)
+    tl.store(k_cache + dst, k, mask=mask)
+    tl.store(v_cache + dst, v, mask=mask)
+
+
+@triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, k_cache, v_cache, k_scale, v_scale, slot_mapping,
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -32,16 +55,9 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache, v_cache, k_scale, v_scale, slot_mapp
     d = tl.arange(0, BLOCK_D)
     mask = (h[:, None] < KV_HEADS) & (d[None, :] < HEAD_DIM)
     slot = tl.load(slot_mapping + t).to(tl.int64)
-    dst = slot * KV_HEADS * HEAD_DIM + h[:, None] * HEAD_DIM + d[None, :]
     k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask, other=0.0)
     v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask, other=0.0)
-    if QUANT:
-        k, ks = _quantize(k.to(tl.float32))
-        v, vs = _quantize(v.to(tl.float32))
-        tl.store(k_scale + slot * KV_HEADS + h, ks, mask=h < KV_HEADS)
-        tl.store(v_scale + slot * KV_HEADS + h, vs, mask=h < KV_HEADS)
-    tl.store(k_cache + dst, k, mask=mask)
-    tl.store(v_cache + dst, v, mask=mask)
+    _write_kv(k, v, k_cache, v_cache, k_scale, v_scale, slot, h, d, mask, KV_HEADS, HEAD_DIM, QUANT)
 
 
 @triton.jit
@@ -77,15 +93,17 @@ def _online_softmax(scores, v, q, slot, valid, v_scale, kvh, m_i, l_i, acc,
 
 
 @triton.jit
-def _decode_kernel(q_ptr, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, out_ptr,
-                   qk_scale, block_size, stride_qs, stride_qh, stride_bt, stride_os, stride_oh,
+def _decode_kernel(q_ptr, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, out_ptr, lse_ptr,
+                   qk_scale, block_size, num_splits, stride_qs, stride_qh, stride_bt, stride_os, stride_oh,
+                   stride_osplit,
                    KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                   QUANT: tl.constexpr):
-    # One program per (sequence, KV head): the GROUP query heads sharing that KV head are the
-    # rows of one tile, so each key and value is read once for all of them.
+                   QUANT: tl.constexpr, PARTIAL: tl.constexpr):
+    # One program per (sequence, KV head, split of the context): the GROUP query heads sharing
+    # that KV head are the rows of one tile, so each key and value is read once for all of them.
     s = tl.program_id(0)
     kvh = tl.program_id(1)
+    split = tl.program_id(2)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     n = tl.arange(0, BLOCK_N)
@@ -95,19 +113,53 @@ def _decode_kernel(q_ptr, k_cache, v_cache, k_scale, v_scale, block_tables, cont
     q = tl.load(q_ptr + s * stride_qs + heads[:, None] * stride_qh + d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
     ctx = tl.load(context_lens + s)
+    # The split count comes from host-known shapes (a CUDA graph replays it for any lengths),
+    # so each program sizes its range from the length it reads here: whole tiles, which leaves
+    # the last splits of a short context empty.
+    chunk = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, ctx)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for start in range(0, ctx, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         scores, v, slot, valid = _kv_tile(q, k_cache, v_cache, k_scale, block_tables, s, stride_bt, block_size,
                                           kvh, start + n, ctx, d, d_mask, KV_HEADS, HEAD_DIM, QUANT)
         # Every tile holds at least one valid key (start < ctx), so the running max is finite.
         scores = tl.where(valid[None, :], scores * qk_scale, float("-inf"))
         m_i, l_i, acc = _online_softmax(scores, v, q, slot, valid, v_scale, kvh, m_i, l_i, acc, KV_HEADS, QUANT)
+    # An empty split keeps acc = 0 and m_i = -inf: with its sum taken as 1 its partial is 0 and
+    # its log-sum-exp -inf, not NaN.
+    l_i = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_i[:, None]
-    tl.store(out_ptr + s * stride_os + heads[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
+    rows = s * stride_os + heads * stride_oh + split * stride_osplit
+    tl.store(out_ptr + rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=g_mask[:, None] & d_mask[None, :])
+    if PARTIAL:   # the log-sum-exp in base 2, as the scores
+        tl.store(lse_ptr + (s * KV_HEADS * GROUP + heads) * num_splits + split, m_i + tl.log2(l_i), mask=g_mask)
+
+
+@triton.jit
+def _combine_kernel(part_ptr, lse_ptr, out_ptr, num_splits, stride_os, stride_oh,
+                    HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    # One program per (sequence, query head): the splits' partial outputs, each weighted by
+    # its share of the softmax sum (flash-decoding's recombination).
+    s = tl.program_id(0)
+    h = tl.program_id(1)
+    i = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    i_mask = i < num_splits
+    d_mask = d < HEAD_DIM
+    rows = (s * HEADS + h) * num_splits + i
+    lse = tl.load(lse_ptr + rows, mask=i_mask, other=float("-inf"))
+    # Split 0 starts at key 0, so for any context of a token or more the max is finite and an
+    # empty split's weight exactly 0.
+    w = tl.exp2(lse - tl.max(lse, axis=0))
+    part = tl.load(part_ptr + rows[:, None] * HEAD_DIM + d[None, :], mask=i_mask[:, None] & d_mask[None, :],
+                   other=0.0)
+    out = tl.sum(w[:, None] * part, axis=0) / tl.sum(w, axis=0)
+    tl.store(out_ptr + s * stride_os + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 @triton.jit
@@ -177,23 +229,56 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                            BLOCK_D=triton.next_power_of_2(dh), QUANT=quant, num_warps=num_warps)
 
 
+# The combine kernel holds every split's partial row in one tile (64 x 128 fp32: 32 KB of
+# registers); at batch 1 with 2 KV heads 64 splits already make a program per SM of an H100.
+MAX_SPLITS = 64
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1   # the interpreter runs one program at a time: splitting gains nothing there
+
+
+def _num_splits(programs: int, max_context: int, sms: int, block_n: int) -> int:
+    """How many parts to split each context into, so that `programs` (sequence, KV head)
+    pairs become about one program per SM. From shapes only: a captured CUDA graph replays
+    the same split for every context length up to `max_context`."""
+    splits = round(sms / programs)   # 1 once the pairs fill two thirds of the chip
+    return max(1, min(splits, MAX_SPLITS, triton.cdiv(max_context, block_n)))
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                           block_n: int = 64, num_warps: int = 4) -> torch.Tensor:
+                           num_splits: int | None = None, block_n: int = 64, num_warps: int = 4) -> torch.Tensor:
+    """`num_splits` None chooses from the shapes and the SM count (flash-decoding when few
+    sequences leave SMs idle); 1 is one pass per (sequence, KV head) with no combine step."""
     quant = _check_cache(k_cache, v_cache, k_scale, v_scale)
     q = _last_dim_contiguous(q)
     S, heads, dh = q.shape
     block_size, kvh = k_cache.shape[1:3]
+    if num_splits is None:
+        num_splits = _num_splits(S * kvh, block_tables.shape[1] * block_size, _sm_count(q.device), block_n)
     out = torch.empty(S, heads, dh, dtype=q.dtype, device=q.device)
+    # Splits write fp32 partials and their log-sum-exps for the combine kernel to merge.
+    partial = num_splits > 1
+    dest = torch.empty(S, heads, num_splits, dh, dtype=torch.float32, device=q.device) if partial else out[:, :, None]
+    lse = torch.empty(S, heads, num_splits, dtype=torch.float32, device=q.device) if partial else None
+    block_d = max(16, triton.next_power_of_2(dh))
     # tl.dot wants every dimension >= 16: a small group is padded with masked rows.
     block_g = max(16, triton.next_power_of_2(heads // kvh))
-    _decode_kernel[(S, kvh)](q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, out,
-                             scale * LOG2E, block_size, q.stride(0), q.stride(1), block_tables.stride(0),
-                             out.stride(0), out.stride(1),
-                             KV_HEADS=kvh, GROUP=heads // kvh, HEAD_DIM=dh, BLOCK_G=block_g,
-                             BLOCK_D=max(16, triton.next_power_of_2(dh)), BLOCK_N=block_n,
-                             QUANT=quant, num_warps=num_warps)
+    _decode_kernel[(S, kvh, num_splits)](
+        q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, dest, lse,
+        scale * LOG2E, block_size, num_splits, q.stride(0), q.stride(1), block_tables.stride(0),
+        dest.stride(0), dest.stride(1), dest.stride(2),
+        KV_HEADS=kvh, GROUP=heads // kvh, HEAD_DIM=dh, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
+        QUANT=quant, PARTIAL=partial, num_warps=num_warps)
+    if partial:
+        _combine_kernel[(S, heads)](dest, lse, out, num_splits, out.stride(0), out.stride(1),
+                                    HEADS=heads, HEAD_DIM=dh, BLOCK_S=triton.next_power_of_2(num_splits),
+                                    BLOCK_D=block_d, num_warps=num_warps)
     return out
 
 
@@ -201,10 +286,13 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             block_tables: torch.Tensor, context_lens: torch.Tensor,
                             query_start_loc: torch.Tensor, scale: float,
                             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                            block_m: int = 64, block_n: int = 64, num_warps: int = 4) -> torch.Tensor:
+                            block_m: int = 64, block_n: int | None = None, num_warps: int = 4) -> torch.Tensor:
+    """`block_n` None: 64 keys a tile, 32 in float32, whose 64-key tiles at head_dim 128 want
+    113 KB of shared memory, more than the 99 KB a block gets on consumer GPUs."""
     quant = _check_cache(k_cache, v_cache, k_scale, v_scale)
     q = _last_dim_contiguous(q)
     T, heads, dh = q.shape
+    block_n = block_n or (64 if q.element_size() <= 2 else 32)
     S = context_lens.shape[0]
     block_size, kvh = k_cache.shape[1:3]
     out = torch.empty(T, heads, dh, dtype=q.dtype, device=q.device)

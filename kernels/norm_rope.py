@@ -1,7 +1,9 @@
-"""RMSNorm with the residual add, and rotary embedding, plain PyTorch: the reference twins of
-norm_rope_triton.py."""
+"""RMSNorm with the residual add, and rotary embedding (alone, or with the KV cache write it
+precedes), plain PyTorch: the reference twins of norm_rope_triton.py."""
 import torch
 import torch.nn.functional as F
+
+from kernels.attention import store_kv
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -24,3 +26,12 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     cos, sin = cos.reshape(x.shape[0], 1, -1), sin.reshape(x.shape[0], 1, -1)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotary on q [T, heads, head_dim] and k [T, kv_heads, head_dim], the rotated k and v
+    written into their slots as attention.store_kv does; returns the rotated q."""
+    store_kv(apply_rotary(k, cos, sin), v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    return apply_rotary(q, cos, sin)

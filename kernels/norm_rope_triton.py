@@ -1,9 +1,12 @@
-"""RMSNorm with the residual add, and rotary embedding, in Triton; same signatures as the
-references in norm_rope.py. One program per row (token): both are memory-bound, and fusing
-them saves a round trip through memory per elementwise step."""
+"""RMSNorm with the residual add, and rotary embedding (alone, or with the KV cache write it
+precedes), in Triton; same signatures as the references in norm_rope.py. One program per row
+(token): all are memory-bound, and fusing them saves a round trip through memory per
+elementwise step, and at decode's batch sizes a launch per fused step."""
 import torch
 import triton
 import triton.language as tl
+
+from kernels.attention_triton import _check_cache, _last_dim_contiguous, _write_kv
 
 
 @triton.jit
@@ -42,6 +45,45 @@ def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, stride_xt, stride_xh
     tl.store(dst + HALF, (x2 * c + x1 * s).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _rotate(x_ptr, stride_h, h, d, c, s, mask, HALF: tl.constexpr):
+    """Rows h of x (one every stride_h) rotated and rounded to x's dtype, as the reference
+    returns them: whole rows [BLOCK_H, BLOCK_D], not halves, for int8 quantization's absmax."""
+    first = d < HALF
+    src = x_ptr + h[:, None] * stride_h
+    x = tl.load(src + d[None, :], mask=mask, other=0.0)
+    partner = tl.load(src + tl.where(first, d + HALF, d - HALF)[None, :], mask=mask, other=0.0).to(tl.float32)
+    # x1*c + (-x2)*s rounds exactly as the reference's x1*c - x2*s.
+    return (x.to(tl.float32) * c + tl.where(first[None, :], -partner, partner) * s).to(x.dtype)
+
+
+@triton.jit
+def _rotary_store_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out, k_cache, v_cache, k_scale, v_scale,
+                            slot_mapping, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                            stride_ct, stride_st,
+                            HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                            BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr, BLOCK_D: tl.constexpr,
+                            QUANT: tl.constexpr):
+    t = tl.program_id(0)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    half = tl.where(d < HEAD_DIM // 2, d, d - HEAD_DIM // 2)
+    c = tl.load(cos_ptr + t * stride_ct + half, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    s = tl.load(sin_ptr + t * stride_st + half, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+
+    h = tl.arange(0, BLOCK_H)
+    mask = (h[:, None] < HEADS) & d_mask[None, :]
+    q = _rotate(q_ptr + t * stride_qt, stride_qh, h, d, c, s, mask, HEAD_DIM // 2)
+    tl.store(q_out + (t * HEADS + h[:, None]) * HEAD_DIM + d[None, :], q, mask=mask)
+
+    h = tl.arange(0, BLOCK_KVH)
+    mask = (h[:, None] < KV_HEADS) & d_mask[None, :]
+    k = _rotate(k_ptr + t * stride_kt, stride_kh, h, d, c, s, mask, HEAD_DIM // 2)
+    v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask, other=0.0)
+    slot = tl.load(slot_mapping + t).to(tl.int64)
+    _write_kv(k, v, k_cache, v_cache, k_scale, v_scale, slot, h, d, mask, KV_HEADS, HEAD_DIM, QUANT)
+
+
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  eps: float, num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     x = x.contiguous()
@@ -63,4 +105,28 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_warp
     _rotary_kernel[(T,)](x, cos, sin, out, heads, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0),
                          HALF=dh // 2, BLOCK_H=triton.next_power_of_2(heads),
                          BLOCK_HALF=triton.next_power_of_2(dh // 2), num_warps=num_warps)
+    return out
+
+
+def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                    num_warps: int = 4) -> torch.Tensor:
+    """One launch for what the reference does in three (rotary on q, rotary on k, store_kv):
+    one program per token takes all its query and KV heads."""
+    quant = _check_cache(k_cache, v_cache, k_scale, v_scale)
+    q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
+    T, heads, dh = q.shape
+    kvh = k.shape[1]
+    cos, sin = cos.reshape(T, -1), sin.reshape(T, -1)
+    assert cos.stride(-1) == 1 and sin.stride(-1) == 1
+    out = torch.empty(T, heads, dh, dtype=q.dtype, device=q.device)
+    # No fused multiply-adds: the reference rounds each product, and an FMA that rounds once
+    # would now and then move a bf16 key by an ulp and its int8 value with it.
+    _rotary_store_kv_kernel[(T,)](q, k, v, cos, sin, out, k_cache, v_cache, k_scale, v_scale, slot_mapping,
+                                  q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                                  cos.stride(0), sin.stride(0),
+                                  HEADS=heads, KV_HEADS=kvh, HEAD_DIM=dh, BLOCK_H=triton.next_power_of_2(heads),
+                                  BLOCK_KVH=triton.next_power_of_2(kvh), BLOCK_D=triton.next_power_of_2(dh),
+                                  QUANT=quant, num_warps=num_warps, enable_fp_fusion=False)
     return out

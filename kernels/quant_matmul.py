@@ -10,13 +10,16 @@ import torch
 
 
 def int8_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    # About a million weights (4 MB in float32) dequantized at a time, so each slice is still
-    # in cache when the matmul reads it (the CPU's path for many rows, engine/quantize.py).
+    # On the CPU about a million weights (4 MB in float32) dequantized at a time, so each slice
+    # is still in cache when the matmul reads it (the path for many rows, engine/quantize.py); a
+    # GPU has no such cache to fit and pays per launch instead, so it takes the whole weight.
     n, k = w.shape
     out = x.new_empty(x.shape[0], n)
-    step = max(1, (1 << 20) // k)
+    step = n if w.is_cuda else max(1, (1 << 20) // k)
+    # The scale applies per output, after the sum: the weights convert exactly (int8 in bf16 or
+    # float32), and a pass over them is saved.
     for r in range(0, n, step):
-        out[:, r:r + step] = x @ (w[r:r + step].float() * scales[r:r + step, None]).to(x.dtype).T
+        out[:, r:r + step] = (x @ w[r:r + step].to(x.dtype).T) * scales[r:r + step].to(x.dtype)
     return out
 
 

@@ -1,31 +1,52 @@
-"""Weight-only quantized matmuls in Triton, for the decode GEMV (M = a few tokens); same
-signatures as the references in quant_matmul.py.
+"""Weight-only quantized matmuls in Triton; same signatures as the references in quant_matmul.py.
 
 The weight is read once, dequantized in registers and multiplied, so memory traffic is the
-int8/int4 weight itself: that is the whole win at small M, where a GEMV is bandwidth-bound.
-M is padded to 16 rows because tl.dot needs every dimension >= 16.
+int8/int4 weight itself: that is the whole win at small M, where a matmul is bandwidth-bound.
+Each program reads whole rows of the weight (K contiguous, as stored), and the grid is sized so
+that a decode step's GEMV spreads over the whole chip rather than a few dozen programs: narrower
+tiles first, then (int8, a long K) slices of K summed by a second launch.
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-
 @triton.jit
-def _int8_kernel(x_ptr, w_ptr, scales_ptr, out_ptr, M, N, K, stride_xm, stride_om,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _int8_kernel(x_ptr, w_ptr, scales_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_om,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
+    # One program per tile of outputs and slice of K (k_per_split, whole BLOCK_Ks). Rows of M
+    # below 16 are masked: tl.dot needs 16, and the weight read is the cost either way (on an
+    # H100 the tiles read a decode step's large layers faster than a multiply-add GEMV did).
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    lo = tl.program_id(2) * k_per_split
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(lo, tl.minimum(lo + k_per_split, K), BLOCK_K):
         k = k0 + rk
         x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=(rm[:, None] < M) & (k[None, :] < K), other=0.0)
-        w = tl.load(w_ptr + rn[None, :].to(tl.int64) * K + k[:, None], mask=(rn[None, :] < N) & (k[:, None] < K), other=0)
-        acc += tl.dot(x, w.to(x.dtype))                     # int8 -> bf16/fp32 is exact
-    # The per-output-channel scale is constant along k, so it is applied once, after the sum.
-    acc *= tl.load(scales_ptr + rn, mask=rn < N, other=0.0)[None, :]
-    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
+        w = tl.load(w_ptr + rn[:, None].to(tl.int64) * K + k[None, :], mask=(rn[:, None] < N) & (k[None, :] < K), other=0)
+        acc += tl.dot(x, tl.trans(w.to(x.dtype)))           # int8 -> bf16/fp32 is exact
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if SPLIT:   # a float32 partial sum, which _int8_reduce_kernel adds up and scales
+        tl.store(out_ptr + (tl.program_id(2) * M + rm[:, None]) * N + rn[None, :], acc, mask=mask)
+    else:
+        # The per-output-channel scale is constant along k, so it is applied once, after the sum.
+        acc *= tl.load(scales_ptr + rn, mask=rn < N, other=0.0)[None, :]
+        tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _int8_reduce_kernel(part_ptr, scales_ptr, out_ptr, M, N, stride_om, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < M * N
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in tl.static_range(SPLITS):       # in order: the sum is the same at every run
+        acc += tl.load(part_ptr + s * M * N + i, mask=mask, other=0.0)
+    m, n = i // N, i % N
+    acc *= tl.load(scales_ptr + n, mask=mask, other=0.0)
+    tl.store(out_ptr + m * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -62,13 +83,34 @@ def _prepare(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return x, torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
 
 
-def int8_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
-                block_n: int = 64, block_k: int = 128, num_warps: int = 4) -> torch.Tensor:
+@functools.cache
+def _programs_to_fill(device: torch.device) -> int:
+    """Programs that keep every SM busy: two per SM (a few under the CPU's interpreter)."""
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def int8_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, splits: int | None = None,
+                num_warps: int = 4) -> torch.Tensor:
+    """`splits`: how many slices of K run in parallel (None: as many as it takes to fill the
+    chip, for a long K only); more than one adds a launch that sums the slices in order."""
     x, out = _prepare(x, w)
     (M, K), N = x.shape, w.shape[0]
-    grid = (triton.cdiv(N, block_n), triton.cdiv(M, 16))
-    _int8_kernel[grid](x, w, scales, out, M, N, K, x.stride(0), out.stride(0),
-                       BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
+    block_m, block_n, block_k = min(64, max(16, triton.next_power_of_2(M))), 64, 128
+    fill = _programs_to_fill(x.device)
+    while block_n > 16 and triton.cdiv(N, block_n) * triton.cdiv(M, block_m) < fill:
+        block_n //= 2
+    tiles = triton.cdiv(N, block_n) * triton.cdiv(M, block_m)
+    if splits is None:      # a tall layer (the MLP's down projection) still leaves SMs idle
+        splits = max(1, min(triton.cdiv(fill, tiles), K // 1024))
+    k_per_split = triton.cdiv(triton.cdiv(K, splits), block_k) * block_k
+    splits = triton.cdiv(K, k_per_split)
+    dest = out if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(N, block_n), triton.cdiv(M, block_m), splits)
+    _int8_kernel[grid](x, w, scales, dest, M, N, K, k_per_split, x.stride(0), out.stride(0),
+                       BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=splits > 1, num_warps=num_warps)
+    if splits > 1:
+        _int8_reduce_kernel[(triton.cdiv(M * N, 1024),)](dest, scales, out, M, N, out.stride(0),
+                                                          SPLITS=splits, BLOCK=1024, num_warps=num_warps)
     return out
 
 

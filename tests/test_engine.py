@@ -1,6 +1,7 @@
 """The engine end to end on tiny random models: continuous batching, preemption,
 cancellation, sampling and bad input."""
 import itertools
+import math
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ import torch
 from engine.config import EngineConfig, ModelEntry
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from tests.conftest import make_tiny_model
+from tests.conftest import TINY_VOCAB, make_tiny_model
 
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 
@@ -104,6 +105,32 @@ def test_logprobs_are_the_models_own(folder):
     n = len(c.prompt_token_ids)
     want = [lp[n - 1 + i, t].item() for i, t in enumerate(c.token_ids)]
     assert c.logprobs == pytest.approx(want, abs=1e-4)
+
+
+def test_greedy_rows_take_one_pass_over_the_logits(folder):
+    # The runner's greedy tokens and log-probabilities come from one log-softmax and a blocked
+    # argmax; they equal the plain ops'. A row holding a NaN or +inf (or nothing but -inf)
+    # comes out NaN, which fails its request; a -inf alone is a token ruled out.
+    from engine.model_runner import _argmax
+    runner = make_engine(folder).worker("tiny").runner
+    logits = torch.randn(7, TINY_VOCAB) * 3
+    logits[1, [7, 70]] = 20.0                                   # a tie: the first wins
+    logits[2, 9], logits[3, 90], logits[4, :50] = float("nan"), float("inf"), float("-inf")
+    logits[5] = float("-inf")
+    logits[6, 100] = 1e38
+    with torch.inference_mode():
+        top, top_lp = runner._greedy(logits)
+    assert top == logits.argmax(-1).tolist()
+    assert [math.isfinite(lp) for lp in top_lp] == [True, True, False, False, True, False, True]
+    want = torch.log_softmax(logits, -1).gather(1, logits.argmax(-1)[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(top_lp)[[0, 1, 4, 6]], want[[0, 1, 4, 6]])
+    # Past 2**15 logits on the CPU the argmax goes block by block: first of ties, NaN first.
+    wide = torch.randn(5, 64 * 1024)
+    wide[1, [64 * 3 + 5, 64 * 900 + 1]] = 10.0
+    wide[2, [64 * 7 + 63, 64 * 500]] = float("nan")
+    wide[3] = float("-inf")
+    wide[4, -1] = float("inf")
+    assert torch.equal(_argmax(wide), wide.argmax(-1))
 
 
 def test_stop_strings_and_tokens(folder):

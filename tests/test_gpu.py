@@ -160,3 +160,123 @@ def test_index_tensors_reach_the_device_in_one_copy_intact():
     host = [torch.arange(5), torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.tensor([], dtype=torch.long)]
     got = device.upload(host)
     assert all(g.is_cuda and torch.equal(g.cpu(), h) for g, h in zip(got, host))
+
+
+# ---- every Triton kernel at the served models' shapes, on CUDA, against its reference twin ----
+# (heads, kv_heads, head_dim, hidden, intermediate) of Qwen2.5-0.5B and -1.5B.
+SHAPES = {"0.5b": (14, 2, 64, 896, 4864), "1.5b": (12, 2, 128, 1536, 8960)}
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    assert torch.isfinite(got).all(), "non-finite output (an unwritten element?)"
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+def paged_cache(lens: list[int], kvh: int, dh: int, dtype: torch.dtype, int8: bool, block_size: int = 16):
+    """Random KV for sequences of `lens` tokens in shuffled blocks of one pool, on CUDA."""
+    counts = [-(-n // block_size) for n in lens]
+    blocks = torch.randperm(sum(counts), device="cuda")
+    tables = torch.zeros(len(lens), max(counts), dtype=torch.long, device="cuda")
+    at = 0
+    for s, c in enumerate(counts):
+        tables[s, :c], at = blocks[at:at + c], at + c
+    shape = (sum(counts), block_size, kvh, dh)
+    if int8:
+        k, v = (torch.randint(-127, 128, shape, dtype=torch.int8, device="cuda") for _ in range(2))
+        ks, vs = (torch.rand(shape[:-1], device="cuda") / 64 for _ in range(2))
+        return k, v, tables, torch.tensor(lens, device="cuda"), ks, vs
+    k, v = (torch.randn(shape, dtype=dtype, device="cuda") for _ in range(2))
+    return k, v, tables, torch.tensor(lens, device="cuda"), None, None
+
+
+@pytest.mark.parametrize("model", list(SHAPES))
+@pytest.mark.parametrize("dtype,int8", [(torch.bfloat16, False), (torch.float32, False), (torch.bfloat16, True)])
+@pytest.mark.parametrize("lens", [[1], [37], [2000], [5, 1200, 16, 700], [300] * 64])
+def test_decode_attention_at_engine_shapes(model, dtype, int8, lens):
+    from kernels import attention, attention_triton
+    heads, kvh, dh, *_ = SHAPES[model]
+    torch.manual_seed(len(lens))
+    k, v, tables, ctx, ks, vs = paged_cache(lens, kvh, dh, dtype, int8)
+    q = torch.randn(len(lens), heads, dh, dtype=dtype, device="cuda")
+    want = attention.paged_decode_attention(q.float(), k if int8 else k.float(), v if int8 else v.float(),
+                                            tables, ctx, dh ** -0.5, ks, vs)
+    for splits in (None, 1, 5):       # automatic (flash-decoding when the chip is not full), none, forced
+        got = attention_triton.paged_decode_attention(q, k, v, tables, ctx, dh ** -0.5, ks, vs, num_splits=splits)
+        assert rel_err(got, want) < (1e-2 if dtype == torch.bfloat16 else 2e-3), f"num_splits={splits}"
+
+
+@pytest.mark.parametrize("model", list(SHAPES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_prefill_attention_launches_at_engine_shapes(model, dtype):
+    """A 512-token chunk after a cached prefix, and a fresh prompt, in one call: the kernel
+    launches at head_dim 128 in float32 (it once asked for more shared memory than Hopper has)."""
+    from kernels import attention, attention_triton
+    heads, kvh, dh, *_ = SHAPES[model]
+    torch.manual_seed(1)
+    k, v, tables, ctx, _, _ = paged_cache([900, 512], kvh, dh, dtype, False)
+    starts = torch.tensor([0, 512, 1024], device="cuda")
+    q = torch.randn(1024, heads, dh, dtype=dtype, device="cuda")
+    want = attention.paged_prefill_attention(q.float(), k.float(), v.float(), tables, ctx, starts, dh ** -0.5)
+    got = attention_triton.paged_prefill_attention(q, k, v, tables, ctx, starts, dh ** -0.5)
+    assert rel_err(got, want) < (1e-2 if dtype == torch.bfloat16 else 2e-3)
+
+
+@pytest.mark.parametrize("model", list(SHAPES))
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("T", [1, 64, 700])
+def test_fused_rotary_store_and_activation_at_engine_shapes(model, int8, T):
+    from kernels import activation, activation_triton, norm_rope, norm_rope_triton
+    heads, kvh, dh, hidden, inter = SHAPES[model]
+    torch.manual_seed(T)
+    qkv = torch.randn(T, (heads + 2 * kvh) * dh, dtype=torch.bfloat16, device="cuda")
+    q, k, v = (t.view(T, -1, dh) for t in qkv.split([heads * dh, kvh * dh, kvh * dh], -1))
+    angles = torch.rand(T, dh // 2, device="cuda") * 100
+    slots = torch.randperm(4 * T, device="cuda")[:T]
+    caches = []
+    for _ in range(2):
+        shape = (4 * T // 16 + 1, 16, kvh, dh)
+        kc, vc = (torch.zeros(shape, dtype=torch.int8 if int8 else torch.bfloat16, device="cuda") for _ in range(2))
+        scales = [torch.zeros(shape[:-1], device="cuda") for _ in range(2)] if int8 else [None, None]
+        caches.append((kc, vc, *scales))
+    want_q = norm_rope.rotary_store_kv(q, k, v, angles.cos(), angles.sin(), *caches[0][:2], slots, *caches[0][2:])
+    got_q = norm_rope_triton.rotary_store_kv(q, k, v, angles.cos(), angles.sin(), *caches[1][:2], slots, *caches[1][2:])
+    assert rel_err(got_q, want_q) < 1e-2
+    for want, got in zip(caches[0], caches[1]):
+        if want is not None:
+            assert (want.float() - got.float()).abs().max() <= (1 if int8 else 0.05)    # int8: one step of rounding
+    x = torch.randn(T, 2 * inter, dtype=torch.bfloat16, device="cuda")
+    assert rel_err(activation_triton.silu_and_mul(x), activation.silu_and_mul(x)) < 1e-2
+    h, r = torch.randn(2, T, hidden, dtype=torch.bfloat16, device="cuda")
+    w = torch.randn(hidden, dtype=torch.bfloat16, device="cuda")
+    for want, got in zip(norm_rope.add_rms_norm(h, r, w, 1e-6), norm_rope_triton.add_rms_norm(h, r, w, 1e-6)):
+        assert rel_err(got, want) < 1e-2
+
+
+@pytest.mark.parametrize("model", list(SHAPES))
+@pytest.mark.parametrize("M", [1, 5, 16, 64, 300])
+def test_quantized_layers_at_engine_shapes(model, M):
+    """QuantLinear as a bf16 engine on CUDA runs it (int8: the Triton GEMV, tiles or the dequantized
+    cuBLAS path by rows; int4: tinygemm) against the dequantized float layer, over every linear
+    shape of the model and its LM head; and the LM head restricted to some rows (a drafter's)."""
+    _, _, _, hidden, inter = SHAPES[model]
+    heads, kvh, dh = SHAPES[model][:3]
+    torch.manual_seed(M)
+    for K, N in ((hidden, (heads + 2 * kvh) * dh), (heads * dh, hidden), (hidden, 2 * inter), (inter, hidden),
+                 (hidden, 151936)):
+        w = torch.randn(N, K, device="cuda") / K ** 0.5
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        for mode in ("int8", "int4"):
+            if mode == "int8":
+                q, s = quantize_int8(w)
+                tensors, deq = {"w": q, "scales": s}, q.float() * s[:, None]
+            else:
+                q, s, z = quantize_int4(w, 128)
+                tensors = {"w": q, "scales": s, "zeros": z}
+                deq = ((unpack_int4(q).float().view(N, K // 128, 128) - z[..., None]) * s[..., None]).view(N, K)
+            layer = QuantLinear(mode, tensors, None, 128, device="cuda", dequant_rows=256)
+            assert layer.packed == (mode == "int4")
+            want = x.float() @ deq.T
+            assert rel_err(layer(x), want) < 1e-2, (mode, K, N)
+            if N == 151936 and M == 1:
+                ids = torch.arange(0, 4096, device="cuda")
+                torch.testing.assert_close(layer.rows(ids)(x), layer(x)[:, ids], rtol=0, atol=0)

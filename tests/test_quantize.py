@@ -58,7 +58,10 @@ def test_int8_over_many_rows_multiplies_dequantized_in_float32():
         x = torch.randn(rows, 512)
         err = (layer(x) - (x @ deq.T + b)).abs().max().item() / (x @ deq.T).abs().max().item()
         assert err < tol if rows >= 4 else tol < err < 0.02
-    assert QuantLinear("int8", {"w": q, "scales": s}, b, 32, packed=False, dequant_rows=4).dequant_rows == 0
+    # Only the CPU's packed int4 layout has no stored format left to dequantize.
+    assert QuantLinear("int8", {"w": q, "scales": s}, b, 32, packed=False, dequant_rows=4).dequant_rows == 4
+    q4, s4, z4 = quantize_int4(w[:64], 32)
+    assert QuantLinear("int4", {"w": q4, "scales": s4, "zeros": z4}, b[:64], 32, dequant_rows=4).dequant_rows == 0
 
 
 def test_bad_quant_config_is_rejected():

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The one prepared device check (issue 35), sized for a lent GPU's few minutes: from a fresh copy
+# of the tree on a machine with no network, install what the image lacks from wheels kept beside
+# the tree (.whl/, git-ignored: msgspec, gguf, transformers), then
+#   1. tests/test_gpu.py                 the engine and every Triton kernel on CUDA against their twins
+#   2. benchmarks/gpu_kernels.py         each way to run a linear layer, and decode attention, per shape
+#   3. benchmarks/gpu_bench.py           both Qwen shapes, bf16/int8/int4, batch 1/16/64, with a
+#                                        per-kernel profile of a decode step at batch 1 and 64
+#   4. benchmarks/step_overhead.py       the engine's host work per step there, the model stubbed
+# Results go to benchmarks/results/ (and to $OUT when the device tool sets it), with
+# gpu_check-<device>.json saying what ran, passed, failed or was skipped. Without a GPU it says
+# what it skipped and exits 0, so it can be dry-run anywhere.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+RESULTS=benchmarks/results
+mkdir -p "$RESULTS"
+export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+
+device=$($PY -c "import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else '')")
+if [ -z "$device" ]; then
+    echo "gpu_check: torch sees no CUDA GPU here; skipped tests/test_gpu.py, benchmarks/gpu_kernels.py and" \
+         "benchmarks/gpu_bench.py (tests/test_device.py and the interpreted kernel tests cover this code on the CPU)"
+    exit 0
+fi
+# The wheels are for the device image's Python, so they are installed only where a GPU is.
+if compgen -G ".whl/*.whl" >/dev/null; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/sluice-site .whl/*.whl \
+        || { echo "gpu_check: installing .whl/ failed"; exit 1; }
+    export PYTHONPATH=/tmp/sluice-site:$PWD
+fi
+slug=$(echo "$device" | tr 'A-Z' 'a-z' | sed -E 's/[^a-z0-9]+/-/g; s/^-|-$//g')
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv 2>/dev/null
+
+declare -A status
+step() {    # step NAME SECONDS COMMAND...: run with a time limit, record its exit status
+    local name=$1 limit=$2; shift 2
+    echo "== gpu_check: $name (limit ${limit}s)"
+    local start=$SECONDS
+    timeout "$limit" "$@"
+    status[$name]="$? $((SECONDS - start))"
+}
+step tests 130 $PY -m pytest -q -p no:cacheprovider -o addopts= --junitxml="$RESULTS/gpu_tests-$slug.xml" tests/test_gpu.py
+step kernels 90 $PY benchmarks/gpu_kernels.py
+step bench 220 $PY benchmarks/gpu_bench.py --hf-batches --models qwen2.5-coder-1.5b qwen2.5-coder-0.5b
+step host 40 $PY benchmarks/step_overhead.py --device cuda --out "$RESULTS/step_overhead-$slug.json"
+
+steps=$(for k in "${!status[@]}"; do echo "$k ${status[$k]}"; done)
+STEPS="$steps" DEVICE="$device" SLUG="$slug" $PY - <<'EOF'
+import json, os, xml.etree.ElementTree as ET
+from pathlib import Path
+results = Path("benchmarks/results")
+steps = {name: {"exit": int(code), "seconds": int(secs)}
+         for name, code, secs in (line.split() for line in os.environ["STEPS"].splitlines())}
+tests = {}
+xml = results / f"gpu_tests-{os.environ['SLUG']}.xml"
+if xml.exists():
+    for case in ET.parse(xml).iter("testcase"):
+        outcome = next((c.tag for c in case if c.tag in ("failure", "error", "skipped")), "passed")
+        tests[f"{case.get('classname')}::{case.get('name')}"] = outcome
+summary = {"device": os.environ["DEVICE"], "steps": steps, "tests": tests,
+           "counts": {o: sum(v == o for v in tests.values()) for o in ("passed", "failure", "error", "skipped")}}
+(results / f"gpu_check-{os.environ['SLUG']}.json").write_text(json.dumps(summary, indent=2))
+print(json.dumps({"device": summary["device"], "steps": steps, "counts": summary["counts"]}))
+EOF
+if [ -n "${OUT:-}" ]; then cp "$RESULTS"/*-"$slug".json "$RESULTS/gpu_tests-$slug.xml" "$OUT"/ 2>/dev/null; fi

@@ -1,0 +1,185 @@
+"""The engine's kernel choices on a CUDA GPU, timed at the served models' shapes.
+
+Linear layers: every way the engine can run one, per layer shape and per row count (a decode
+batch, a prompt chunk), and which is fastest where.
+
+    bf16 [in,out]   the engine's dense layout (x @ weight_t), cuBLAS
+    bf16 [out,in]   nn.Linear's layout (F.linear), cuBLAS
+    int8 triton     kernels/quant_matmul_triton.py (multiply-add GEMV up to 8 rows, tl.dot tiles past)
+    int8 dequant    the reference twin: the whole weight dequantized to bf16, then cuBLAS
+    int4 tinygemm   torch._weight_int4pack_mm, the layout QuantLinear packs on CUDA
+    int4 triton     kernels/quant_matmul_triton.py on the stored format
+
+Times are medians of CUDA-graph replays (launch overhead out, as in the engine's decode step)
+over copies of the layer that together exceed the L2 cache several times (a weight read from
+L2 would flatter the small layers). GB/s counts the
+weight bytes each read.
+
+Decode attention: the split-KV (flash-decoding) launch the kernel picks against one pass per
+(sequence, KV head), per batch and context length, bf16 KV.
+
+Prints tables and writes benchmarks/results/gpu_kernels-<device>.json, with the fastest way per
+layer and row count and the one QuantLinear takes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+
+import torch
+from common import RESULTS, machine
+from rich.console import Console
+from rich.table import Table
+
+from engine.quantize import DEQUANT_ROWS, QuantLinear, quantize_int4, quantize_int8
+from kernels import quant_matmul
+
+console = Console(width=160)
+# (in, out) of each linear of a layer, and the LM head, for the served models.
+SHAPES = {
+    "qwen2.5-coder-0.5b": {"qkv": (896, 1152), "o": (896, 896), "gate_up": (896, 9728), "down": (4864, 896),
+                           "lm_head": (896, 151936)},
+    "qwen2.5-coder-1.5b": {"qkv": (1536, 2048), "o": (1536, 1536), "gate_up": (1536, 17920), "down": (8960, 1536),
+                           "lm_head": (1536, 151936)},
+}
+GROUP = 128
+
+
+def ways(w: torch.Tensor) -> dict[str, tuple[object, int]]:
+    """name -> (a callable x -> y, bytes of weight it reads), built from one float weight [out, in]."""
+    q8, s8 = quantize_int8(w)
+    q4, s4, z4 = quantize_int4(w, GROUP)
+    int8 = QuantLinear("int8", {"w": q8, "scales": s8}, None, GROUP, device="cuda")
+    int4 = {"w": q4, "scales": s4, "zeros": z4}
+    kn, nk = w.t().contiguous().to(torch.bfloat16), w.to(torch.bfloat16)
+    out = {"bf16 [in,out]": (lambda x: x @ kn, kn.nbytes),
+           "bf16 [out,in]": (lambda x: torch.nn.functional.linear(x, nk), nk.nbytes),
+           "int8 triton": (int8, q8.nbytes + s8.nbytes),
+           "int8 dequant": (lambda x: quant_matmul.int8_matmul(x, int8.w, int8.scales), q8.nbytes + s8.nbytes)}
+    tiny = QuantLinear("int4", int4, None, GROUP, device="cuda")
+    if tiny.packed:
+        out["int4 tinygemm"] = (tiny, q4.nbytes + 2 * s4.nbytes)
+    out["int4 triton"] = (QuantLinear("int4", int4, None, GROUP, packed=False, device="cuda"),
+                          q4.nbytes + 2 * s4.nbytes)
+    return out
+
+
+def median_us(fns: list, x: torch.Tensor | None) -> float:
+    """Median time of one call replayed from a CUDA graph (so launch overhead stays out),
+    cycling through `fns` (copies of one layer; called with `x`, or with nothing when None)."""
+    import triton.testing
+
+    def run() -> None:
+        for f in fns:
+            f(x) if x is not None else f()
+    run()                                   # compiles and allocates before the graph captures
+    return 1e3 * triton.testing.do_bench_cudagraph(run, rep=5, return_mode="median") / len(fns)
+
+
+# Query heads, KV heads and head size of the served models.
+ATTENTION = {"qwen2.5-coder-0.5b": (14, 2, 64), "qwen2.5-coder-1.5b": (12, 2, 128)}
+
+
+def attention_table(models: list[str], batches: list[int], contexts: list[int], block_size: int = 16) -> dict:
+    """µs of one decode attention call, the kernel's own split choice against one pass."""
+    from kernels import attention_triton
+    table = Table(title="Decode attention, bf16 KV: µs per call (split-KV automatic / one pass)")
+    for col in ("model", "batch", *(f"context {c}" for c in contexts)):
+        table.add_column(col)
+    out = {}
+    for model in models:
+        heads, kvh, dh = ATTENTION[model]
+        out[model] = {}
+        for batch in batches:
+            cells = []
+            for ctx in contexts:
+                width = -(-ctx // block_size)
+                cache = [torch.randn(batch * width, block_size, kvh, dh, device="cuda", dtype=torch.bfloat16)
+                         for _ in range(2)]
+                tables = torch.randperm(batch * width, device="cuda").view(batch, width)
+                lens = torch.full((batch,), ctx, device="cuda")
+                q = torch.randn(batch, heads, dh, device="cuda", dtype=torch.bfloat16)
+                times = {name: median_us([lambda s=splits: attention_triton.paged_decode_attention(
+                    q, *cache, tables, lens, dh ** -0.5, num_splits=s)], None)
+                    for name, splits in (("auto", None), ("one pass", 1))}
+                out[model][f"{batch}x{ctx}"] = times
+                cells.append(f"{times['auto']:.1f} / {times['one pass']:.1f}")
+            table.add_row(model, str(batch), *cells)
+    console.print(table)
+    return out
+
+
+def engine_way(quant: str, rows: int) -> str:
+    """The way QuantLinear runs a bf16 model's layer of `quant` for `rows` rows on CUDA."""
+    if quant == "int4":
+        return "int4 tinygemm"
+    return "int8 dequant" if rows >= DEQUANT_ROWS["cuda"] else "int8 triton"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--rows", nargs="+", type=int, default=[1, 16, 64, 256])
+    ap.add_argument("--batches", nargs="*", type=int, default=[1, 16, 64], help="decode attention (none: skip it)")
+    ap.add_argument("--contexts", nargs="+", type=int, default=[256, 2048], help="decode attention")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit(f"gpu_kernels needs a CUDA GPU, and torch {torch.__version__} sees none here")
+    device = torch.cuda.get_device_name()
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    results = {"machine": machine() | {"device": device, "torch": torch.__version__, "l2_bytes": l2},
+               "dequant_rows": DEQUANT_ROWS["cuda"], "models": {}}
+    table = Table(title=f"Linear layers on {device}: µs per call (GB/s of weight read), fastest in bold")
+    for col in ("model", "layer", "rows", "bf16 [in,out]", "bf16 [out,in]", "int8 triton", "int8 dequant",
+                "int4 tinygemm", "int4 triton", "int8 / int4 engine"):
+        table.add_column(col)
+    for model, shapes in SHAPES.items():
+        if model not in args.models:
+            continue
+        results["models"][model] = {}
+        for layer, (k, n) in shapes.items():
+            torch.manual_seed(0)
+            # Copies with their own weights, so that the smallest form outgrows L2 twice, or 16 of
+            # them for layers under L2 / 8, whose figures are then partly L2's (said in the JSON).
+            copies = min(16, math.ceil(2 * l2 / (n * k // 2)))
+            sets = [ways(torch.randn(n, k, device="cuda") / k ** 0.5) for _ in range(copies)]
+            rows_out = {}
+            for rows in args.rows:
+                x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+                times = {}
+                for name, (_, nbytes) in sets[0].items():
+                    us = median_us([s[name][0] for s in sets], x)
+                    times[name] = {"us": us, "gb_s": nbytes / (us * 1e3)}
+                best = min(times, key=lambda t: times[t]["us"])
+                picks = {q: engine_way(q, rows) for q in ("int8", "int4")}
+                rows_out[rows] = {"ways": times, "fastest": best, "engine": picks}
+                table.add_row(model, layer, str(rows),
+                              *[(f"[bold]{t['us']:.1f}[/] ({t['gb_s']:.0f})" if name == best else
+                                 f"{t['us']:.1f} ({t['gb_s']:.0f})") if (t := times.get(name)) else "-"
+                                for name in ("bf16 [in,out]", "bf16 [out,in]", "int8 triton", "int8 dequant",
+                                             "int4 tinygemm", "int4 triton")],
+                              f"{picks['int8']} / {picks['int4']}")
+            results["models"][model][layer] = {"in": k, "out": n, "copies": copies,
+                                               "int4_copies_over_l2": copies * n * k / 2 / l2, "rows": rows_out}
+            save(results, device)
+            del sets
+            torch.cuda.empty_cache()
+    console.print(table)
+    if args.batches:
+        results["attention"] = attention_table(args.models, args.batches, args.contexts)
+    console.print(f"wrote {save(results, device)}")
+
+
+def save(results: dict, device: str):
+    """Written as each layer finishes, so a run cut short by its time limit keeps what it measured."""
+    out = RESULTS / f"gpu_kernels-{re.sub(r'[^a-z0-9]+', '-', device.lower()).strip('-')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    return out
+
+
+if __name__ == "__main__":
+    main()

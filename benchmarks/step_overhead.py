@@ -1,0 +1,217 @@
+"""Host work per engine step: `LLMEngine.step` in full with the model call replaced by a
+stub, in decode steady state at batch 1, 16 and 64.
+
+The stub's forward returns a preallocated hidden tensor and its LM head preallocated random
+float32 logits (real values, so argmax and softmax cost what they cost), for a tiny
+random-weight Qwen2 folder with a word-level tokenizer over the same vocabulary. Two forms:
+a 1,024-token vocabulary (the bookkeeping alone: scheduling, block tables, index tensors,
+sampling, stop checks, detokenizing, outputs) and Qwen2.5's 151,936 tokens (bookkeeping
+plus the passes over the logits).
+
+Each form and batch adds `batch` greedy requests (ignore_eos), steps until all of them
+decode, then times --steps steps with perf_counter (median: ms per step, µs per sequence),
+and as many again with the engine's calls wrapped, for a per-phase breakdown: schedule,
+prepare, the forward stub, sampling (the rest of ModelRunner.run), postprocess and _output
+(all its calls in the step). The wrappers cost a little, so the totals come from the plain
+run. One pass over the logits is measured on its own as the reference: a log-softmax over
+the step's rows, the least a step does (every token gets its log-probability). What the large
+vocabulary adds to sampling, in those passes, is the step's count of passes (on CUDA both
+are launch-bound, and the count says little).
+
+Targets (issue 35): bookkeeping (the 1,024-token form's step) <= 1 ms at batch 64 and
+<= 150 µs at batch 1; one pass over the logits per step (met when the count rounds to one).
+On a shared host pass --threads 1 too: other tenants stall torch's OpenMP threads, which
+small tensors pay for. Prints a table and writes benchmarks/results/step_overhead.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from common import RESULTS, machine
+from rich.console import Console
+from rich.table import Table
+
+from engine.config import EngineConfig, ModelEntry
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+
+console = Console(width=140)
+VOCABS = (1024, 151_936)            # bookkeeping alone; Qwen2.5's vocabulary
+BATCHES = (1, 16, 64)
+PROMPT_TOKENS = 128
+PHASES = ("schedule", "prepare", "forward", "sampling", "postprocess", "output")
+TARGET_MS = {64: 1.0, 1: 0.150}     # bookkeeping per step
+
+
+def model_folder(root: Path, vocab: int) -> Path:
+    threads = torch.get_num_threads()
+    from tests.conftest import make_tiny_model, write_word_tokenizer     # which sets the tests' 2 threads
+    torch.set_num_threads(threads)
+    folder = make_tiny_model(root / f"vocab{vocab}", "qwen2", tie=True, vocab_size=vocab, eos_token_id=vocab - 1,
+                             max_position_embeddings=4096)
+    write_word_tokenizer(folder, vocab)     # make_tiny_model's covers its own small vocabulary
+    return folder
+
+
+class Stub:
+    """The model's forward and LM head, preallocated: the step's host work is all that runs."""
+
+    def __init__(self, engine: LLMEngine, max_rows: int):
+        worker = engine.worker("m")
+        model, device = worker.model, worker.runner.device
+        g = torch.Generator().manual_seed(0)
+        self.hidden = torch.zeros(engine.config.max_num_batched_tokens, model.cfg.hidden_size,
+                                  dtype=device.dtype).to(device.device)
+        self.logits = torch.randn(max_rows, model.cfg.vocab_size, generator=g).mul_(3).to(device.device)
+        model.forward = lambda input_ids, positions, batch: self.hidden[:input_ids.shape[0]]
+        model.logits = lambda hidden: self.logits[:hidden.shape[0]]
+
+
+class Phases:
+    """Wraps the engine's calls to add up their seconds per step (off until `on`)."""
+
+    def __init__(self, engine: LLMEngine):
+        worker = engine.worker("m")
+        self.on, self.step = False, defaultdict(float)
+        for obj, name, phase in ((worker.scheduler, "schedule", "schedule"), (worker.runner, "prepare", "prepare"),
+                                 (worker.runner, "_forward", "forward"), (worker.runner, "run", "run"),
+                                 (worker.scheduler, "postprocess", "postprocess"), (engine, "_output", "output")):
+            setattr(obj, name, self._timed(getattr(obj, name), phase))
+
+    def _timed(self, fn, phase: str):
+        def call(*args, **kwargs):
+            if not self.on:
+                return fn(*args, **kwargs)
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.step[phase] += time.perf_counter() - start
+        return call
+
+    def take(self, total: float) -> dict[str, float]:
+        """This step's seconds per phase; sampling is what run spends outside prepare and the forward."""
+        s, self.step = self.step, defaultdict(float)
+        out = {p: s[p] for p in PHASES if p != "sampling"}
+        out["sampling"] = s["run"] - s["prepare"] - s["forward"]
+        out["other"] = total - sum(out.values())
+        return out
+
+
+def sync(engine: LLMEngine) -> None:
+    if engine.worker("m").runner.device.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(folder: Path, batch: int, steps: int, device: str) -> dict:
+    max_tokens = 2 * steps + 64
+    blocks = batch * -(-(PROMPT_TOKENS + max_tokens) // 16) + 16
+    engine = LLMEngine(EngineConfig(models={"m": ModelEntry(str(folder))}, max_kv_blocks=blocks, memory_budget_gb=2.0,
+                                    device=device, cuda_graphs=False), progress=False)
+    stub, phases = Stub(engine, max(batch, engine.config.max_num_seqs)), Phases(engine)
+    vocab = engine.worker("m").cfg.vocab_size
+    g = torch.Generator().manual_seed(batch)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    for _ in range(batch):
+        engine.add_request(torch.randint(0, vocab - 1, (PROMPT_TOKENS,), generator=g).tolist(), params)
+    seqs = [seq for _, seq in engine.requests.values()]
+    while not all(len(s) > s.num_prompt_tokens for s in seqs):     # every prompt prefilled
+        engine.step()
+    for _ in range(5):
+        engine.step()
+
+    def timed_step() -> float:
+        start = time.perf_counter()
+        outputs = engine.step()
+        sync(engine)
+        assert len(outputs) == batch and not any(o.finished for o in outputs)
+        return time.perf_counter() - start
+
+    totals = [timed_step() for _ in range(steps)]
+    phases.on = True
+    per_phase = [phases.take(timed_step()) for _ in range(steps)]
+    # The reference pass: a log-softmax over this step's logits rows.
+    rows, out = stub.logits[:batch], torch.empty_like(stub.logits[:batch])
+    reference = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        torch.log_softmax(rows, -1, out=out)
+        sync(engine)
+        reference.append(time.perf_counter() - start)
+    step_s = statistics.median(totals)
+    return {"ms_per_step": step_s * 1e3, "us_per_seq": step_s * 1e6 / batch,
+            "phases_ms": {p: statistics.median(s[p] for s in per_phase) * 1e3 for p in (*PHASES, "other")},
+            "log_softmax_pass_ms": statistics.median(reference) * 1e3}
+
+
+def verdicts(forms: dict, vocabs: list[int]) -> list[dict]:
+    """Each target, met or missed. A larger vocabulary's passes over the logits: what it adds
+    to sampling over the bookkeeping form's, in reference passes."""
+    small, out = forms[str(vocabs[0])], []
+    for batch, limit in TARGET_MS.items():
+        if str(batch) in small:
+            got = small[str(batch)]["ms_per_step"]
+            out.append({"target": f"bookkeeping at batch {batch} <= {limit * 1e3:.0f} µs", "measured_us": got * 1e3,
+                        "met": got <= limit})
+    for vocab in vocabs[1:]:
+        for batch, r in forms[str(vocab)].items():
+            passes = (r["phases_ms"]["sampling"] - small[batch]["phases_ms"]["sampling"]) / r["log_softmax_pass_ms"]
+            r["logits_passes"] = passes
+            out.append({"target": f"one pass over {vocab:,} logits at batch {batch}", "measured_passes": passes,
+                        "met": round(passes) <= 1})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=60, help="steps timed per form and batch (medians)")
+    ap.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
+    ap.add_argument("--vocabs", type=int, nargs="+", default=list(VOCABS), help="the first is the bookkeeping form")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (the stub's tensors live there too)")
+    ap.add_argument("--threads", type=int, help="torch's intra-op threads (default: torch's own choice)")
+    ap.add_argument("--out", type=Path, default=RESULTS / "step_overhead.json")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    results: dict = {"machine": machine() | {"device": device}, "steps": args.steps,
+                     "prompt_tokens": PROMPT_TOKENS, "forms": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for vocab in args.vocabs:
+            folder = model_folder(Path(tmp), vocab)
+            for batch in args.batches:
+                console.print(f"vocabulary {vocab:,}, batch {batch}")
+                results["forms"].setdefault(str(vocab), {})[str(batch)] = measure(folder, batch, args.steps,
+                                                                                   args.device)
+    table = Table(title=f"Host work per decode step, model stubbed ({args.device}, {torch.get_num_threads()} "
+                        f"threads, median of {args.steps} steps; phases in ms, from the instrumented run)")
+    for col in ("vocabulary", "batch", "ms / step", "µs / seq", *PHASES, "other"):
+        table.add_column(col, justify="right")
+    for vocab, by_batch in results["forms"].items():
+        for batch, r in by_batch.items():
+            table.add_row(f"{int(vocab):,}", batch, f"{r['ms_per_step']:.3f}", f"{r['us_per_seq']:.0f}",
+                          *(f"{r['phases_ms'][p]:.3f}" for p in (*PHASES, "other")))
+    console.print(table)
+
+    results["targets"] = verdicts(results["forms"], args.vocabs)
+    targets = Table(title="Targets (issue 35)")
+    for col in ("target", "measured", ""):
+        targets.add_column(col)
+    for v in results["targets"]:
+        measured = f"{v['measured_us']:.0f} µs" if "measured_us" in v else f"{v['measured_passes']:.2f} passes"
+        targets.add_row(v["target"], measured, "[green]met[/]" if v["met"] else "[red]missed[/]")
+    console.print(targets)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2))
+    console.print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
