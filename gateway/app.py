@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Annotated, Any, TypeVar
@@ -60,6 +61,11 @@ def _json_number(text: str) -> int | float:
 
 
 JSON = msgspec.json.Decoder(float_hook=_json_number)
+# A \u escape of half a UTF-16 surrogate pair without its other half (after an even run of
+# backslashes: an escaped backslash before "u" is text). It stands for no character, so msgspec
+# refuses it, in words that do not say so ("Input data was truncated" for a high half).
+LONE_SURROGATE = re.compile(rb"(?<!\\)(?:\\\\)*(\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
+                            rb"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2})")
 
 
 class JSONRequest(Request):
@@ -73,15 +79,19 @@ class JSONRequest(Request):
         if media_type and media_type != "application/json" and not media_type.endswith("+json"):
             raise GatewayError(415, f"the request body must be application/json, not {media_type!r}",
                                code="unsupported_media_type")
+        raw = await self.body()
         try:     # (Litestar answers an empty body itself, as a missing `data`: see errors.py)
-            value = JSON.decode(await self.body())
+            value = JSON.decode(raw)
         except UnicodeDecodeError:
             raise GatewayError(400, "the request body is not valid UTF-8, which JSON must be",
                                code="invalid_utf8") from None
         except RecursionError:
             raise GatewayError(400, "the request body nests too deeply to parse", code="too_deep") from None
         except msgspec.DecodeError as e:      # malformed, or a number past a float's range
-            what = clause(str(e).removeprefix("JSON is malformed: ").replace(" - at `$[...]`", ""))
+            lone = LONE_SURROGATE.search(raw)
+            what = (f"{lone[1].decode()} is half of a UTF-16 surrogate pair without the other half, which is no "
+                    f"character" if lone else
+                    clause(str(e).removeprefix("JSON is malformed: ").replace(" - at `$[...]`", "")))
             raise GatewayError(400, f"the request body is not valid JSON: {what}", code="invalid_json") from None
         try:       # values typed Any (document metadata) are taken as decoded: no deeper recursion
             return msgspec.convert(value, self.route_handler.parsed_data_field.annotation, strict=True)
@@ -190,16 +200,20 @@ def _text(content: str | list[s.TextPart]) -> str:
 
 
 def _chat_usage(done: Done) -> s.ChatUsage:
-    u = done.usage
-    return s.ChatUsage(u.prompt, u.completion, u.prompt + u.completion, s.PromptTokensDetails(u.cached))
+    r, u = done.returned, done.usage
+    return s.ChatUsage(r.prompt, r.completion, r.prompt + r.completion, s.PromptTokensDetails(r.cached),
+                       s.CompletionTokensDetails(r.thinking),
+                       s.BilledUsage(u.prompt, u.cached, u.completion, u.thinking))
 
 
 @post("/chat/completions", status_code=200, summary="OpenAI-compatible chat completions",
       opt={"sse": CHAT_EVENTS},
-      responses=documented(400, 401, 403, 404, 413, 415, 422, 429, 500, 503),
+      responses=documented(400, 401, 403, 404, 413, 415, 429, 500, 503, openai=True),
       exception_handlers={GatewayError: on_openai_error},
       description="`model` is `auto`, `small` or `large`. Sluice's extra field `collection` answers from "
-                  "that collection's passages (with an OpenAI SDK: `extra_body={\"collection\": ...}`).")
+                  "that collection's passages (with an OpenAI SDK: `extra_body={\"collection\": ...}`). "
+                  "An invalid request is a 400, as on OpenAI's API. `usage` counts the call whose completion "
+                  "is returned; `usage.sluice_billed`, every call the request made.")
 async def chat(request: Request, data: JSONBody[s.ChatRequest], tenant: NamedDependency[Tenant]) -> s.ChatCompletion:
     served = ("auto", *gateway_of(request).config.engine.models)
     if data.model not in served:

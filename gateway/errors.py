@@ -33,14 +33,20 @@ STATUSES = {
     404: "Unknown collection (another tenant's is exactly as unknown), document or model.",
     413: "The body is over the server's `max_body_bytes`.",
     415: "The body is not `application/json`.",
-    422: "A field is of the wrong type, missing, unknown or out of range (`param` names it), or the request "
-         "passes a limit of the tenant or the model: output, thinking or context budget, prompt length.",
+    422: "A field is of the wrong type, missing, unknown or out of range (`param` names it), the question is "
+         "blank, or the request passes a limit of the tenant or the model: output, thinking or context budget, "
+         "prompt length.",
     429: "Over the tenant's requests or tokens per minute (`Retry-After`); on /v1/chat/completions also an "
          "exhausted spend cap, with code `insufficient_quota`.",
     500: "A fault of the server's own (the engine failed); it is logged.",
     503: "Models are still loading, the bounded queue is full, or the shared limits store cannot be reached "
          "(`Retry-After`).",
 }
+# /v1/chat/completions answers as OpenAI's API does: an invalid request is a 400 (on_openai_error).
+OPENAI_STATUSES = {**STATUSES, 400: (
+    "The body is not JSON or not an object, or is missing; or (what is a 422 on /v1/ask) a field is of the "
+    "wrong type, missing, unknown or out of range (`param` names it), the question is blank, or the request "
+    "passes a limit of the tenant or the model: output or context budget, prompt length.")}
 
 
 class ErrorDetail(msgspec.Struct):
@@ -73,9 +79,11 @@ def body(status: int, message: str, param: str | None = None, code: str | None =
     return ErrorBody(ErrorDetail(message, kind, param, code))
 
 
-def documented(*statuses: int) -> dict[int, ResponseSpec]:
-    """The OpenAPI responses of an endpoint that can refuse with these statuses."""
-    return {status: ResponseSpec(ErrorBody, description=STATUSES[status], generate_examples=False)
+def documented(*statuses: int, openai: bool = False) -> dict[int, ResponseSpec]:
+    """The OpenAPI responses of an endpoint that can refuse with these statuses (`openai`: in
+    OpenAI's conventions, on_openai_error's)."""
+    descriptions = OPENAI_STATUSES if openai else STATUSES
+    return {status: ResponseSpec(ErrorBody, description=descriptions[status], generate_examples=False)
             for status in statuses}
 
 
@@ -88,10 +96,15 @@ def on_gateway_error(_: Request, exc: GatewayError) -> Response:
 
 
 def on_openai_error(request: Request, exc: GatewayError) -> Response:
-    """OpenAI's conventions on its endpoint: an exhausted spend cap is 429 `insufficient_quota`,
-    which SDKs and retry libraries know (a 402 reaches an OpenAI SDK as a bare APIStatusError).
-    `x-should-retry: false` keeps the SDK from retrying what waiting will not fix."""
-    if exc.code == "spend_cap_reached":
+    """OpenAI's conventions on its endpoint, so that its SDKs raise what client code catches:
+    an invalid request is 400 (BadRequestError; a 422 would be UnprocessableEntityError, which
+    OpenAI's API never sends), with `param` and `code` kept; an exhausted spend cap is 429
+    `insufficient_quota`, which SDKs and retry libraries know (a 402 reaches an OpenAI SDK as a
+    bare APIStatusError), with `x-should-retry: false` so the SDK does not retry what waiting
+    will not fix."""
+    if exc.status == 422:
+        exc = GatewayError(400, exc.message, exc.param, exc.code, exc.headers)
+    elif exc.code == "spend_cap_reached":
         exc = GatewayError(429, exc.message, exc.param, QUOTA, {**exc.headers, "x-should-retry": "false"})
     return on_gateway_error(request, exc)
 

@@ -7,8 +7,8 @@ msgspec's own JSON Schema of the same structs that decode every body; each opera
 its success and exactly the error statuses its handler declares (Litestar would add a 400 in
 its own error shape to any handler with parameters); a streamed answer is documented as
 `text/event-stream` beside the JSON one; and what the structs cannot say is filled in: what
-comes from the server's config (the models, the longest question), and that a chat needs a
-user message.
+comes from the server's config (the models, the longest question), and that a question (a
+chat's from a user message) has something to read.
 """
 from __future__ import annotations
 
@@ -58,11 +58,17 @@ def make_truthful(app: Litestar, models: Iterable[str], max_input_chars: int) ->
     unknown = set(openapi.components.schemas or {}) - set(components)
     if unknown:     # a handler speaks a type that is not one of our structs: its schema would be Litestar's
         raise RuntimeError(f"OpenAPI components without a msgspec struct: {', '.join(sorted(unknown))}")
-    components["AskRequest"]["properties"]["question"]["maxLength"] = max_input_chars
+    # A question has something to read: more than whitespace, as far as a pattern can say it
+    # (the pipeline's refusal, pipeline.answer.blank, also counts control and format
+    # characters as nothing; the fields' descriptions say so).
+    visible = {"type": "string", "pattern": r"\S"}
+    components["AskRequest"]["properties"]["question"] |= {"maxLength": max_input_chars, **visible}
     components["ChatRequest"]["properties"]["model"]["enum"] = ["auto", *models]
-    # The chat handler needs a question: a message from the user.
+    # The chat handler needs a question: a message from the user, with something to read.
     components["ChatRequest"]["properties"]["messages"]["contains"] = {
-        "type": "object", "properties": {"role": {"const": "user"}}, "required": ["role"]}
+        "type": "object", "required": ["role", "content"], "properties": {"role": {"const": "user"}, "content": {
+            "anyOf": [visible, {"type": "array", "contains": {"type": "object", "properties": {"text": visible},
+                                                              "required": ["text"]}}]}}}
     openapi.components.schemas = components
     for route in app.routes:
         for handler in getattr(route, "route_handlers", ()):

@@ -27,15 +27,30 @@ PositiveInt = Annotated[int, Meta(ge=1)]
 StopString = Annotated[str, Meta(min_length=1)]
 
 
+# Limits of the tenant that a request fitting this schema can still pass, which no schema can
+# state: each field names its own, with the status (400 on /v1/chat/completions, as OpenAI's).
+def _output_limit(status: int) -> str:
+    return (f"Default and maximum: the tenant's output budget; more is refused ({status} over_output_budget). "
+            f"Thinking tokens are not counted in it.")
+
+
+def _question_limit(status: int) -> str:
+    return (f"Must have something to read, not only whitespace, control or format characters ({status} "
+            f"blank_question), and fit the tenant's context budget with the instructions ({status} "
+            f"over_context_budget).")
+
+
 # ---------------------------------------------------------------------------- /v1/ask
 
 class AskRequest(Struct, forbid_unknown_fields=True, kw_only=True):
-    question: Annotated[str, Meta(min_length=1)]
+    question: Annotated[str, Meta(min_length=1, description=_question_limit(422))]
     collection: CollectionName | None = None
     stream: bool = False
-    max_output_tokens: PositiveInt | None = None    # default and maximum: the tenant's output budget
+    max_output_tokens: Annotated[PositiveInt | None, Meta(description=_output_limit(422))] = None
     mode: Mode = "auto"
-    thinking_budget: Annotated[int, Meta(ge=0)] | None = None
+    thinking_budget: Annotated[Annotated[int, Meta(ge=0)] | None, Meta(description=(
+        "Thinking tokens before the answer; unset: the route decides, 0: none. At most the largest of the "
+        "tenant's thinking budgets; more is refused (422 over_thinking_budget)."))] = None
     temperature: Temperature = 0.0                  # 0: greedy
     top_p: TopP = 1.0
     seed: Seed | None = None
@@ -141,15 +156,16 @@ class StreamOptions(Struct, forbid_unknown_fields=True):
 
 class ChatRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     """OpenAI's request, the fields Sluice honours. Others (tools, logprobs, presence_penalty,
-    ...) are refused with a 422 naming the field rather than silently not done. `collection`
+    ...) are refused with a 400 naming the field rather than silently not done. `collection`
     is Sluice's own: set it (with the SDK's extra_body) to answer from that collection's
     passages."""
     model: str
-    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    messages: Annotated[list[ChatMessage], Meta(min_length=1, description=(
+        "At least one from the user; the last of those is the question. " + _question_limit(400)))]
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: PositiveInt | None = None
-    max_completion_tokens: PositiveInt | None = None
+    max_tokens: Annotated[PositiveInt | None, Meta(description=_output_limit(400))] = None
+    max_completion_tokens: Annotated[PositiveInt | None, Meta(description=_output_limit(400))] = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
     seed: Seed | None = None
@@ -171,14 +187,33 @@ class Choice(Struct):
 
 
 class PromptTokensDetails(Struct):
+    cached_tokens: int   # of prompt_tokens, those served from the prefix cache
+
+
+class CompletionTokensDetails(Struct):
+    reasoning_tokens: int    # of completion_tokens, the thinking span's
+
+
+class BilledUsage(Struct):
+    """Every engine call the request made, as the ledger and `sluice.cost` bill it: under
+    model=auto the cascade's first answer too when it was escalated (cut short or whole)."""
+    prompt_tokens: int
     cached_tokens: int
+    completion_tokens: int
+    reasoning_tokens: int
 
 
 class ChatUsage(Struct):
+    """OpenAI's fields count the call whose completion is returned: `prompt_tokens` its prompt
+    (system message, passages and conversation in that model's chat template),
+    `completion_tokens` its output, thinking included. `sluice_billed` adds the request's other
+    calls."""
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: CompletionTokensDetails
+    sluice_billed: BilledUsage
 
 
 class SluiceInfo(Struct):
@@ -240,8 +275,11 @@ class ModelList(Struct):
 # ------------------------------------------------------------------ collections
 
 class DocumentIn(Struct, forbid_unknown_fields=True, kw_only=True):
-    id: Annotated[str, Meta(min_length=1, max_length=512)]
-    text: Annotated[str, Meta(min_length=1)]
+    id: Annotated[str, Meta(min_length=1, max_length=512, description=(
+        "Must hold a character other than whitespace (422 bad_document), and appear once in a request "
+        "(422 bad_documents)."))]
+    text: Annotated[str, Meta(min_length=1, description=(
+        "Must hold a character other than whitespace once its format is read (422 bad_document)."))]
     title: str = ""
     format: Literal["text", "markdown", "html"] = "text"
     metadata: dict[str, Any] = {}

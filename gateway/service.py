@@ -78,7 +78,8 @@ class Token:
 class Done:
     request_id: str
     answer: str
-    usage: s.Usage
+    usage: s.Usage                          # of every engine call the request made: what is billed
+    returned: s.Usage                       # of the call whose completion is the answer
     cost: float
     timings: s.Timings
     finish_reason: str
@@ -263,9 +264,11 @@ class Gateway:
                                 early = answer.observe(out)
                                 if early is not None and early.escalate:     # doomed: cut it short
                                     completion = await self.async_engine.cut(call.request_id)
-                                    break
-                        if completion is None:
-                            break
+                                    if completion is not None:
+                                        break
+                                    # The step thread finished it before the cut came (the
+                                    # answer ended within a step of the verdict): its
+                                    # completion is still on its way in this stream.
                         progress.call = None
                         verdict = answer.finish(completion)
                         if verdict is not None:
@@ -370,7 +373,9 @@ class Gateway:
         if p.first_token:
             m.ttft.observe(p.first_token - job.start, model)
         cited = sorted({int(n) for n in CITE.findall(text)} & {c.number for c in job.plan.context.citations})
-        return Done(job.plan.request_id, text, s.Usage(prompt, cached, produced, thinking), spent, timings, finish, cited)
+        returned = s.Usage(*calls[-1][1:]) if calls else s.Usage(0, 0, 0, 0)
+        return Done(job.plan.request_id, text, s.Usage(prompt, cached, produced, thinking), returned, spent, timings,
+                    finish, cited)
 
     async def ask(self, tenant: Tenant, query: Query) -> tuple[Meta, Done]:
         """The whole answer at once."""

@@ -17,6 +17,7 @@ anything itself, so what evals measure is what is served.
 """
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -29,6 +30,12 @@ from router.confidence import ConfidenceModel, EarlyExit, Verdict, judge
 from router.data import RouterError
 from router.model import RouterModel
 from router.policy import Policy, Route, route, route_arms
+
+
+def blank(text: str) -> bool:
+    """Nothing to read: whitespace, control and format characters only (a zero-width space or
+    a byte-order mark is no more a question than a space is)."""
+    return all(c.isspace() or unicodedata.category(c) in ("Cc", "Cf") for c in text)
 
 
 class Refused(Exception):
@@ -55,6 +62,11 @@ class Query:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     thinking_budget: int | None = None     # None: the route decides; 0: the client asked for none
+
+    @property
+    def input_field(self) -> str:
+        """The request field that holds what the model reads."""
+        return "question" if self.messages is None else "messages"
 
 
 @dataclass(frozen=True)
@@ -132,15 +144,21 @@ class Pipeline:
 
     def check(self, terms: Terms, q: Query) -> int:
         """Refuse what needs no work to refuse; returns the request's output token limit."""
+        if blank(q.question):
+            if q.messages is None:
+                raise Refused(422, "question has nothing to read: only whitespace, control or format characters",
+                              "question", "blank_question")
+            last = max(i for i, m in enumerate(q.messages) if m["role"] == "user")
+            raise Refused(422, "the last user message has nothing to read: only whitespace, control or format "
+                               "characters", f"messages[{last}].content", "blank_question")
         if q.thinking_budget is not None and q.thinking_budget > terms.max_thinking:
             raise Refused(422, f"thinking_budget is {q.thinking_budget}; tenant {terms.name!r} allows at most "
                                f"{terms.max_thinking} thinking tokens", "thinking_budget", "over_thinking_budget")
         if self.max_input_chars is not None:
             chars = len(q.question) if q.messages is None else sum(len(m["content"]) for m in q.messages)
             if chars > self.max_input_chars:
-                what = "question" if q.messages is None else "messages"
-                raise Refused(422, f"{what} has {chars} characters; the limit is {self.max_input_chars}",
-                              what, "input_too_long")
+                raise Refused(422, f"{q.input_field} has {chars} characters; the limit is {self.max_input_chars}",
+                              q.input_field, "input_too_long")
         max_tokens = q.max_output_tokens or terms.output_budget
         if max_tokens > terms.output_budget:
             name = "max_output_tokens" if q.endpoint != "chat" else "max_tokens"
@@ -168,7 +186,7 @@ class Pipeline:
             context = rag_context(collection, q.question, terms.context_budget, tokenizer, self.k, q.messages, vector)
         except OverBudget as e:
             raise Refused(422, f"the {e.what} is {e.tokens} tokens; tenant {terms.name!r} has a context "
-                               f"budget of {terms.context_budget}", code="over_context_budget") from None
+                               f"budget of {terms.context_budget}", q.input_field, "over_context_budget") from None
         except RetrievalError as e:
             raise Refused(422, str(e), code="retrieval_refused") from None
         scores = [h.score for h in context.hits]

@@ -1,10 +1,14 @@
-"""A check schemathesis runs beside its own (tests/test_schema.py loads this module).
+"""A check schemathesis runs beside its own, and a log of its responses (tests/test_schema.py
+loads this module).
 
-tests/schemathesis.toml lets a schema-valid request be answered 422: it may pass a limit no
-schema can state (the tenant's output, thinking and context budgets, one document id twice).
-That must never hide a schema looser than the server's validation, so a request schemathesis
-generated to fit the schema must not be refused for its shape."""
+tests/schemathesis.toml lets a schema-valid request be answered 422 (400 on
+/v1/chat/completions): it may pass a limit no schema can state (the tenant's output, thinking
+and context budgets, a blank question or document id, one document id twice). That must never
+hide a schema looser than the server's validation, so a request schemathesis generated to fit
+the schema must not be refused for its shape."""
 from __future__ import annotations
+
+import os
 
 import schemathesis
 
@@ -26,3 +30,13 @@ def schema_valid_requests_pass_validation(ctx, response, case):
     if code in SHAPE_CODES:
         raise AssertionError(f"a request that fits the schema was refused for its shape ({code}): {response.text}")
     return None
+
+
+@schemathesis.hook
+def after_call(context, case, response):
+    """Each response's operation and status, one line a response, to the file named by
+    SLUICE_FUZZ_LOG: tests/test_schema.py reports from it how many were rate-limited."""
+    path = os.environ.get("SLUICE_FUZZ_LOG")
+    if path:
+        with open(path, "a", encoding="utf-8") as log:
+            log.write(f"{case.operation.method.upper()} {case.operation.path} {response.status_code}\n")

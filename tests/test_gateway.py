@@ -363,6 +363,10 @@ def test_chat_completions_have_openai_shapes(client, gateway):
     assert done.model == "small" and len(done.choices) == 1 and done.choices[0].finish_reason == "length"
     assert done.usage.completion_tokens == 5 and done.usage.total_tokens == done.usage.prompt_tokens + 5
     assert r.json()["sluice"]["route"]["route_reason"] == "router not installed; tenant default"
+    usage = r.json()["usage"]          # one call: it is all that is billed
+    assert usage["sluice_billed"] == {"prompt_tokens": done.usage.prompt_tokens, "completion_tokens": 5,
+                                      "cached_tokens": done.usage.prompt_tokens_details.cached_tokens,
+                                      "reasoning_tokens": 0}
 
     r = chat(client, messages=messages, stream=True, stream_options={"include_usage": True})
     assert r.headers["content-type"].startswith("text/event-stream")

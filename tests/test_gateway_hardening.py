@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import msgspec
 import pytest
 from litestar.testing import TestClient
 
@@ -63,25 +64,25 @@ def bad_inputs() -> list[tuple]:
          "field 'temperature': expected float, got str"),
         ("stream as a string", "POST", ASK, {**Q, "stream": "true"}, "alpha", 422, "invalid_field",
          "field 'stream': expected bool, got str"),
-        ("max_tokens as a string", "POST", CHAT, {**CHAT_BODY, "max_tokens": "8"}, "alpha", 422, "invalid_field",
+        ("max_tokens as a string", "POST", CHAT, {**CHAT_BODY, "max_tokens": "8"}, "alpha", 400, "invalid_field",
          "field 'max_tokens': expected int | null, got str"),
-        ("chat stream as a string", "POST", CHAT, {**CHAT_BODY, "stream": "true"}, "alpha", 422, "invalid_field",
+        ("chat stream as a string", "POST", CHAT, {**CHAT_BODY, "stream": "true"}, "alpha", 400, "invalid_field",
          "field 'stream': expected bool, got str"),
         ("max_output_tokens 2.5", "POST", ASK, {**Q, "max_output_tokens": 2.5}, "alpha", 422, "invalid_field",
          "field 'max_output_tokens': expected int | null, got float"),
         ("seed 2^70", "POST", ASK, {**Q, "seed": 2**70}, "alpha", 422, "invalid_field",
          "field 'seed': expected int <= 9223372036854775807"),
-        ("chat seed -2^70", "POST", CHAT, {**CHAT_BODY, "seed": -(2**70)}, "alpha", 422, "invalid_field",
+        ("chat seed -2^70", "POST", CHAT, {**CHAT_BODY, "seed": -(2**70)}, "alpha", 400, "invalid_field",
          "field 'seed': expected int >= -9223372036854775808"),
         ("missing question", "POST", ASK, {"collection": "x"}, "alpha", 422, "invalid_field",
          "field 'question' is required"),
         ("unknown field", "POST", ASK, {**Q, "colection": "x"}, "alpha", 422, "invalid_field",
          "field 'colection' is not a known field"),
-        ("an OpenAI field Sluice does not do", "POST", CHAT, {**CHAT_BODY, "logprobs": True}, "alpha", 422,
+        ("an OpenAI field Sluice does not do", "POST", CHAT, {**CHAT_BODY, "logprobs": True}, "alpha", 400,
          "invalid_field", "field 'logprobs' is not a known field"),
         ("unknown message field", "POST", CHAT, {"model": "auto", "messages": [{"role": "user", "content": "x",
                                                                                 "nam": "y"}]},
-         "alpha", 422, "invalid_field", "field 'messages[0].nam' is not a known field"),
+         "alpha", 400, "invalid_field", "field 'messages[0].nam' is not a known field"),
         ("empty question", "POST", ASK, {"question": ""}, "alpha", 422, "invalid_field", "field 'question'"),
         ("question over the size limit", "POST", ASK, {"question": "t1 " * 6000}, "alpha", 422, "input_too_long",
          "question has 18000 characters; the limit is 16000"),
@@ -113,15 +114,15 @@ def bad_inputs() -> list[tuple]:
          "expected 'Bearer <key>'"),
         ("unknown chat model", "POST", CHAT, {**CHAT_BODY, "model": "gpt-4o"}, "alpha", 404, "model_not_found",
          "model 'gpt-4o' does not exist"),
-        ("no chat messages", "POST", CHAT, {"model": "auto", "messages": []}, "alpha", 422, "invalid_field",
+        ("no chat messages", "POST", CHAT, {"model": "auto", "messages": []}, "alpha", 400, "invalid_field",
          "field 'messages'"),
         ("bad chat role", "POST", CHAT, {"model": "auto", "messages": [{"role": "tool", "content": "x"}]},
-         "alpha", 422, "invalid_field", "field 'messages[0].role'"),
+         "alpha", 400, "invalid_field", "field 'messages[0].role'"),
         ("no user message", "POST", CHAT, {"model": "auto", "messages": [{"role": "system", "content": "x"}]},
-         "alpha", 422, "no_user_message", "at least one message with role 'user'"),
-        ("several choices", "POST", CHAT, {**CHAT_BODY, "n": 2}, "alpha", 422, "invalid_field",
+         "alpha", 400, "no_user_message", "at least one message with role 'user'"),
+        ("several choices", "POST", CHAT, {**CHAT_BODY, "n": 2}, "alpha", 400, "invalid_field",
          "field 'n': expected int <= 1"),
-        ("an empty stop string", "POST", CHAT, {**CHAT_BODY, "stop": ["x", ""]}, "alpha", 422, "invalid_field",
+        ("an empty stop string", "POST", CHAT, {**CHAT_BODY, "stop": ["x", ""]}, "alpha", 400, "invalid_field",
          "field 'stop"),
         ("no documents", "POST", DOCUMENTS, {"documents": []}, "alpha", 422, "invalid_field", "field 'documents'"),
         ("empty document", "POST", DOCUMENTS, {"documents": [{"id": "a", "text": ""}]}, "alpha", 422,
@@ -164,6 +165,131 @@ def test_bad_input_gets_a_4xx_with_its_code_naming_the_problem_and_writes_nothin
         served = c.post(ASK, content=b'{"question": "t1", "max_output_tokens": 4.0}', headers=auth())
         assert served.status_code == 200 and served.json()["usage"]["completion"] == 4
         assert len(gw.ledger.rows()) == 1
+
+
+# ------------------------------------------------------------- OpenAI's conventions
+
+def test_an_invalid_chat_request_is_openais_400_naming_the_field_and_ask_keeps_its_422(tmp_path, llm, embedder):
+    """OpenAI's SDKs raise BadRequestError for a 400, which client code catches; a 422 would be
+    UnprocessableEntityError, which OpenAI's API never sends."""
+    gw = make_gateway(tmp_path, llm, embedder, max_input_chars=2000)
+    chat = [({"max_tokens": 0}, "max_tokens", "invalid_field"),
+            ({"max_completion_tokens": 0}, "max_completion_tokens", "invalid_field"),
+            ({"temperature": 5}, "temperature", "invalid_field"), ({"top_p": 0}, "top_p", "invalid_field"),
+            ({"n": 2}, "n", "invalid_field"), ({"logprobs": True}, "logprobs", "invalid_field"),
+            ({"max_tokens": 33}, "max_tokens", "over_output_budget"),
+            ({"messages": [{"role": "user", "content": " \u200b"}]}, "messages[0].content", "blank_question"),
+            ({"messages": [{"role": "user", "content": "t1"}, {"role": "assistant", "content": "t2"},
+                           {"role": "user", "content": [{"type": "text", "text": "\t"}]}]},
+             "messages[2].content", "blank_question"),
+            ({"messages": [{"role": "user", "content": "t1 " * 500}]}, "messages", "over_context_budget"),
+            ({"messages": [{"role": "user", "content": "t1 " * 700}]}, "messages", "input_too_long")]
+    ask = [({"max_output_tokens": 0}, "max_output_tokens", "invalid_field"),
+           ({"temperature": 5}, "temperature", "invalid_field"),
+           ({"max_output_tokens": 33}, "max_output_tokens", "over_output_budget"),
+           ({"question": "\u3000"}, "question", "blank_question"),
+           ({"question": "t1 " * 500}, "question", "over_context_budget")]
+    with TestClient(create_app(gw)) as c:
+        wait_ready(c)
+        for url, base, status, cases in ((CHAT, CHAT_BODY, 400, chat), (ASK, Q, 422, ask)):
+            for fields, param, code in cases:
+                r = c.post(url, json={**base, **fields}, headers=auth())
+                assert r.status_code == status, (url, fields, r.text)
+                assert r.json()["error"] | {"message": ""} == {"message": "", "type": "invalid_request_error",
+                                                               "param": param, "code": code}, (url, fields)
+    assert gw.ledger.rows() == []
+
+
+# ----------------------------------------------------------------- odd text, every mode
+
+# (what, the question as JSON text, status on /v1/ask, code): text that fits the schema, or
+# comes near it, as a fuzzer or a broken client sends it. Answered or refused, never a 500.
+ODD_TEXTS = [
+    # Schemathesis found it: a private-use character past the BMP, as an escaped pair. The
+    # small model echoes it and ends one step after the early verdict (issue 38).
+    ("the text schemathesis found", rb'"\u00da\u00baj\udbbe\udd78L"', 200, None),
+    ("a private-use character alone", rb'"\udbbe\udd78"', 200, None),
+    ("an emoji, unknown to the tokenizer", rb'"\ud83d\ude42"', 200, None),
+    ("a combining mark alone", rb'"\u0301"', 200, None),
+    ("the end-of-sequence token as text", b'"<eos>"', 200, None),
+    ("a NUL between words", rb'"t1\u0000t2"', 200, None),
+    ("a lone high surrogate", rb'"\udbbe"', 400, "invalid_json"),
+    ("a lone high surrogate among words", rb'"t1 \udbbe t2"', 400, "invalid_json"),
+    ("a lone low surrogate", rb'"\udd78"', 400, "invalid_json"),
+    ("a pair in the wrong order", rb'"\udd78\udbbe"', 400, "invalid_json"),
+    ("a surrogate encoded as UTF-8", b'"\xed\xa0\x80"', 400, "invalid_utf8"),
+    ("a space", b'" "', 422, "blank_question"),
+    ("tabs and newlines", rb'"\t\n\r "', 422, "blank_question"),
+    ("Unicode spaces", rb'"\u00a0\u2003\u3000"', 422, "blank_question"),
+    ("zero-width and format characters", rb'"\u200b\u200d\u2060\ufeff"', 422, "blank_question"),
+    ("control characters", rb'"\u0000\u0007\u001f"', 422, "blank_question"),
+]
+
+
+def _odd_request(url: str, text: bytes, mode: str, stream: bool, tokens: int) -> bytes:
+    flags = f'"stream": {str(stream).lower()}'.encode()
+    if url == ASK:
+        return b'{"question": %s, "mode": "%s", "max_output_tokens": %d, %s}' % (text, mode.encode(), tokens, flags)
+    return b'{"model": "%s", "max_tokens": %d, %s, "messages": [{"role": "user", "content": %s}]}' % (
+        mode.encode(), tokens, flags, text)
+
+
+def test_odd_text_is_answered_or_refused_in_every_mode_streamed_or_not_never_a_500(tmp_path, llm, embedder):
+    """Each text of ODD_TEXTS on both endpoints, in every mode (auto through the checked-in
+    router, which judges a small answer early), streamed and not: a 200 with one ledger row
+    for the request, or its 4xx in the {error} shape (400 for what /v1/ask answers 422 on
+    /v1/chat/completions) and no row."""
+    from gateway.config import RouterConfig
+    from router.model import TRAINED_ROUTER, RouterModel
+    from tests.test_gateway_support import parse_sse
+    # Answers one token longer than the early verdict reads: a small answer judged doomed has
+    # ended by the time the cut reaches the engine.
+    tokens = RouterModel.load(TRAINED_ROUTER).early.tokens + 1
+    gw = make_gateway(tmp_path, llm, embedder, router=RouterConfig(str(TRAINED_ROUTER)))
+    answered = []
+    with TestClient(create_app(gw)) as c:
+        wait_ready(c)
+        for what, text, status, code in ODD_TEXTS:
+            for url in (ASK, CHAT):
+                expected = 400 if url == CHAT and status == 422 else status
+                for mode in ("small", "large", "auto"):
+                    for stream in (False, True):
+                        case = (what, url, mode, stream)
+                        r = c.post(url, content=_odd_request(url, text, mode, stream, tokens),
+                                   headers={**auth(), "Content-Type": "application/json"})
+                        assert r.status_code == expected, (case, r.text)
+                        if expected != 200:
+                            error = r.json()["error"]
+                            assert set(error) == {"message", "type", "param", "code"}, case
+                            assert (error["type"], error["code"]) == ("invalid_request_error", code), (case, error)
+                            assert code != "invalid_json" or "surrogate pair without the other half" in error["message"]
+                            continue
+                        if not stream:
+                            body = r.json()
+                            request_id = body["id"].removeprefix("chatcmpl-")
+                            billed = body["usage"] if url == ASK else {
+                                "completion": body["usage"]["sluice_billed"]["completion_tokens"]}
+                        elif url == ASK:
+                            frames = parse_sse(r.text)
+                            assert frames[0][0] == "meta" and frames[-1][0] == "done", (case, frames)
+                            request_id = msgspec.json.decode(frames[0][1])["id"]
+                            billed = msgspec.json.decode(frames[-1][1])["usage"]
+                        else:
+                            frames = parse_sse(r.text)
+                            assert frames[-1] == (None, "[DONE]"), case
+                            chunks = [msgspec.json.decode(data) for _, data in frames[:-1]]
+                            assert all("choices" in chunk for chunk in chunks), (case, chunks)     # no error
+                            assert chunks[-1]["choices"][0]["finish_reason"] is not None, case
+                            request_id, billed = chunks[0]["id"].removeprefix("chatcmpl-"), None
+                        answered.append((case, request_id, billed))
+        rows = {row.request_id: row for row in gw.ledger.rows()}
+    assert len(rows) == len(answered) == len({request_id for _, request_id, _ in answered})
+    for case, request_id, billed in answered:
+        row = rows[request_id]
+        assert (row.status, row.endpoint) == ("ok", "ask" if case[1] == ASK else "chat"), case
+        assert billed is None or row.completion_tokens == billed["completion"], case
+    # The cascade ran: auto answers the found text through the small model's early verdict.
+    assert any(row.models == "small,large" for row in rows.values())
 
 
 # ------------------------------------------------------------------------ spend caps

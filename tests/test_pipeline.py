@@ -161,6 +161,62 @@ def test_early_escalation_cuts_the_small_answer_and_drafts_with_its_prefix(tmp_p
     assert rows[True].models == "small,large" and rows[True].completion_tokens == cut["usage"]["completion"]
 
 
+def test_an_answer_that_ends_on_the_step_after_the_early_verdict_still_escalates_with_its_route(tmp_path, llm,
+                                                                                                  embedder):
+    """The step thread runs a step ahead of the gateway: when the small answer's last token
+    comes on the step after the one the early verdict read, the request is finished before
+    the cut reaches the engine, and its completion is still on its way in the stream (issue
+    38: /v1/ask and /v1/chat/completions answered 500, the route never sent). Every way of
+    asking gets the large model's answer with its route, and the ledger bills both calls."""
+    from litestar.testing import TestClient
+    from tests.test_gateway_support import parse_sse
+    _early_router(tmp_path, tokens=4)
+    toml = ("escalation_threshold = 1.0\n" + tenant_toml(KEYS["alpha"], salt="salt-early-race")
+            + "[router]\nclassifier = false\n")
+    gw = make_gateway(tmp_path / "gw", llm, embedder, {"alpha": toml},
+                      router=RouterConfig(str(tmp_path / "early.joblib")))
+    question = "t5 t6 t9"
+    with TestClient(create_app(gw)) as c:
+        wait_ready(c)
+        large = c.post("/v1/ask", json={"question": question, "mode": "large", "max_output_tokens": 5},
+                       headers=auth()).json()
+        ask = c.post("/v1/ask", json={"question": question, "max_output_tokens": 5}, headers=auth())
+        chat = c.post("/v1/chat/completions", json={"model": "auto", "max_tokens": 5, "messages": [
+            {"role": "user", "content": question}]}, headers=auth())
+        streamed = c.post("/v1/ask", json={"question": question, "max_output_tokens": 5, "stream": True},
+                          headers=auth())
+        chunks = c.post("/v1/chat/completions", json={"model": "auto", "max_tokens": 5, "stream": True,
+                                                      "stream_options": {"include_usage": True},
+                                                      "messages": [{"role": "user", "content": question}]},
+                        headers=auth())
+    assert [r.status_code for r in (ask, chat, streamed, chunks)] == [200] * 4, [ask.text, chat.text]
+    body, completion = ask.json(), chat.json()
+    assert (body["model"], body["escalated"], body["answer"]) == ("large", True, large["answer"])
+    assert "after 4 tokens" in body["route_reason"]
+    # The small answer ran whole (its 5 tokens), then the large one: both billed.
+    assert body["usage"]["completion"] == 10 and body["cost"] > large["cost"]
+    assert completion["model"] == "large" and completion["choices"][0]["message"]["content"] == large["answer"]
+    assert completion["sluice"]["route"]["escalated"]
+    frames = parse_sse(streamed.text)
+    assert frames[0][0] == "meta" and frames[-1][0] == "done"
+    meta = msgspec.json.decode(frames[0][1])
+    assert (meta["route"]["model"], meta["route"]["escalated"]) == ("large", True)
+    assert "".join(msgspec.json.decode(d)["text"] for e, d in frames if e == "token") == large["answer"]
+    data = [msgspec.json.decode(d) for _, d in parse_sse(chunks.text)[:-1]]
+    assert data[0]["model"] == "large" and "".join(
+        d["choices"][0]["delta"].get("content", "") for d in data if d["choices"]) == large["answer"]
+    rows = {row.request_id: row for row in gw.ledger.rows()}
+    ids = [body["id"], completion["id"].removeprefix("chatcmpl-"), meta["id"], data[0]["id"].removeprefix("chatcmpl-")]
+    assert len(rows) == 5 and all((rows[i].models, rows[i].completion_tokens) == ("small,large", 10) for i in ids)
+    # OpenAI's usage counts the completion returned (max_tokens 5), sluice_billed both calls;
+    # the two prompts are the same question in the same template.
+    for usage, row in ((completion["usage"], rows[ids[1]]), (data[-1]["usage"], rows[ids[3]])):
+        billed = usage["sluice_billed"]
+        assert (usage["completion_tokens"], usage["total_tokens"]) == (5, usage["prompt_tokens"] + 5)
+        assert (billed["completion_tokens"], billed["prompt_tokens"]) == (10, row.prompt_tokens)
+        assert row.prompt_tokens == 2 * usage["prompt_tokens"] and billed["cached_tokens"] == row.cached_tokens
+
+
 def test_an_eval_cascade_cuts_early_as_the_gateway_does(tmp_path, llm):
     router = _early_router(tmp_path, tokens=3)
     config = RunConfig("jsonl", [], None, 0, {"small": "tiny-1", "large": "tiny-2"}, PRICES, max_tokens=16)
