@@ -2,6 +2,7 @@
 timing, percentiles, a `sluice serve` process, and where results go."""
 from __future__ import annotations
 
+import json
 import os
 import platform
 import socket
@@ -31,6 +32,13 @@ def memory_bandwidth_gbs() -> float:
     x = torch.ones(2**28)
     x.sum()
     return x.numel() * 4 / min(timed(x.sum) for _ in range(5)) / 1e9
+
+
+def write_results(path: Path, results: dict) -> None:
+    """The benchmark's JSON at `path` (its folder made on the way), and a line saying so."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2))
+    print(f"wrote {path}")
 
 
 def percentile(xs: list[float], q: float) -> float:

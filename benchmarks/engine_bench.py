@@ -11,7 +11,6 @@ Prints a table of ratios and writes benchmarks/results/engine_bench.json.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from common import RESULTS, machine, memory_bandwidth_gbs, percentile, timed
+from common import RESULTS, machine, memory_bandwidth_gbs, percentile, timed, write_results
 from rich.console import Console
 from rich.table import Table
 
@@ -158,9 +157,7 @@ def main() -> None:
         table.add_row(name, "(c) TTFT cached / cold s", f"{c['cached_ttft_s']:.3f} / {c['cold_ttft_s']:.2f}", "",
                       f"1/{c['cold_ttft_s'] / c['cached_ttft_s']:.0f}", "<= 1/20")
     console.print(table)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2))
-    console.print(f"wrote {args.out}")
+    write_results(args.out, results)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ small tensors pay for. Prints a table and writes benchmarks/results/step_overhea
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -34,7 +33,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from common import RESULTS, machine
+from common import RESULTS, machine, write_results
 from rich.console import Console
 from rich.table import Table
 
@@ -208,9 +207,7 @@ def main() -> None:
         measured = f"{v['measured_us']:.0f} µs" if "measured_us" in v else f"{v['measured_passes']:.2f} passes"
         targets.add_row(v["target"], measured, "[green]met[/]" if v["met"] else "[red]missed[/]")
     console.print(targets)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2))
-    console.print(f"wrote {args.out}")
+    write_results(args.out, results)
 
 
 if __name__ == "__main__":

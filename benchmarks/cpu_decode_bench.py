@@ -1,0 +1,189 @@
+"""Sluice against llama.cpp on the CPU, on the same GGUF files, in the same run.
+
+llama.cpp is built once from the sources vendored in the pinned llama-cpp-python sdist
+(downloaded with pip, `-DGGML_NATIVE=ON`, cached under $SLUICE_CACHE/llama.cpp/<version>/):
+`llama-bench` for one sequence (decode of 64 tokens, prefill of a 512-token prompt) and
+`llama-batched-bench` for 8 sequences decoding together. Sluice runs the same models from the
+model store at int8 and int4. The two engines take turns, median of 3, all on the same threads.
+
+For each it prints tokens/s, the GB/s that reading the weights once per step implies, that as a
+share of the read bandwidth measured in the same run, and Sluice's ratio to llama.cpp; it writes
+benchmarks/results/cpu_decode_bench.json with the host's ISA. Where llama.cpp cannot be built it
+says why and exits 2: it never quotes figures from another run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import torch
+from common import RESULTS, machine, memory_bandwidth_gbs, write_results
+from rich.console import Console
+from rich.table import Table
+
+from engine.config import EngineConfig, ModelEntry
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from engine.worker import weight_bytes
+from models.store import cache_dir, resolve
+
+LLAMA_CPP_PYTHON = "0.3.36"      # the pinned sdist whose vendor/llama.cpp is built
+TOOLS = ("llama-bench", "llama-batched-bench")
+console = Console(width=150)
+
+
+def llama_cpp() -> Path:
+    """The folder holding the built tools, building them the first time (about 15 minutes on 2
+    cores). Exits 2, saying why, where that cannot be done."""
+    root = cache_dir() / "llama.cpp" / LLAMA_CPP_PYTHON
+    bin_dir = root / "build" / "bin"
+    if all((bin_dir / t).is_file() for t in TOOLS):
+        return bin_dir
+
+    def run(cmd: list[str], what: str, cwd: Path | None = None) -> None:
+        console.print(f"[dim]{what}: {' '.join(cmd)}[/]")
+        done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+        if done.returncode:
+            console.print(done.stdout[-2000:], done.stderr[-3000:])
+            console.print(f"cpu_decode_bench: {what} failed (exit {done.returncode}); llama.cpp is the baseline, "
+                          "so nothing was measured")
+            sys.exit(2)
+    root.mkdir(parents=True, exist_ok=True)
+    sdist = root / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
+    if not sdist.is_file():
+        run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+             f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(root)], "downloading the llama-cpp-python sdist")
+    src = root / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
+    if not src.is_dir():
+        with tarfile.open(sdist) as tar:
+            tar.extractall(root, filter="data")
+    build = root / "build"
+    run(["cmake", "-S", str(src), "-B", str(build), "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
+         "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"], "configuring llama.cpp")
+    run(["cmake", "--build", str(build), "--target", *TOOLS, "-j", str(os.cpu_count() or 2)], "building llama.cpp")
+    return bin_dir
+
+
+def gguf_read_bytes(path: Path) -> int:
+    """Bytes of the GGUF's tensors a decode step reads: all of them but the embedding table,
+    which is read whole only where it doubles as the LM head (tied embeddings, no output.weight)."""
+    from gguf import GGUFReader
+    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(path).tensors}
+    tied = "output.weight" not in tensors
+    return sum(n for name, n in tensors.items() if tied or name != "token_embd.weight")
+
+
+def llama_decode(bin_dir: Path, gguf: Path, threads: int, batch: int, tokens: int) -> float:
+    """Decode tokens/s over `batch` sequences (after a 32-token prompt each)."""
+    if batch == 1:
+        out = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-p", "0",
+                              "-n", str(tokens), "-r", "1", "-o", "json"], capture_output=True, text=True, check=True)
+        return json.loads(out.stdout)[0]["avg_ts"]
+    out = subprocess.run([str(bin_dir / "llama-batched-bench"), "-m", str(gguf), "-t", str(threads), "-c", "4096",
+                          "-npp", "32", "-ntg", str(tokens), "-npl", str(batch), "--output-format", "jsonl"],
+                         capture_output=True, text=True, check=True)
+    row = next(json.loads(line) for line in (out.stdout + out.stderr).splitlines() if line.startswith("{"))
+    return row["speed_tg"]
+
+
+def llama_prefill(bin_dir: Path, gguf: Path, threads: int, prompt: int) -> float:
+    out = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-p", str(prompt),
+                          "-n", "0", "-r", "1", "-o", "json"], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)[0]["avg_ts"]
+
+
+def sluice_decode(engine: LLMEngine, batch: int, tokens: int, rng: random.Random) -> float:
+    """Steady-state decode tokens/s of `batch` requests, after each has its first token."""
+    vocab = engine.worker(None).cfg.vocab_size
+    for _ in range(batch):
+        engine.add_request([rng.randrange(1000, min(vocab, 30000)) for _ in range(32)],
+                           SamplingParams(max_tokens=tokens + 1, ignore_eos=True))
+    started: set[str] = set()
+    while len(started) < batch:
+        started |= {o.request_id for o in engine.step() if o.new_token_ids}
+    n, start = 0, time.perf_counter()
+    while engine.has_work():
+        n += sum(len(o.new_token_ids) for o in engine.step())
+    return n / (time.perf_counter() - start)
+
+
+def sluice_prefill(engine: LLMEngine, prompt: int, rng: random.Random) -> float:
+    """Prompt tokens/s of one cold prompt (a new salt: nothing cached), to its first token."""
+    vocab = engine.worker(None).cfg.vocab_size
+    ids = [rng.randrange(1000, min(vocab, 30000)) for _ in range(prompt)]
+    start = time.perf_counter()
+    engine.generate([ids], SamplingParams(max_tokens=1), salt=str(rng.random()).encode())
+    return prompt / (time.perf_counter() - start)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
+    ap.add_argument("--quants", nargs="+", default=["int8", "int4"], choices=["int8", "int4"])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 8])
+    ap.add_argument("--tokens", type=int, default=64, help="decoded per sequence")
+    ap.add_argument("--prompt", type=int, default=512, help="prefill prompt tokens")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--out", type=Path, default=RESULTS / "cpu_decode_bench.json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    bin_dir = llama_cpp()
+    bandwidth = memory_bandwidth_gbs()
+    console.print(f"read bandwidth {bandwidth:.1f} GB/s, {args.threads} threads, ISA {machine()['isa']}")
+    rows, rng = [], random.Random(0)
+    for name in args.models:
+        folder = resolve(name, progress=False)
+        gguf = cache_dir() / "gguf" / f"{name}.gguf"
+        llama_bytes = gguf_read_bytes(gguf)
+        for quant in args.quants:
+            engine = LLMEngine(EngineConfig(models={"m": ModelEntry(str(folder), quant=quant)}, device="cpu",
+                                            max_num_seqs=max(args.batches), num_threads=args.threads,
+                                            memory_budget_gb=6.0), progress=False)
+            sluice_bytes = weight_bytes(engine.worker("m").model, per_token=True)
+            sluice_decode(engine, 1, 4, rng)                        # warm-up
+            for what, batch in [("decode", b) for b in args.batches] + [("prefill", 1)]:
+                runs: dict[str, list[float]] = {"sluice": [], "llama.cpp": []}
+                for _ in range(args.repeats):                       # turn about
+                    if what == "decode":
+                        runs["sluice"].append(sluice_decode(engine, batch, args.tokens, rng))
+                        runs["llama.cpp"].append(llama_decode(bin_dir, gguf, args.threads, batch, args.tokens))
+                    else:
+                        runs["sluice"].append(sluice_prefill(engine, args.prompt, rng))
+                        runs["llama.cpp"].append(llama_prefill(bin_dir, gguf, args.threads, args.prompt))
+                tok_s = {k: statistics.median(v) for k, v in runs.items()}
+                # Decode reads the weights once per step, whatever the batch.
+                gb_s = {"sluice": sluice_bytes, "llama.cpp": llama_bytes}
+                gb_s = {k: gb_s[k] * tok_s[k] / batch / 1e9 for k in tok_s} if what == "decode" else {}
+                rows.append({"model": name, "sluice_weights": quant, "llama_cpp_weights": "gguf as stored",
+                             "what": what, "batch": batch, "tokens": args.tokens if what == "decode" else args.prompt,
+                             "tok_s": tok_s, "runs": runs, "gb_s": gb_s,
+                             "bandwidth_share": {k: v / bandwidth for k, v in gb_s.items()},
+                             "ratio": tok_s["sluice"] / tok_s["llama.cpp"]})
+                console.print(f"{name} {quant} {what} batch {batch}: Sluice {tok_s['sluice']:.1f} tok/s, "
+                              f"llama.cpp {tok_s['llama.cpp']:.1f} ({rows[-1]['ratio']:.2f}x)")
+            del engine
+    table = Table(title=f"CPU decode and prefill, Sluice against llama.cpp (read bandwidth {bandwidth:.1f} GB/s, "
+                        f"{args.threads} threads, {machine()['isa']})")
+    for col in ("model", "Sluice weights", "what", "batch", "Sluice tok/s", "GB/s (share)", "llama.cpp tok/s",
+                "GB/s (share)", "ratio"):
+        table.add_column(col)
+    for r in rows:
+        share = {k: f"{r['gb_s'][k]:.1f} ({r['bandwidth_share'][k]:.0%})" if r["gb_s"] else "" for k in r["tok_s"]}
+        table.add_row(r["model"], r["sluice_weights"], r["what"], str(r["batch"]), f"{r['tok_s']['sluice']:.1f}",
+                      share["sluice"], f"{r['tok_s']['llama.cpp']:.1f}", share["llama.cpp"], f"[bold]{r['ratio']:.2f}x[/]")
+    console.print(table)
+    write_results(args.out, {"machine": machine() | {"read_bandwidth_gbs": bandwidth, "llama_cpp_python": LLAMA_CPP_PYTHON},
+                             "settings": {k: str(v) for k, v in vars(args).items()}, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
