@@ -46,6 +46,19 @@ def make_tiny_model(folder: Path, arch: str, seed: int = 0, tie: bool = False, *
     return folder
 
 
+def quantized(w: torch.Tensor, mode: str, group: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """A float weight [N, K] in the stored int8 or int4 format (QuantLinear's tensors), and
+    those weights dequantized back to float: what a quantized layer should compute with."""
+    from engine.quantize import quantize_int4, quantize_int8, unpack_int4
+    if mode == "int8":
+        q, s = quantize_int8(w)
+        return {"w": q, "scales": s}, q.float() * s[:, None]
+    n, k = w.shape
+    q, s, z = quantize_int4(w, group)
+    deq = (unpack_int4(q).float().view(n, k // group, group) - z[..., None]) * s[..., None]
+    return {"w": q, "scales": s, "zeros": z}, deq.view(n, k)
+
+
 @pytest.fixture(scope="session", params=["llama", "qwen2", "qwen3"])
 def tiny_folder(request, tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp(request.param), request.param)

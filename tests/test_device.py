@@ -13,8 +13,9 @@ from engine import model_runner
 from engine.config import EngineConfig, ModelEntry
 from engine.llm_engine import LLMEngine
 from engine.model_runner import Device
-from engine.quantize import QuantLinear, quantize_int4, quantize_int8, unpack_int4
+from engine.quantize import QuantLinear
 from engine.sampling_params import SamplingParams
+from tests.conftest import quantized
 from tests.test_engine import folder, make_engine, prompts  # noqa: F401 (fixture)
 
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -122,20 +123,14 @@ def test_quant_linear_on_the_kernels_path_matches_the_packed_one(mode, triton, m
     from kernels import quant_matmul_triton
     torch.manual_seed(0)
     w, x, b = torch.randn(48, 64), torch.randn(5, 64), torch.randn(48)
-    if mode == "int8":
-        q, s = quantize_int8(w)
-        tensors, deq = {"w": q, "scales": s}, q.float() * s[:, None]
-    else:
-        q, s, z = quantize_int4(w, 32)
-        tensors = {"w": q, "scales": s, "zeros": z}
-        deq = ((unpack_int4(q).float().view(48, 2, 32) - z[..., None]) * s[..., None]).view(48, 64)
+    tensors, deq = quantized(w, mode, 32)
     launches = []
     kernel = getattr(quant_matmul_triton, f"_{mode}_kernel")
     monkeypatch.setattr(quant_matmul_triton, f"_{mode}_kernel",
                         _Spy(kernel, launches))
     monkeypatch.setattr(kernels, "_use_triton", lambda t: triton)
     layer = QuantLinear(mode, tensors, b, 32, packed=False)
-    assert torch.equal(layer.w, q) and not hasattr(layer, "scales_and_zeros")     # the stored format, as is
+    assert torch.equal(layer.w, tensors["w"]) and not hasattr(layer, "scales_and_zeros")     # the stored format, as is
     got = layer(x)
     assert len(launches) == triton
     torch.testing.assert_close(got, x @ deq.T + b, rtol=1e-4, atol=1e-4)

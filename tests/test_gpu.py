@@ -7,9 +7,9 @@ import torch
 
 from engine.config import EngineConfig, ModelEntry, SpecConfig
 from engine.llm_engine import LLMEngine
-from engine.quantize import QuantLinear, quantize_int4, quantize_int8, unpack_int4
+from engine.quantize import QuantLinear
 from engine.sampling_params import SamplingParams
-from tests.conftest import make_tiny_model
+from tests.conftest import make_tiny_model, quantized
 from tests.test_engine import prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -116,13 +116,7 @@ def test_quantized_layers_on_the_triton_kernels_match_their_float_twins(mode, M)
     torch.manual_seed(0)
     N, K, group = 384, 512, 128
     w, x, b = torch.randn(N, K), torch.randn(M, K), torch.randn(N)
-    if mode == "int8":
-        q, s = quantize_int8(w)
-        tensors, deq = {"w": q, "scales": s}, q.float() * s[:, None]
-    else:
-        q, s, z = quantize_int4(w, group)
-        tensors = {"w": q, "scales": s, "zeros": z}
-        deq = ((unpack_int4(q).float().view(N, K // group, group) - z[..., None]) * s[..., None]).view(N, K)
+    tensors, deq = quantized(w, mode, group)
     # float32 runs tl.dot in TF32 (operands rounded to 10 mantissa bits): int8 weights survive
     # that exactly, int4's dequantized ones do not. Measured on an H200 at K = 512: 0.067 at most
     # for int4 (1e-4 under TRITON_F32_DEFAULT=ieee); a wrong nibble or scale is off by whole units.
@@ -266,13 +260,7 @@ def test_quantized_layers_at_engine_shapes(model, M):
         w = torch.randn(N, K, device="cuda") / K ** 0.5
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         for mode in ("int8", "int4"):
-            if mode == "int8":
-                q, s = quantize_int8(w)
-                tensors, deq = {"w": q, "scales": s}, q.float() * s[:, None]
-            else:
-                q, s, z = quantize_int4(w, 128)
-                tensors = {"w": q, "scales": s, "zeros": z}
-                deq = ((unpack_int4(q).float().view(N, K // 128, 128) - z[..., None]) * s[..., None]).view(N, K)
+            tensors, deq = quantized(w, mode, 128)
             layer = QuantLinear(mode, tensors, None, 128, device="cuda", dequant_rows=256)
             assert layer.packed == (mode == "int4")
             want = x.float() @ deq.T

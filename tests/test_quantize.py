@@ -8,7 +8,7 @@ from engine.llm_engine import LLMEngine
 from engine.model import Linear
 from engine.quantize import QuantLinear, quantize_int4, quantize_int8, unpack_int4
 from engine.sampling_params import SamplingParams
-from tests.conftest import make_tiny_model
+from tests.conftest import make_tiny_model, quantized
 
 
 def test_int8_round_trip_error_is_within_half_a_step():
@@ -32,13 +32,7 @@ def test_int4_round_trip_and_packing(group):
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_cpu_quant_linear_matches_dequantized_math(mode):
     w, b, x = torch.randn(64, 128), torch.randn(64), torch.randn(5, 128)
-    if mode == "int8":
-        q, s = quantize_int8(w)
-        deq, tensors = q.float() * s[:, None], {"w": q, "scales": s}
-    else:
-        q, s, z = quantize_int4(w, 32)
-        deq = ((unpack_int4(q).float().view(64, 4, 32) - z[..., None]) * s[..., None]).view(64, 128)
-        tensors = {"w": q, "scales": s, "zeros": z}
+    tensors, deq = quantized(w, mode, 32)
     got = QuantLinear(mode, tensors, b, 32)(x)
     want = x @ deq.T + b
     # bf16 activations and scales: about three significant digits.
