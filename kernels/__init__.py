@@ -58,9 +58,8 @@ paged_prefill_attention = _dispatch(attention.paged_prefill_attention)
 int8_matmul = _dispatch(quant_matmul.int8_matmul)
 int4_matmul = _dispatch(quant_matmul.int4_matmul)
 add_rms_norm = _dispatch(norm_rope.add_rms_norm)
-apply_rotary = _dispatch(norm_rope.apply_rotary)
 rotary_store_kv = _dispatch(norm_rope.rotary_store_kv)
 silu_and_mul = _dispatch(activation.silu_and_mul)
 
 __all__ = ["paged_decode_attention", "paged_prefill_attention", "int8_matmul", "int4_matmul",
-           "add_rms_norm", "apply_rotary", "rotary_store_kv", "silu_and_mul"]
+           "add_rms_norm", "rotary_store_kv", "silu_and_mul"]

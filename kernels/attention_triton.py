@@ -1,8 +1,7 @@
 """Paged attention in Triton; same signatures as the references in attention.py.
 
-Caches must be contiguous ``[num_blocks, block_size, kv_heads, head_dim]``; q, k and v may be
-strided views (the engine splits them out of one fused qkv projection) as long as head_dim
-is contiguous. Offsets into the caches are int64: a large KV pool passes 2**31 elements.
+Caches must be contiguous ``[num_blocks, block_size, kv_heads, head_dim]`` (norm_rope_triton's
+`rotary_store_kv` writes them); q may be a strided view as long as head_dim is contiguous. Offsets into the caches are int64: a large KV pool passes 2**31 elements.
 The softmax runs online (flash-attention style) in fp32, in base 2 with log2(e) folded into
 the scale, because exp2 is the hardware instruction.
 
@@ -20,44 +19,6 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _quantize(x):
-    """Rows of x -> int8 and their scales, exactly as attention.quantize_kv."""
-    scale = tl.max(tl.abs(x), axis=1) / 127
-    q = x / tl.where(scale > 0, scale, 1.0)[:, None]
-    q = q + tl.where(q >= 0, 0.5, -0.5)   # then truncation rounds half away from zero
-    return tl.minimum(tl.maximum(q, -127.0), 127.0).to(tl.int8), scale
-
-
-@triton.jit
-def _write_kv(k, v, k_cache, v_cache, k_scale, v_scale, slot, h, d, mask,
-              KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, QUANT: tl.constexpr):
-    """One token's keys and values [heads, head_dim] into its cache slot, quantized when int8."""
-    dst = slot * KV_HEADS * HEAD_DIM + h[:, None] * HEAD_DIM + d[None, :]
-    if QUANT:
-        k, ks = _quantize(k.to(tl.float32))
-        v, vs = _quantize(v.to(tl.float32))
-        tl.store(k_scale + slot * KV_HEADS + h, ks, mask=h < KV_HEADS)
-        tl.store(v_scale + slot * KV_HEADS + h, vs, mask=h < KV_HEADS)
-    tl.store(k_cache + dst, k, mask=mask)
-    tl.store(v_cache + dst, v, mask=mask)
-
-
-@triton.jit
-def _store_kv_kernel(k_ptr, v_ptr, k_cache, v_cache, k_scale, v_scale, slot_mapping,
-                     stride_kt, stride_kh, stride_vt, stride_vh,
-                     KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr):
-    t = tl.program_id(0)
-    h = tl.arange(0, BLOCK_H)
-    d = tl.arange(0, BLOCK_D)
-    mask = (h[:, None] < KV_HEADS) & (d[None, :] < HEAD_DIM)
-    slot = tl.load(slot_mapping + t).to(tl.int64)
-    k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask, other=0.0)
-    v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask, other=0.0)
-    _write_kv(k, v, k_cache, v_cache, k_scale, v_scale, slot, h, d, mask, KV_HEADS, HEAD_DIM, QUANT)
 
 
 @triton.jit
@@ -215,18 +176,6 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale, v_scale)
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
-
-
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
-             v_scale: torch.Tensor | None = None, num_warps: int = 1) -> None:
-    quant = _check_cache(k_cache, v_cache, k_scale, v_scale)
-    k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
-    T, kvh, dh = k.shape
-    _store_kv_kernel[(T,)](k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping,
-                           k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                           KV_HEADS=kvh, HEAD_DIM=dh, BLOCK_H=triton.next_power_of_2(kvh),
-                           BLOCK_D=triton.next_power_of_2(dh), QUANT=quant, num_warps=num_warps)
 
 
 # The combine kernel holds every split's partial row in one tile (64 x 128 fp32: 32 KB of

@@ -1,5 +1,6 @@
-"""RMSNorm with the residual add, and rotary embedding (alone, or with the KV cache write it
-precedes), plain PyTorch: the reference twins of norm_rope_triton.py."""
+"""RMSNorm with the residual add, and rotary embedding with the KV cache write it precedes,
+plain PyTorch: the reference twins of norm_rope_triton.py (`apply_rotary` is a part of the
+second, as `attention.store_kv` is)."""
 import torch
 import torch.nn.functional as F
 

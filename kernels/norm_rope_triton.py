@@ -1,12 +1,12 @@
-"""RMSNorm with the residual add, and rotary embedding (alone, or with the KV cache write it
-precedes), in Triton; same signatures as the references in norm_rope.py. One program per row
-(token): all are memory-bound, and fusing them saves a round trip through memory per
-elementwise step, and at decode's batch sizes a launch per fused step."""
+"""RMSNorm with the residual add, and rotary embedding with the KV cache write it precedes, in
+Triton; same signatures as the references in norm_rope.py. One program per row (token): both
+are memory-bound, and fusing them saves a round trip through memory per elementwise step, and
+at decode's batch sizes a launch per fused step."""
 import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_triton import _check_cache, _last_dim_contiguous, _write_kv
+from kernels.attention_triton import _check_cache, _last_dim_contiguous
 
 
 @triton.jit
@@ -29,20 +29,26 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, eps, D,
 
 
 @triton.jit
-def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, stride_xt, stride_xh, stride_ct, stride_st,
-                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    t = tl.program_id(0)
-    h = tl.arange(0, BLOCK_H)
-    i = tl.arange(0, BLOCK_HALF)
-    mask = (h[:, None] < heads) & (i[None, :] < HALF)
-    c = tl.load(cos_ptr + t * stride_ct + i, mask=i < HALF, other=0.0).to(tl.float32)[None, :]
-    s = tl.load(sin_ptr + t * stride_st + i, mask=i < HALF, other=0.0).to(tl.float32)[None, :]
-    src = x_ptr + t * stride_xt + h[:, None] * stride_xh + i[None, :]
-    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    dst = out_ptr + (t * heads + h[:, None]) * (2 * HALF) + i[None, :]
-    tl.store(dst, (x1 * c - x2 * s).to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + HALF, (x2 * c + x1 * s).to(out_ptr.dtype.element_ty), mask=mask)
+def _quantize(x):
+    """Rows of x -> int8 and their scales, exactly as attention.quantize_kv."""
+    scale = tl.max(tl.abs(x), axis=1) / 127
+    q = x / tl.where(scale > 0, scale, 1.0)[:, None]
+    q = q + tl.where(q >= 0, 0.5, -0.5)   # then truncation rounds half away from zero
+    return tl.minimum(tl.maximum(q, -127.0), 127.0).to(tl.int8), scale
+
+
+@triton.jit
+def _write_kv(k, v, k_cache, v_cache, k_scale, v_scale, slot, h, d, mask,
+              KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, QUANT: tl.constexpr):
+    """One token's keys and values [heads, head_dim] into its cache slot, quantized when int8."""
+    dst = slot * KV_HEADS * HEAD_DIM + h[:, None] * HEAD_DIM + d[None, :]
+    if QUANT:
+        k, ks = _quantize(k.to(tl.float32))
+        v, vs = _quantize(v.to(tl.float32))
+        tl.store(k_scale + slot * KV_HEADS + h, ks, mask=h < KV_HEADS)
+        tl.store(v_scale + slot * KV_HEADS + h, vs, mask=h < KV_HEADS)
+    tl.store(k_cache + dst, k, mask=mask)
+    tl.store(v_cache + dst, v, mask=mask)
 
 
 @triton.jit
@@ -94,18 +100,6 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
                                             new_res, eps, D, HAS_RESIDUAL=residual is not None,
                                             BLOCK_D=triton.next_power_of_2(D), num_warps=num_warps)
     return out, new_res
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_warps: int = 4) -> torch.Tensor:
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    T, heads, dh = x.shape
-    cos, sin = cos.reshape(T, -1), sin.reshape(T, -1)
-    assert cos.stride(-1) == 1 and sin.stride(-1) == 1
-    out = torch.empty(T, heads, dh, dtype=x.dtype, device=x.device)
-    _rotary_kernel[(T,)](x, cos, sin, out, heads, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0),
-                         HALF=dh // 2, BLOCK_H=triton.next_power_of_2(heads),
-                         BLOCK_HALF=triton.next_power_of_2(dh // 2), num_warps=num_warps)
-    return out
 
 
 def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

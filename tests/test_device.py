@@ -96,21 +96,21 @@ class _CannotLaunch:
 
 @triton_only
 def test_a_kernel_that_cannot_launch_falls_back_to_its_reference_once(monkeypatch, caplog):
-    from kernels import norm_rope_triton
+    from kernels import activation_triton
     monkeypatch.setattr(kernels, "FALLBACKS", set())
     monkeypatch.setattr(kernels, "_use_triton", lambda t: True)
-    monkeypatch.setattr(norm_rope_triton, "_rotary_kernel", broken := _CannotLaunch())
-    x, cos, sin = torch.randn(3, 2, 64), torch.randn(3, 32), torch.randn(3, 32)
-    want = kernels.norm_rope.apply_rotary(x, cos, sin)
+    monkeypatch.setattr(activation_triton, "_silu_and_mul_kernel", broken := _CannotLaunch())
+    x = torch.randn(3, 2, 64)
+    want = kernels.activation.silu_and_mul(x)
     with caplog.at_level(logging.WARNING, logger="kernels"):
-        first, second = kernels.apply_rotary(x, cos, sin), kernels.apply_rotary(x, cos, sin)
+        first, second = kernels.silu_and_mul(x), kernels.silu_and_mul(x)
     assert torch.equal(first, want) and torch.equal(second, want)
-    assert broken.launches == 1 and kernels.FALLBACKS == {"apply_rotary"}
+    assert broken.launches == 1 and kernels.FALLBACKS == {"silu_and_mul"}
     assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
-    assert "apply_rotary cannot launch" in caplog.records[0].message
+    assert "silu_and_mul cannot launch" in caplog.records[0].message
     # The other kernels still run their Triton twins.
     out, _ = kernels.add_rms_norm(x.view(6, 64), None, torch.ones(64), 1e-6)
-    assert kernels.FALLBACKS == {"apply_rotary"}
+    assert kernels.FALLBACKS == {"silu_and_mul"}
     torch.testing.assert_close(out, kernels.norm_rope.add_rms_norm(x.view(6, 64), None, torch.ones(64), 1e-6)[0])
 
 

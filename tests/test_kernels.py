@@ -47,7 +47,7 @@ class Paged:
         return tuple(q.float() * sc[..., None] for q, sc in map(attention.quantize_kv, (self.k[s], self.v[s])))
 
 
-def make_paged(lens: list[int], kv_heads: int, quant: bool, seed: int = 0, store=attention.store_kv) -> Paged:
+def make_paged(lens: list[int], kv_heads: int, quant: bool, seed: int = 0) -> Paged:
     """Random K/V for sequences of `lens` tokens, written with `store` into shuffled blocks.
 
     Every block is in use, block 0 included, so the 0 that pads a block table points at
@@ -73,7 +73,7 @@ def make_paged(lens: list[int], kv_heads: int, quant: bool, seed: int = 0, store
     k_scale = torch.zeros(shape[:3]) if quant else None
     v_scale = torch.zeros(shape[:3]) if quant else None
     slot_mapping = torch.tensor(slots)
-    store(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    attention.store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return Paged(list(k.split(lens)), list(v.split(lens)), k_cache, v_cache, k_scale, v_scale, tables,
                  torch.tensor(lens), slot_mapping)
 
@@ -211,17 +211,6 @@ def test_apply_rotary_reference_takes_both_cos_layouts():
 
 # ---- the Triton kernels against their references (interpreted) ----
 
-@triton_only
-@pytest.mark.parametrize("quant", [False, True])
-def test_triton_store_kv(quant):
-    from kernels import attention_triton
-    want = make_paged(DECODE_LENS, 2, quant)
-    got = make_paged(DECODE_LENS, 2, quant, store=attention_triton.store_kv)
-    for a, b in [(got.k_cache, want.k_cache), (got.v_cache, want.v_cache), (got.k_scale, want.k_scale),
-                 (got.v_scale, want.v_scale)]:
-        assert (a is None and b is None) or torch.equal(a, b)
-
-
 def decode_case(lens: list[int], heads: int, kv_heads: int, quant: bool, table_width: int = 0):
     """Decode arguments over paged caches for `lens`, q a strided view out of a fused qkv
     projection as the engine makes it, block tables padded to `table_width` columns as a
@@ -340,16 +329,6 @@ def test_triton_add_rms_norm(with_residual):
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
-@triton_only
-def test_triton_apply_rotary():
-    from kernels import norm_rope_triton
-    qkv = torch.randn(5, 6 * HEAD_DIM)
-    k = qkv[:, 3 * HEAD_DIM:].view(5, 3, HEAD_DIM)        # strided, three heads
-    cos, sin = torch.randn(5, 1, HEAD_DIM // 2), torch.randn(5, 1, HEAD_DIM // 2)
-    torch.testing.assert_close(norm_rope_triton.apply_rotary(k, cos, sin), norm_rope.apply_rotary(k, cos, sin),
-                               rtol=1e-6, atol=1e-6)
-
-
 # What the attention wrappers launch for Qwen2.5-1.5B's attention (12 heads over 2 KV heads of
 # 128, the engine's widest) in float32, the widest dtype (shared memory grows with the tiles'
 # bytes; an int8 cache and bf16 take less), compiled for a GPU without one, as Triton's
@@ -428,14 +407,14 @@ def test_triton_twin_takes_the_references_arguments(name):
 
 @triton_only
 def test_dispatcher_runs_triton_when_asked_and_the_reference_on_cpu(monkeypatch):
-    from kernels import norm_rope_triton
-    x, cos, sin = torch.randn(3, 2, HEAD_DIM), torch.randn(3, HEAD_DIM // 2), torch.randn(3, HEAD_DIM // 2)
+    from kernels import activation_triton
+    x = torch.randn(3, 2 * HEAD_DIM)
     calls = []
-    monkeypatch.setattr(norm_rope_triton, "_rotary_kernel", _Spy(norm_rope_triton._rotary_kernel, calls))
-    kernels.apply_rotary(x, cos, sin)
+    monkeypatch.setattr(activation_triton, "_silu_and_mul_kernel", _Spy(activation_triton._silu_and_mul_kernel, calls))
+    kernels.silu_and_mul(x)
     assert calls == []
     monkeypatch.setattr(kernels, "_use_triton", lambda t: True)
-    kernels.apply_rotary(x, cos, sin)
+    kernels.silu_and_mul(x)
     assert len(calls) == 1
 
 
