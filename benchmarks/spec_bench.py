@@ -128,7 +128,7 @@ def main() -> None:
     configs = ["off"] + [c for c in args.configs if c != "off"]
     models = default_engine().models
     e = LLMEngine(EngineConfig(models=models, max_kv_blocks=2048, speculative=DEFAULT), progress=False)
-    loads = {name: [e.worker("large").tokenizer.encode(e.chat_prompt(c, model="large")) for c in convs]
+    loads = {name: [e.prompter("large").chat(c) for c in convs]
              for name, convs in workloads(args.data, args.prompts).items() if name in args.workloads}
     params = SamplingParams(max_tokens=args.tokens)
     warm = max(1, args.prompts // 4)                 # prompts counted as warm-up

@@ -24,6 +24,11 @@ class ThinkingConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     instruction: str = ("First think step by step between <think> and </think>. "
                         "After </think>, give only the final answer.")
 
+    @property
+    def forced(self) -> str:
+        """What budget forcing writes when the budget is spent."""
+        return f"{self.nudge}{self.close}\n\n"
+
 
 QUANT_SCHEMES = ("none", "int8", "int4")     # weight-only
 FLOAT_DTYPES = ("float32", "bfloat16")       # compute dtypes, and unquantized KV

@@ -14,6 +14,7 @@ import kernels
 
 from engine.config import EngineConfig
 from engine.detokenizer import Detokenizer
+from engine.prompter import Prompter
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence, SpecState, isolated
@@ -36,6 +37,7 @@ class Completion:
     thinking_text: str = ""
     num_thinking_tokens: int = 0   # inside the span, within the budget; forced markers not counted
     error: str | None = None       # why the request failed (finish_reason "error"); others went on
+    engine_s: float = 0.0          # its share of the steps it was in the engine for (each split evenly)
 
 
 @dataclass
@@ -47,6 +49,7 @@ class StepOutput:
     new_token_ids: list[int]
     new_logprobs: list[float]
     text_delta: str
+    num_cached_tokens: int = 0     # prompt tokens the prefix cache served, known from the first output
     completion: Completion | None = None
 
     @property
@@ -87,7 +90,7 @@ class LLMEngine:
             if any(not 0 <= t < worker.cfg.vocab_size for t in tokens):
                 raise ValueError(f"{what} has token ids outside the vocabulary (0..{worker.cfg.vocab_size - 1})")
         thinking = None
-        if params.thinking_budget is not None:
+        if params.thinking_budget or worker.thinking.native:    # a native thinker is told not to, at 0
             ids, thinking = worker.stop.open_span(ids, params.thinking_budget)
         seq = Sequence(ids, params, salt=salt, request_id=request_id or "", stop_ids=worker.stop.stop_ids(params),
                        thinking=thinking)
@@ -101,15 +104,20 @@ class LLMEngine:
         self.requests[seq.request_id] = (worker, seq)
         return seq.request_id
 
-    def chat_prompt(self, messages: list[dict], model: str | None = None, thinking: bool = False) -> str:
-        """The model's chat template over `messages`; with `thinking` and a model that does not
-        think natively, the system message also asks for a thinking span."""
-        worker = self.worker(model)
-        if thinking and not worker.thinking.native:
-            system = [m["content"] for m in messages[:1] if m.get("role") == "system"]
-            content = "\n\n".join(system + [worker.thinking.instruction])
-            messages = [{"role": "system", "content": content}] + messages[len(system):]
-        return worker.tokenizer.apply_chat_template(messages)
+    def prompter(self, model: str | None = None) -> Prompter:
+        """What composing `model`'s prompts needs: tokenizer, chat template, context length."""
+        return self.worker(model).prompter
+
+    def verifies_drafts(self, model: str) -> bool:
+        """Whether `model` takes an external draft (add_request's `draft`) to verify."""
+        return self.speculator is not None and self.speculator.target.name == model
+
+    def memory_plan(self) -> str:
+        """What the memory budget holds, for the start-up log: each model's weights and KV blocks."""
+        config = self.config
+        return f"memory budget {config.memory_budget_gb:g} GiB: " + "; ".join(
+            f"{name}: {w.memory(config.block_size, config.models[name].quant)}"
+            for name, w in self.workers.items())
 
     def abort(self, request_id: str) -> Completion | None:
         """Drop a request wherever it is; its KV blocks go back at once. Returns what it had
@@ -120,14 +128,12 @@ class LLMEngine:
         worker.scheduler.finish(seq, "abort")
         return self._completion(worker, seq)
 
-    def sequence(self, request_id: str) -> Sequence:
-        return self.requests[request_id][1]
-
     def has_work(self) -> bool:
         return any(w.scheduler.waiting or w.scheduler.running for w in self.workers.values())
 
     # ---- the core, then output processing ------------------------------------------------
     def step(self) -> list[StepOutput]:
+        start, present = time.perf_counter(), [seq for _, seq in self.requests.values()]
         outputs = []
         for worker in self.workers.values():
             spec = self.speculator if self.speculator and worker is self.speculator.target else None
@@ -141,6 +147,13 @@ class LLMEngine:
             worker.scheduler.postprocess(scheduled, sampled)
             outputs += [self._output(worker, item.seq, n, sampled.get(item.seq.seq_id))
                         for item, n in zip(scheduled, lengths) if item.seq.seq_id in sampled or item.seq.error]
+        if present:
+            share = (time.perf_counter() - start) / len(present)
+            for seq in present:
+                seq.engine_s += share
+            for out in outputs:          # finished in this step: their completions were made before its end
+                if out.completion is not None:
+                    out.completion.engine_s += share
         return outputs
 
     def _output(self, worker: Worker, seq: Sequence, length: int,
@@ -163,7 +176,7 @@ class LLMEngine:
                     worker.scheduler.finish(seq, "stop")
         if seq.error:     # finished alone; what it wrote may hold NaNs, so its blocks are zeroed
             worker.runner.clear(worker.scheduler.finish(seq, "error"))
-        return StepOutput(seq.request_id, worker.name, new, logprobs, delta,
+        return StepOutput(seq.request_id, worker.name, new, logprobs, delta, seq.num_cached_tokens,
                           self._completion(worker, seq) if seq.is_finished else None)
 
     def _completion(self, worker: Worker, seq: Sequence) -> Completion:
@@ -178,7 +191,7 @@ class LLMEngine:
                           "".join(seq.text), list(seq.logprobs), seq.finish_reason or "", seq.num_cached_tokens,
                           (seq.first_token_time or now) - seq.arrival, now - seq.arrival,
                           worker.tokenizer.decode(seq.token_ids[th.start:th.start + n_think]) if th else "",
-                          n_think, seq.error)
+                          n_think, seq.error, seq.engine_s)
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
                  model: str | None = None, salt: bytes = b"", progress: bool = False) -> list[Completion]:

@@ -23,9 +23,9 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True):
     stop: list[str] = []
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
-    # Tokens the model may spend inside its thinking span (None: no span is opened; 0: the
-    # span is closed in the prompt). max_tokens then counts the answer after the span.
-    thinking_budget: int | None = None
+    # Tokens the model may spend inside its thinking span; 0: no thinking (a native thinker
+    # gets its span closed in the prompt). max_tokens counts the answer after the span.
+    thinking_budget: int = 0
     include_thinking: bool = False      # return the thinking text in `text` too
 
     def __post_init__(self) -> None:
@@ -37,7 +37,7 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True):
             (self.seed is not None and not MIN_SEED <= self.seed <= MAX_SEED,
              f"seed must be in [-2**63, 2**64 - 1], got {self.seed}"),
             (self.max_tokens < 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
-            (self.thinking_budget is not None and self.thinking_budget < 0,
+            (self.thinking_budget < 0,
              f"thinking_budget must be >= 0, got {self.thinking_budget}"),
             (any(not s for s in self.stop), "stop strings must not be empty")) if bad]
         if errors:

@@ -68,6 +68,7 @@ class Sequence:
     arrival: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     waited_steps: int = 0           # steps spent waiting behind others (aging)
+    engine_s: float = 0.0           # its share of the steps while it was in the engine
     generator: torch.Generator | None = None
     # Speculation: this step's draft, verified past the end of token_ids but never in it (see
     # `tokens`), the draft model's distributions for it, and the state (None: no speculation).

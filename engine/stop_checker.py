@@ -82,7 +82,7 @@ class StopChecker:
             return self._force(th, stop, f"{cfg.close}\n\n")
         if len(ids) < th.start + th.budget:
             return None
-        return self._force(th, th.start + th.budget, f"{cfg.nudge}{cfg.close}\n\n")
+        return self._force(th, th.start + th.budget, cfg.forced)
 
     def _force(self, th: ThinkingState, keep: int, text: str) -> Verdict:
         forced = self.tok.encode(text)

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig, ModelEntry, ThinkingConfig
 from engine.model import CausalLM, load_model
 from engine.model_runner import Device, ModelRunner
+from engine.prompter import Prompter
 from engine.quantize import DEQUANT_ROWS, QuantLinear, apply_quantization
 from engine.scheduler import Scheduler
 from engine.stop_checker import StopChecker
@@ -27,6 +30,17 @@ class Worker:
     thinking: ThinkingConfig
     stop: StopChecker
     dequant_rows: int = 0           # quantized matmuls over this many rows or more dequantize (0: never)
+
+    @property
+    def prompter(self) -> Prompter:
+        return Prompter(self.tokenizer, self.thinking, self.cfg.max_position)
+
+    def memory(self, block_size: int, quant: str) -> str:
+        """What this model holds of the memory budget: its weights and its KV blocks."""
+        blocks, kv_dtype = len(self.block_manager.blocks), self.runner.kv_dtype
+        kv = blocks * ModelRunner.kv_bytes_per_block(self.cfg, block_size, kv_dtype == torch.int8, kv_dtype.itemsize)
+        return (f"weights {weight_bytes(self.model) / 2**30:.2f} GiB ({quant}), {blocks} KV blocks of {block_size} tokens = "
+                f"{kv / 2**30:.2f} GiB ({str(kv_dtype).removeprefix('torch.')})")
 
 
 def weight_bytes(model: CausalLM, per_token: bool = False) -> int:

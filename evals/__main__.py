@@ -21,8 +21,7 @@ from pathlib import Path
 
 import msgspec
 
-from engine.config import QUANT_SCHEMES, EngineConfig, ModelEntry, SpecConfig
-from engine.llm_engine import LLMEngine
+from engine import QUANT_SCHEMES, EngineConfig, LLMEngine, ModelEntry, SpecConfig
 from models.store import StoreError
 from evals.budgets import write_budget_table
 from evals.contexts import write_context_curve

@@ -20,7 +20,7 @@ import msgspec
 import numpy as np
 from tqdm import tqdm
 
-from engine.llm_engine import LLMEngine
+from engine import LLMEngine
 from evals.datasets import Example
 from evals.records import RecordLog, complete_lines
 from evals.runner import MODES, RECORDS_FILE, RunConfig, RunError
@@ -89,7 +89,7 @@ def score_job(engine: LLMEngine, job: ScoreJob) -> list[ProxyScore]:
         return [ProxyScore(e.id, job.model, None, 0, answer=i) for i in job.answers]
     out = []
     for i in job.answers:
-        reference = engine.worker(job.model).tokenizer.encode(e.answers[i])
+        reference = engine.prompter(job.model).encode(e.answers[i])
         logprobs = engine.score(job.prompt + reference, job.model, first=len(job.prompt))
         out.append(ProxyScore(e.id, job.model, round(float(np.mean(logprobs)), 4), len(reference), job.hits, i,
                               len(job.prompt)))

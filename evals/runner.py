@@ -2,9 +2,10 @@
 
 Each question goes through the answer pipeline (pipeline/), the same code /v1/ask answers
 with: retrieval composes and trims the context, the router routes, the cascade says which
-engine call comes next, and the calls are priced as the ledger prices them. The engine
-generates greedily. Up to `concurrency` questions are in the engine at once (continuous
-batching, like concurrent users), so TTFT and latency are measured under that load.
+engine call comes next, the calls run through the gateway's own driver (pipeline.drive) on
+the async engine, and they are priced as the ledger prices them. The engine generates
+greedily. Up to `concurrency` questions are in the engine at once (continuous batching, like
+concurrent users), so TTFT and latency are measured under that load.
 
 A mode is what /v1/ask's `mode` would be: `small` and `large` name a model; `routed`,
 `cascade` and `routed+cascade` are mode=auto with the router's classifier, its escalation, or
@@ -12,20 +13,21 @@ both switched on, as a tenant's [router] section switches them.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import msgspec
 from tqdm import tqdm
 
-from engine.llm_engine import Completion, LLMEngine
+from engine import AsyncEngine, Completion, EngineFailure, LLMEngine
 from evals.datasets import Dataset, Example, load
 from evals.metrics import Score, score
 from evals.records import Call, Record, RecordLog, complete_lines
-from pipeline import Answer, EngineCall, Pipeline, Price, Query, Refused, Terms, call_cost
+from pipeline import Answer, Pipeline, Price, Progress, Query, Refused, Terms, call_cost, drive
 
 from retrieval import Collection, CollectionStore
 from router.policy import Policy
@@ -218,10 +220,7 @@ class _Question:
     """A question while its calls run."""
     example: Example
     answer: Answer | None = None
-    next: EngineCall | None = None    # the call to put into the engine
-    calls: list[Call] = field(default_factory=list)
-    retrieval_s: float = 0.0         # of the call in flight: planning is the first call's
-    engine_s: float = 0.0            # of the call in flight
+    retrieval_s: float = 0.0         # planning: counted on its first call
     error: str | None = None
 
 
@@ -233,60 +232,34 @@ class Runner:
 
     def run(self, mode: Mode, examples: list[Example]) -> None:
         """Answer every example not yet logged for this mode; each is logged as it finishes."""
+        asyncio.run(self._run(mode, examples))
+
+    async def _run(self, mode: Mode, examples: list[Example]) -> None:
         todo = deque(e for e in examples if not self.log.done(mode.name, e.id))
         arms = mode.model == "auto" and mode.classifier and bool(self.pipeline.arms)
         terms = mode.terms(self.config, arms)
-        inflight: dict[str, _Question] = {}
-        ready: list[_Question] = []          # planned, their next call not yet in the engine
+        engine = AsyncEngine(self.engine)
         bar = tqdm(total=len(examples), initial=len(examples) - len(todo), desc=mode.name, unit="q",
                    disable=not self.progress)
 
-        def done(q: _Question) -> None:
-            self.log.append(self._record(mode, q))
-            bar.update(1)
+        async def user() -> None:            # one of `concurrency` clients, each asking in turn
+            while todo:
+                q = _Question(todo.popleft())
+                if self._plan(q, mode, terms, arms):
+                    try:
+                        async for _ in drive(q.answer, engine, Progress()):
+                            pass
+                    except ValueError as e:
+                        q.error = f"the engine refused it: {e}"
+                    except EngineFailure as e:
+                        q.error = f"the engine failed: {e}"
+                self.log.append(self._record(mode, q))
+                bar.update(1)
 
         try:
-            while todo or inflight or ready:
-                while todo and len(inflight) + len(ready) < self.concurrency:
-                    q = _Question(todo.popleft())
-                    if self._plan(q, mode, terms, arms):
-                        ready.append(q)
-                    else:
-                        done(q)
-                # Into the engine together, right before a step: a request's clock starts when
-                # it arrives, so composing the others' contexts must not run on it.
-                for q in ready:
-                    request_id = self._submit(q)
-                    if request_id is None:
-                        done(q)
-                    else:
-                        inflight[request_id] = q
-                ready.clear()
-                if not inflight:
-                    continue
-                start = time.perf_counter()
-                outputs = self.engine.step()
-                share = (time.perf_counter() - start) / len(inflight)
-                for q in inflight.values():      # the step's time, split among those it served
-                    q.engine_s += share
-                for out in outputs:
-                    q = inflight.get(out.request_id)
-                    early = q.answer.observe(out) if q else None
-                    completion = out.completion
-                    if early is not None and early.escalate:      # doomed: cut it short
-                        completion = self.engine.abort(out.request_id)
-                    if completion is not None:
-                        del inflight[out.request_id]
-                        q.calls.append(self._call(q, completion))
-                        q.answer.finish(completion)
-                        q.retrieval_s, q.next = 0.0, q.answer.next_call()
-                        if q.next is None:
-                            done(q)
-                        else:
-                            ready.append(q)
-        finally:
-            for request_id in inflight:          # interrupted: leave the engine as we found it
-                self.engine.abort(request_id)
+            await asyncio.gather(*(user() for _ in range(self.concurrency)))
+        finally:                             # interrupted: the streams have aborted their requests
+            await engine.stop()
             bar.close()
 
     def _plan(self, q: _Question, mode: Mode, terms: Terms, arms: bool = False) -> bool:
@@ -303,35 +276,24 @@ class Runner:
             q.error = e.message
             return False
         q.answer, q.retrieval_s = self.pipeline.answer(plan), time.perf_counter() - start
-        q.next = q.answer.next_call()
         return True
 
-    def _submit(self, q: _Question) -> str | None:
-        call = q.next
-        try:
-            request_id = self.engine.add_request(call.prompt_ids, call.params, model=call.model,
-                                                 salt=q.answer.plan.terms.salt,
-                                                 request_id=call.request_id, draft=call.draft)
-        except ValueError as e:
-            q.error = f"the engine refused it: {e}"
-            return None
-        q.engine_s = 0.0
-        return request_id
-
-    def _call(self, q: _Question, c: Completion) -> Call:
+    def _call(self, c: Completion, retrieval_s: float) -> Call:
         # Tokens as the usage ledger counts them: the prompt sent, every generated token.
         return Call(c.model, len(c.prompt_token_ids), c.num_cached_tokens, len(c.token_ids), c.num_thinking_tokens,
-                    call_cost(self.config.prices[c.model], c), q.retrieval_s, c.ttft, c.latency, q.engine_s,
+                    call_cost(self.config.prices[c.model], c), retrieval_s, c.ttft, c.latency, c.engine_s,
                     c.finish_reason, [round(x, 4) for x in c.logprobs])
 
     def _record(self, mode: Mode, q: _Question) -> Record:
         ex = q.example
         ctx = q.answer.plan.context if q.answer else None
-        last = q.answer.calls[-1] if q.answer and q.answer.calls and q.error is None else None
+        completions = q.answer.calls if q.answer else []
+        calls = [self._call(c, q.retrieval_s if i == 0 else 0.0) for i, c in enumerate(completions)]
+        last = completions[-1] if completions and q.error is None else None
         if last is not None:
             s, answer = score(ex.kind, last.text, ex.answers), last.text
         else:                                    # not answered: scored as wrong
             s, answer = Score(0.0, None if ex.kind == "gsm8k" else 0.0), ""
         return Record(mode.name, ex.id, ex.kind, ex.question, answer, s.em, s.f1, s.value, s.correct,
-                      len(q.calls) > 1, len(ctx.citations) if ctx else 0, ctx.trimmed.tokens if ctx else 0,
-                      [round(h.score, 4) for h in ctx.hits] if ctx else [], q.calls, q.error)
+                      len(calls) > 1, len(ctx.citations) if ctx else 0, ctx.trimmed.tokens if ctx else 0,
+                      [round(h.score, 4) for h in ctx.hits] if ctx else [], calls, q.error)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import msgspec
 
-from engine.llm_engine import LLMEngine
+from engine import LLMEngine
 from models.store import StoreError, resolve
 from gateway.config import ConfigError, RouterConfig, ServerConfig, load_server_config
 from gateway.errors import GatewayError

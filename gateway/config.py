@@ -8,12 +8,8 @@ from pathlib import Path
 from typing import Annotated, Literal, TypeVar
 
 import msgspec
-import torch
 
-from engine.config import EngineConfig, ModelEntry, SpecConfig
-from engine.llm_engine import LLMEngine
-from engine.model_runner import ModelRunner
-from engine.worker import weight_bytes
+from engine import EngineConfig, ModelEntry, SpecConfig
 from gateway.errors import explain
 from pipeline.prices import Dollars, Price, default_prices
 
@@ -46,21 +42,6 @@ def available_memory_gb(meminfo: Path = Path("/proc/meminfo")) -> float:
 
 def default_memory_budget_gb() -> float:
     return round(MEMORY_SHARE * available_memory_gb(), 1)
-
-
-def memory_plan(engine: LLMEngine) -> str:
-    """What the memory budget holds, for the start-up log: each model's weights and KV blocks."""
-    config = engine.config
-    parts = []
-    for name, w in engine.workers.items():
-        weights = weight_bytes(w.model)
-        blocks = len(w.block_manager.blocks)
-        kv_dtype = w.runner.kv_dtype
-        kv = blocks * ModelRunner.kv_bytes_per_block(w.cfg, config.block_size, kv_dtype == torch.int8,
-                                                     kv_dtype.itemsize)
-        parts.append(f"{name}: weights {weights / 2**30:.2f} GiB ({config.models[name].quant}), {blocks} KV blocks "
-                     f"of {config.block_size} tokens = {kv / 2**30:.2f} GiB ({str(kv_dtype).removeprefix('torch.')})")
-    return f"memory budget {config.memory_budget_gb:g} GiB: " + "; ".join(parts)
 
 
 def default_engine() -> EngineConfig:

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-from engine.sampling_params import MIN_SEED, MIN_TEMPERATURE, MIN_TOP_P
+from engine import MIN_SEED, MIN_TEMPERATURE, MIN_TOP_P
 
 Mode = Literal["auto", "small", "large"]
 # The rule retrieval's store applies to collection names (retrieval/collection.py, NAME).

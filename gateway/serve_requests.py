@@ -3,8 +3,9 @@
 A request's prefix is what its prompt shares with others before the question: the system
 message (instructions and the retrieved passages, in canonical order) and any earlier turns
 of a conversation, salted per tenant as the engine's prefix cache is. The ingress computes
-it as the replica will, with the same retrieval, trimming and tokenizer (`PrefixKeys`: the
-question is embedded twice, a few milliseconds of CPU, to know the prefix before routing).
+it as the replica will, through the same pipeline (retrieval, routing, the arm's trim) over
+the models' tokenizers alone (`PrefixKeys`: the question is embedded twice, a few
+milliseconds of CPU, to know the prefix before routing).
 Requests with the same key can reuse the blocks the last of them left in its replica's
 prefix cache. A request without a prefix (no collection, no earlier turns), or one the
 replica will refuse, has no key and goes to the least loaded replica.
@@ -20,13 +21,14 @@ from pathlib import Path
 
 import msgspec
 
-from engine.tokenizer import Tokenizer
+from engine import Prompters
 from gateway.auth import bearer_key
 from gateway.config import ServerConfig
 from gateway.errors import GatewayError
+from gateway.service import pipeline_for
 from gateway.tenants import TenantRegistry
-from models.store import resolve
-from retrieval import CollectionStore, Embedder, RetrievalError, rag_context
+from pipeline import Query, Refused
+from retrieval import CollectionStore, Embedder, RetrievalError
 
 # Deployment name -> this process's router for it (serve_router registers itself here, since
 # Serve unpickles a router's own module by value, so that module's globals are copies).
@@ -61,26 +63,25 @@ class _Message(msgspec.Struct):
 
 
 class _Prefix(msgspec.Struct):
-    """What /v1/ask and /v1/chat/completions bodies say about the prompt's prefix."""
+    """What /v1/ask and /v1/chat/completions bodies say about the prompt's prefix: the
+    context, and what routes it (the arm's budget, a thinking instruction)."""
     question: str = ""
     collection: str | None = None
     messages: list[_Message] = []
+    mode: str = "auto"                   # /v1/ask's
+    model: str = "auto"                  # /v1/chat/completions'
+    thinking_budget: int | None = None
 
 
 class PrefixKeys:
     """The ingress's copy of what decides a prompt's prefix: tenants, collections (read only),
-    the embedder, and the tokenizer of each tenant's default model."""
+    and the replicas' pipeline over the models' tokenizers."""
 
     def __init__(self, config: ServerConfig, tenants: Path, data: Path, embedder: Embedder | None = None):
-        self.config = config
+        embedder = embedder or Embedder()
         self.tenants = TenantRegistry(tenants, set(config.engine.models), config.tenant_reload_interval_s)
-        self.collections = CollectionStore(data / "collections", embedder or Embedder())
-        self.tokenizers: dict[str, Tokenizer] = {}
-
-    def _tokenizer(self, model: str) -> Tokenizer:
-        if model not in self.tokenizers:
-            self.tokenizers[model] = Tokenizer(resolve(self.config.engine.models[model].source, progress=False))
-        return self.tokenizers[model]
+        self.collections = CollectionStore(data / "collections", embedder)
+        self.pipeline = pipeline_for(config, Prompters(config.engine), embedder)
 
     def key(self, path: str, headers: list[tuple[bytes, bytes]], body: bytes) -> str | None:
         """Blocking (embedding, search): call it from a thread."""
@@ -97,14 +98,15 @@ class PrefixKeys:
         messages = [{"role": m.role, "content": m.content if isinstance(m.content, str) else
                      "".join(p.text for p in m.content)} for m in prefix.messages] or None
         question = prefix.question or next((m["content"] for m in reversed(messages or []) if m["role"] == "user"), "")
+        query = Query(question, messages=messages, collection=prefix.collection, thinking_budget=prefix.thinking_budget,
+                      mode=prefix.mode if path == "/v1/ask" else prefix.model)
         try:
             collection = None if prefix.collection is None else \
                 self.collections.collection(tenant.id, prefix.collection, create=False)
-            context = rag_context(collection, question, tenant.spec.context_budget,
-                                  self._tokenizer(tenant.spec.default_model), self.config.retrieval_k, messages)
-        except RetrievalError:
+            plan = self.pipeline.plan(tenant.terms, query, collection, "prefix-key")
+        except (RetrievalError, Refused):
             return None
-        shared = context.messages[:-1]          # everything before the last message
+        shared = plan.context.messages[:-1]          # everything before the last message
         if not shared:
             return None
         return hashlib.sha256(tenant.salt + msgspec.json.encode(shared)).hexdigest()

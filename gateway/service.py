@@ -25,25 +25,22 @@ from pathlib import Path
 
 import anyio
 
-from engine.async_engine import AsyncEngine, EngineFailure
-from engine.llm_engine import LLMEngine
+from engine import AsyncEngine, EngineFailure, LLMEngine
 from gateway import schemas as s
-from gateway.config import ServerConfig, memory_plan
+from gateway.config import ServerConfig
 from gateway.errors import GatewayError, retry_after
 from gateway.ledger import UsageRow
 from gateway.limits import Admission, month_of
 from gateway.metrics import GatewayMetrics
 from gateway.storage import open_storage
 from gateway.tenants import Tenant, TenantRegistry
-from pipeline import Answer, EngineCall, Pipeline, Plan, Query, Refused, cost
+from pipeline import Answer, Judged, Models, Pipeline, Plan, Progress, Query, Refused, cost, drive
 from retrieval import CollectionStore, Embedder, RetrievalError
 from router.data import RouterError
 from router.model import RouterModel
 from router.policy import Route
 
 log = logging.getLogger("sluice.gateway")
-# Tokens budget forcing may add after a spent thinking budget (nudge and closing marker), for estimates.
-THINKING_OVERHEAD = 48
 CITE = re.compile(r"\[(\d+)\]")
 
 
@@ -94,6 +91,7 @@ class Job:
     answer: Answer
     start: float
     retrieval_s: float
+    engine_start: float = 0.0               # when it got its engine slot
 
     @property
     def plan(self) -> Plan:
@@ -109,15 +107,20 @@ class Job:
         return Meta(self.plan.request_id, self.answer.route, citations, trimmed)
 
 
-@dataclass
-class Progress:
-    """What the engine has produced so far, for the ledger even if the client goes away."""
-    text: str = ""                          # of the call in flight
-    tokens: int = 0                         # of every call
-    cached: int = 0
-    first_token: float | None = None
-    engine_start: float = 0.0
-    call: EngineCall | None = None          # in flight: not yet in the answer's calls
+def pipeline_for(config: ServerConfig, models: Models, embedder) -> Pipeline:
+    """The server's pipeline over `models` (its engine; the Ray ingress, the tokenizers alone)."""
+    router, router_error = None, None
+    if config.router is not None and config.router.path:
+        try:
+            router = RouterModel.load(config.router.path)
+        except RouterError as e:         # serve anyway: every auto request says it fell back
+            router_error = str(e)
+            log.error("router not loaded, mode=auto uses tenant defaults: %s", e)
+    # The cascade's pair: the cheapest and the dearest model by output price.
+    by_price = sorted(config.engine.models, key=lambda m: config.prices[m].output)
+    pair = (by_price[0], by_price[-1]) if config.router is not None else None
+    return Pipeline(models, config.prices, router, router_error, embedder, pair, config.retrieval_k,
+                    config.max_input_chars)
 
 
 class Gateway:
@@ -168,7 +171,7 @@ class Gateway:
         self.async_engine = AsyncEngine(self.engine)
         await self.async_engine.start()
         log.info("ready: serving %s", ", ".join(self.engine.workers))
-        log.info(memory_plan(self.engine))
+        log.info(self.engine.memory_plan())
 
     def _load_blocking(self) -> None:
         config = self.config
@@ -177,18 +180,7 @@ class Gateway:
         if self.embedder is None:
             self.embedder = Embedder()
         self.collection_store = CollectionStore(self.data_dir / "collections", self.embedder)
-        router, router_error = None, None
-        if config.router is not None and config.router.path:
-            try:
-                router = RouterModel.load(config.router.path)
-            except RouterError as e:         # serve anyway: every auto request says it fell back
-                router_error = str(e)
-                log.error("router not loaded, mode=auto uses tenant defaults: %s", e)
-        # The cascade's pair: the cheapest and the dearest model by output price.
-        by_price = sorted(config.engine.models, key=lambda m: config.prices[m].output)
-        pair = (by_price[0], by_price[-1]) if config.router is not None else None
-        self.pipeline = Pipeline(self.engine, config.prices, router, router_error, self.embedder, pair,
-                                 config.retrieval_k, config.max_input_chars)
+        self.pipeline = pipeline_for(config, self.engine, self.embedder)
 
     async def stop(self) -> None:
         if self._loading:
@@ -209,15 +201,8 @@ class Gateway:
 
     async def run(self, tenant: Tenant, query: Query) -> AsyncIterator[Meta | Token | Done]:
         job = await self._plan(tenant, query)
-        plan, answer, prices = job.plan, job.answer, self.config.prices
-        params = plan.params
-        most_out = params.max_tokens + (params.thinking_budget or 0) + THINKING_OVERHEAD * bool(params.thinking_budget)
-        models = [m for m in (plan.route.model, plan.route.escalate_to) if m]   # at most, if it escalates
-        prompts = [len(plan.prompt_ids)] * len(models)
-        if plan.wide is not None and len(models) > 1:       # an escalation that widens reads more
-            prompts[1] += plan.wide.trimmed.tokens - plan.context.trimmed.tokens
-        est_tokens = sum(p + most_out for p in prompts)
-        est_cost = sum(cost(prices[m], p, 0, most_out) for m, p in zip(models, prompts))
+        answer = job.answer
+        est_tokens, est_cost = self.pipeline.estimate(job.plan)
         self.rates.take_tokens(tenant, est_tokens)
         try:
             self.spend.reserve(tenant, est_cost)
@@ -238,43 +223,15 @@ class Gateway:
 
         try:
             async with self.admission.slot() as queued:
-                # While the answer may yet be escalated, Meta (with the final route) and the
-                # tokens wait for the cascade's verdict: a client never sees a replaced answer.
+                # While the answer may yet be escalated, Meta (with the final route) waits for
+                # the cascade's verdict, and the driver holds the text back with it.
                 if not answer.may_escalate:
                     yield job.meta()
+                job.engine_start = time.monotonic()
                 try:
-                    progress.engine_start = time.monotonic()
-                    while (call := answer.next_call()) is not None:
-                        holding, progress.call, progress.text = answer.may_escalate, call, ""
-                        completion = None
-                        # aclosing: if our consumer closes us mid-answer, the engine's stream is
-                        # closed now (aborting the request), not whenever it is garbage-collected.
-                        async with aclosing(self.async_engine.stream(call.prompt_ids, call.params, call.model, tenant.salt,
-                                                               call.request_id, draft=call.draft)) as outputs:
-                            async for out in outputs:
-                                if progress.first_token is None:
-                                    progress.first_token = time.monotonic()
-                                    progress.cached = self._cached_so_far(out.request_id)
-                                progress.tokens += len(out.new_token_ids)
-                                completion = out.completion or completion
-                                if out.text_delta:
-                                    progress.text += out.text_delta
-                                    if not holding:
-                                        yield Token(out.text_delta)
-                                early = answer.observe(out)
-                                if early is not None and early.escalate:     # doomed: cut it short
-                                    completion = await self.async_engine.cut(call.request_id)
-                                    if completion is not None:
-                                        break
-                                    # The step thread finished it before the cut came (the
-                                    # answer ended within a step of the verdict): its
-                                    # completion is still on its way in this stream.
-                        progress.call = None
-                        verdict = answer.finish(completion)
-                        if verdict is not None:
-                            yield job.meta()
-                            if not verdict.escalate and progress.text:
-                                yield Token(progress.text)
+                    async with aclosing(drive(answer, self.async_engine, progress)) as events:
+                        async for event in events:
+                            yield job.meta() if isinstance(event, Judged) else Token(event.text)
                 except ValueError as e:            # the engine refused the input: nothing ran
                     raise GatewayError(422, f"the engine refused this request: {e}", code="engine_refused") from e
                 except EngineFailure as e:
@@ -290,15 +247,6 @@ class Gateway:
             yield done
         finally:
             release()
-
-    def _cached_so_far(self, request_id: str) -> int:
-        """Prompt tokens the prefix cache served, for the ledger should the client leave
-        before the completion (which has the final count) arrives. The engine forgets a
-        request once it finishes, possibly before we read this: then the completion will say."""
-        try:
-            return self.engine.sequence(request_id).num_cached_tokens
-        except KeyError:
-            return 0
 
     async def _plan(self, tenant: Tenant, q: Query) -> Job:
         """The pipeline's plan, with the gateway's own refusals (limits, a missing collection)
@@ -346,7 +294,7 @@ class Gateway:
         ms = lambda seconds: round(seconds * 1000, 3)
         timings = s.Timings(retrieval=ms(job.retrieval_s), queue=ms(queued),
                             ttft=ms(p.first_token - job.start) if p.first_token else None,
-                            engine=ms(now - p.engine_start) if p.engine_start else 0.0, total=ms(now - job.start))
+                            engine=ms(now - job.engine_start) if job.engine_start else 0.0, total=ms(now - job.start))
         last = answer.calls[-1] if answer.calls and p.call is None else None
         finish = last.finish_reason if last else "abort"
         text = last.text if last else p.text

@@ -1,7 +1,9 @@
 """The answer pipeline, above the router and retrieval, below the gateway and evals: one path
-from a question to its engine calls and their price (pipeline/answer.py)."""
-from .answer import Answer, EngineCall, Pipeline, Plan, Query, Refused, Terms, call_cost
+from a question to its engine calls (answer.py), the one loop that drives them through the
+engine (driver.py), and their price (prices.py)."""
+from .answer import Answer, EngineCall, Models, Pipeline, Plan, Query, Refused, Terms, call_cost
+from .driver import Judged, Progress, Text, drive
 from .prices import Price, cost, default_prices, parse_price
 
-__all__ = ["Answer", "EngineCall", "Pipeline", "Plan", "Price", "Query", "Refused", "Terms", "call_cost", "cost",
-           "default_prices", "parse_price"]
+__all__ = ["Answer", "EngineCall", "Judged", "Models", "Pipeline", "Plan", "Price", "Progress", "Query", "Refused",
+           "Terms", "Text", "call_cost", "cost", "default_prices", "drive", "parse_price"]

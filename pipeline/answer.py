@@ -11,18 +11,18 @@ steps, and the answer is still the large model's own). A narrow arm (the large m
 best passage alone) escalates to itself: the same model asked again with the wider budget
 its own arm reads (`large`'s from the context curve, within the tenant's); with the tenant's
 `widen_from_cache`, the narrow call's passages first, so that its prompt extends the narrow
-one's and the prefix cache serves that part. The gateway
-drives an Answer through the async engine, evals by stepping the engine; neither decides
-anything itself, so what evals measure is what is served.
+one's and the prefix cache serves that part. The gateway and evals both drive an Answer
+through the async engine with `pipeline.driver.drive`; neither decides anything itself, so
+what evals measure is what is served.
 """
 from __future__ import annotations
 
 import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
-from engine.llm_engine import Completion, LLMEngine, StepOutput
-from engine.sampling_params import SamplingParams
+from engine import Completion, Prompter, SamplingParams, StepOutput
 from pipeline.prices import Price, cost
 from retrieval import OverBudget, RagContext, RetrievalError, rag_context
 from router.arms import Arm, arm_name, retrieved
@@ -61,7 +61,7 @@ class Query:
     top_p: float = 1.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
-    thinking_budget: int | None = None     # None: the route decides; 0: the client asked for none
+    thinking_budget: int | None = None     # None: the route decides; 0: no thinking, as everywhere
 
     @property
     def input_field(self) -> str:
@@ -103,7 +103,16 @@ class EngineCall:
     prompt_ids: list[int]
     params: SamplingParams
     request_id: str
+    salt: bytes                            # the tenant's prefix-cache namespace
     draft: list[int] | None = None         # an earlier answer the engine verifies instead of decoding
+
+
+class Models(Protocol):
+    """What planning needs of the engine (an LLMEngine; the Ray ingress, tokenizers alone)."""
+
+    def prompter(self, model: str) -> Prompter: ...
+
+    def verifies_drafts(self, model: str) -> bool: ...
 
 
 def call_cost(price: Price, c: Completion) -> float:
@@ -111,7 +120,7 @@ def call_cost(price: Price, c: Completion) -> float:
 
 
 class Pipeline:
-    def __init__(self, engine: LLMEngine, prices: dict[str, Price], router: RouterModel | None = None,
+    def __init__(self, engine: Models, prices: dict[str, Price], router: RouterModel | None = None,
                  router_error: str | None = None, embedder=None, pair: tuple[str, str] | None = None,
                  k: int = 8, max_input_chars: int | None = None):
         """`pair`: the (small, large) models mode=auto routes between; None: no router installed
@@ -180,7 +189,7 @@ class Pipeline:
         # The context is trimmed with the tokenizer of the model that answers first without a
         # router; the routed pair shares one tokenizer, so a route cannot change the count.
         first = q.mode if q.mode != "auto" else terms.policy.default_model
-        embed, tokenizer = self.routes_by_classifier(terms, q), self.engine.worker(first).tokenizer
+        embed, tokenizer = self.routes_by_classifier(terms, q), self.engine.prompter(first)
         try:
             vector = self.embedder.encode([q.question]) if embed else None
             context = rag_context(collection, q.question, terms.context_budget, tokenizer, self.k, q.messages, vector)
@@ -213,7 +222,7 @@ class Pipeline:
             r, wide = replace(r, escalate_to=None), None    # nothing wider to ask it again with
         try:
             params = SamplingParams(temperature=q.temperature, top_p=q.top_p, seed=q.seed, max_tokens=max_tokens,
-                                    stop=q.stop, thinking_budget=r.thinking_budget or None)
+                                    stop=q.stop, thinking_budget=r.thinking_budget)
         except ValueError as e:
             raise Refused(422, str(e), code="bad_sampling_parameters") from None
         return Plan(request_id, terms, r, context, self.prompt_ids(context, r.model, params), params, wide)
@@ -265,13 +274,25 @@ class Pipeline:
 
     def prompt_ids(self, context: RagContext, model: str, params: SamplingParams) -> list[int]:
         """The context's messages in `model`'s own chat template."""
-        worker = self.engine.worker(model)
-        ids = worker.tokenizer.encode(self.engine.chat_prompt(context.messages, model,
-                                                              thinking=params.thinking_budget is not None))
-        if len(ids) >= worker.cfg.max_position:
+        prompter = self.engine.prompter(model)
+        ids = prompter.chat(context.messages, thinking=params.thinking_budget > 0)
+        if len(ids) >= prompter.max_position:
             raise Refused(422, f"the prompt is {len(ids)} tokens; model {model!r} reads at most "
-                               f"{worker.cfg.max_position - 1}", code="prompt_too_long")
+                               f"{prompter.max_position - 1}", code="prompt_too_long")
         return ids
+
+    def estimate(self, plan: Plan) -> tuple[int, float]:
+        """The most tokens and dollars the plan can spend: every call it may make, each writing
+        its whole output and thinking budgets and the tokens budget forcing adds."""
+        params, r = plan.params, plan.route
+        models = [m for m in (r.model, r.escalate_to) if m]
+        prompts = [len(plan.prompt_ids)] * len(models)
+        if plan.wide is not None and len(models) > 1:       # an escalation that widens reads more
+            prompts[1] += plan.wide.trimmed.tokens - plan.context.trimmed.tokens
+        out = lambda m: params.max_tokens + params.thinking_budget + \
+            (self.engine.prompter(m).forced_tokens if params.thinking_budget else 0)
+        return (sum(p + out(m) for m, p in zip(models, prompts)),
+                sum(cost(self.prices[m], p, 0, out(m)) for m, p in zip(models, prompts)))
 
     def answer(self, plan: Plan) -> Answer:
         return Answer(self, plan)
@@ -308,14 +329,13 @@ class Answer:
         """The next engine call, or None once the answer stands."""
         plan, r = self.plan, self.plan.route
         if not self.calls:
-            return EngineCall(r.model, plan.prompt_ids, plan.params, plan.request_id)
+            return EngineCall(r.model, plan.prompt_ids, plan.params, plan.request_id, plan.terms.salt)
         if self.verdict is None or not self.verdict.escalate or len(self.calls) > 1:
             return None
-        first, engine = self.calls[0], self.pipeline.engine
-        spec = engine.config.speculative
-        draft = list(first.token_ids) if spec is not None and spec.target == r.model and first.token_ids else None
+        first = self.calls[0]
+        draft = list(first.token_ids) if self.pipeline.engine.verifies_drafts(r.model) and first.token_ids else None
         return EngineCall(r.model, self.pipeline.prompt_ids(plan.context, r.model, plan.params), plan.params,
-                          f"{plan.request_id}-escalated", draft)
+                          f"{plan.request_id}-escalated", plan.terms.salt, draft)
 
     def observe(self, out: StepOutput) -> Verdict | None:
         """An output of the call in flight; the early verdict once the first answer has its

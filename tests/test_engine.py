@@ -57,8 +57,8 @@ def test_cancel_returns_blocks_and_others_continue(folder):
     b = engine.add_request(prompts(1, seed=5)[0], GREEDY)
     for _ in range(3):
         engine.step()
-    assert engine.sequence(a).block_table
-    seq = engine.sequence(a)
+    seq = engine.requests[a][1]
+    assert seq.block_table
     produced = seq.token_ids[seq.num_prompt_tokens:]
     partial = engine.abort(a)
     assert partial.finish_reason == "abort" and partial.token_ids == produced and produced

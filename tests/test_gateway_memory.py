@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from gateway import config
-from gateway.config import MEMORY_SHARE, ServerConfig, available_memory_gb, load_server_config, memory_plan
+from gateway.config import MEMORY_SHARE, ServerConfig, available_memory_gb, load_server_config
 from tests.test_gateway_support import llm  # noqa: F401
 
 MEMINFO = """MemTotal:       24576000 kB
@@ -40,7 +40,7 @@ def test_the_default_budget_is_a_share_of_what_is_available_with_or_without_a_co
 
 
 def test_the_memory_plan_states_each_models_weights_and_kv_blocks(llm):
-    plan = memory_plan(llm)
+    plan = llm.memory_plan()
     blocks = {name: s["kv_blocks_total"] for name, s in llm.stats().items()}
     assert plan.startswith("memory budget 1 GiB: small: weights 0.00 GiB (none), ")
     for name in ("small", "large"):                 # tiny models: 2 layers, 2 KV heads of 16, float32

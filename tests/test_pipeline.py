@@ -89,12 +89,14 @@ def test_a_clients_thinking_budget_of_zero_is_kept_and_none_lets_the_route_decid
     routed = p.plan(terms, Query("t5 t6"), None, "r1")
     assert routed.route.thinking_budget == 64 and routed.params.thinking_budget == 64   # the tenant's medium
     zero = p.plan(terms, Query("t5 t6", thinking_budget=0), None, "r2")
-    assert zero.route.thinking_budget == 0 and zero.params.thinking_budget is None   # no span at all
+    # 0 is no thinking from the request to the engine: no span, no thinking instruction.
+    assert zero.route.thinking_budget == zero.params.thinking_budget == 0
+    assert len(zero.prompt_ids) < len(routed.prompt_ids)
     assert zero.route.reason.endswith("thinking budget 0 from the client")
     chosen = p.plan(terms, Query("t5 t6", thinking_budget=16), None, "r3")
     assert chosen.params.thinking_budget == 16
     explicit = p.plan(terms, Query("t5 t6", mode="large"), None, "r4")
-    assert (explicit.route.model, explicit.route.source, explicit.params.thinking_budget) == ("large", "client", None)
+    assert (explicit.route.model, explicit.route.source, explicit.params.thinking_budget) == ("large", "client", 0)
     with pytest.raises(Refused) as e:
         p.plan(terms, Query("t5 t6", thinking_budget=257), None, "r5")
     assert (e.value.status, e.value.code, e.value.param) == (422, "over_thinking_budget", "thinking_budget")

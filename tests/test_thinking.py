@@ -9,8 +9,8 @@ from tests.test_engine import folder, prompts  # noqa: F401  (fixture)
 OPEN, CLOSE, NUDGE = 120, 121, 122
 
 
-def engine(folder, close=CLOSE, speculative=False):
-    thinking = ThinkingConfig(open=f"t{OPEN}", close=f"t{close}", nudge=f"t{NUDGE} ")
+def engine(folder, close=CLOSE, speculative=False, native=False):
+    thinking = ThinkingConfig(open=f"t{OPEN}", close=f"t{close}", nudge=f"t{NUDGE} ", native=native)
     models = {"tiny": ModelEntry(str(folder), thinking=thinking)}
     if speculative:      # the model drafts for itself: every step appends several tokens at once
         models["draft"] = ModelEntry(str(folder))
@@ -86,10 +86,16 @@ def test_a_stop_token_inside_the_span_closes_it_and_the_answer_follows(folder, s
     assert len(answer) == 8 or (answer[-1] == stop and c.finish_reason == "stop")
 
 
-def test_budget_zero_closes_the_span_in_the_prompt(folder):
-    c = engine(folder).generate(prompts(1), SamplingParams(max_tokens=4, ignore_eos=True, thinking_budget=0))[0]
-    assert c.prompt_token_ids[-2:] == [OPEN, CLOSE]
-    assert c.num_thinking_tokens == 0 and len(c.token_ids) == 4
+def test_budget_zero_means_no_thinking(folder):
+    """0 is the default: no span for a model that thinks only when asked; a native thinker,
+    which would open one itself, gets its span opened and closed in the prompt."""
+    sp = SamplingParams(max_tokens=4, ignore_eos=True, thinking_budget=0)
+    plain = engine(folder).generate(prompts(1), SamplingParams(max_tokens=4, ignore_eos=True))[0]
+    zero = engine(folder).generate(prompts(1), sp)[0]
+    assert zero.prompt_token_ids == plain.prompt_token_ids and zero.token_ids == plain.token_ids
+    native = engine(folder, native=True).generate(prompts(1), sp)[0]
+    assert native.prompt_token_ids[-2:] == [OPEN, CLOSE] and native.prompt_token_ids[:-2] == plain.prompt_token_ids
+    assert native.num_thinking_tokens == 0 and len(native.token_ids) == 4
 
 
 def test_include_thinking_returns_the_span_too(folder):
@@ -103,8 +109,8 @@ def test_include_thinking_returns_the_span_too(folder):
 
 def test_prompted_thinking_for_a_non_native_model(folder):
     e = engine(folder)
-    p = e.chat_prompt([{"role": "user", "content": "hi"}], thinking=True)
+    p = e.prompter().chat_text([{"role": "user", "content": "hi"}], thinking=True)
     assert ThinkingConfig().instruction in p
-    assert ThinkingConfig().instruction not in e.chat_prompt([{"role": "user", "content": "hi"}])
+    assert ThinkingConfig().instruction not in e.prompter().chat_text([{"role": "user", "content": "hi"}])
     with pytest.raises(ValueError, match="thinking_budget"):
         SamplingParams(thinking_budget=-1)
