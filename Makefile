@@ -10,12 +10,15 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[dev,triton,ray]'
 	touch $@
 
-.PHONY: run test test-slow test-ray services bench router context-curve eval-report thinking-table
+.PHONY: run test lint test-slow test-ray services bench router context-curve eval-report thinking-table
 run: $(VENV)/.installed
 	$(VENV)/bin/sluice serve --demo
 
 test: $(VENV)/.installed services
 	$(PY) -m pytest -q
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
 
 # PostgreSQL and Redis for the shared-storage tests (tests/services.py starts throwaway
 # servers on loopback), from the system packages when missing: CI runs as root on a fresh
@@ -39,7 +42,7 @@ test-ray: $(VENV)/.installed services
 bench: $(VENV)/.installed
 	$(PY) benchmarks/engine_bench.py
 
-# The router a fresh checkout serves (router/trained/router.joblib, committed with its sidecar
+# The router a fresh checkout serves (artifacts/router/router.joblib, committed with its sidecar
 # router.json: the commands, labels, weights and training report). SQuAD questions of the train
 # half at the eval's settings: both models' answers generated for the first $(ROUTER_GEN) (the
 # confidence model, and the proxy's thresholds with their agreement), the small model's alone for
@@ -74,9 +77,9 @@ ROUTER_RUN := $(EVALS)/train-squad
 ROUTER_RUN_256 := $(EVALS)/train-squad-256
 ROUTER_RUN_GSM8K := $(EVALS)/train-gsm8k
 GSM8K_TRAIN := gsm8k -n 300 --split train --quant int8 --concurrency 32
-ROUTER := router/trained/router.joblib
-PROXY_SCORES := router/trained/proxy.jsonl
-PROXY_SCORES_256 := router/trained/proxy-large-256.jsonl
+ROUTER := artifacts/router/router.joblib
+PROXY_SCORES := artifacts/router/proxy.jsonl
+PROXY_SCORES_256 := artifacts/router/proxy-large-256.jsonl
 THRESHOLDS := docs/router/proxy-agreement.json
 CONTEXT_CURVE := docs/context-budget/context.json
 router: $(VENV)/.installed

@@ -42,7 +42,7 @@ from rich.console import Console
 from rich.table import Table
 from sklearn.metrics import roc_auc_score
 
-from evals.proxy import best_scores, read_scores, read_thresholds
+from evals.lab.proxy import best_scores, read_scores, read_thresholds
 from evals.records import Record, RecordLog
 from evals.runner import RECORDS_FILE, load_dataset, read_config
 
@@ -158,7 +158,8 @@ def main() -> None:
     for col in ("row", "F1", "dollars"):
         table.add_column(col)
     for m in ("narrow", "routed"):
-        table.add_row(m, f"{share[m]['f1_vs_large']:.0%} ± {share[m]['f1_se']:.0%}", f"{share[m]['dollars_vs_large']:.0%}")
+        table.add_row(m, f"{share[m]['f1_vs_large']:.0%} ± {share[m]['f1_se']:.0%}",
+                      f"{share[m]['dollars_vs_large']:.0%}")
     table.add_row("random split at routed dollars", f"{random_split:.0%}", f"{share['routed']['dollars_vs_large']:.0%}")
     for c in cascade:
         table.add_row(f"narrow -> wide below {c['threshold']:.3f} ({c['escalated']:.0%} escalated)",
@@ -186,9 +187,10 @@ def main() -> None:
                       f"{widened['kept_equal_narrow']}")
     out = {"questions": len(ids), "large_f1": float(large_q), "shares": share, "random_split_f1_vs_large": random_split,
            "routed_cascade": widened,
-           "per_pick": per_pick, "narrow_answers_equal": same, "escalate_to_wide": cascade, "escalate_to_wide_oracle": oracle, "auc": auc,
-           "proxy": proxy, "train_questions": len(train_ids), "pairs": args.pair, "train": args.train, "proxy_runs": args.proxy,
-           "widened_runs": args.widened}
+           "per_pick": per_pick, "narrow_answers_equal": same, "escalate_to_wide": cascade,
+           "escalate_to_wide_oracle": oracle, "auc": auc,
+           "proxy": proxy, "train_questions": len(train_ids), "pairs": args.pair, "train": args.train,
+           "proxy_runs": args.proxy, "widened_runs": args.widened}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "arm_split.json").write_text(json.dumps(out, indent=2, default=float) + "\n")
     console.print(f"wrote {RESULTS / 'arm_split.json'}")

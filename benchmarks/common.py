@@ -59,7 +59,7 @@ def sluice_server(args: list[str], log: Path, env: dict[str, str] | None = None,
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "gateway.cli", *args, "--port", str(port)]
+    cmd = [sys.executable, "-m", "cli", *args, "--port", str(port)]
     server = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
                               stdout=subprocess.DEVNULL, stderr=log.open("w"))
     url = f"http://127.0.0.1:{port}"

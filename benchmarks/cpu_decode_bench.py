@@ -67,7 +67,8 @@ def llama_cpp() -> Path:
             tar.extractall(root, filter="data")
     build = root / "build"
     run(["cmake", "-S", str(src), "-B", str(build), "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
-         "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"], "configuring llama.cpp")
+         "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"],
+        "configuring llama.cpp")
     run(["cmake", "--build", str(build), "--target", *TOOLS, "-j", str(os.cpu_count() or 2)], "building llama.cpp")
     return bin_dir
 
@@ -179,9 +180,11 @@ def main() -> None:
     for r in rows:
         share = {k: f"{r['gb_s'][k]:.1f} ({r['bandwidth_share'][k]:.0%})" if r["gb_s"] else "" for k in r["tok_s"]}
         table.add_row(r["model"], r["sluice_weights"], r["what"], str(r["batch"]), f"{r['tok_s']['sluice']:.1f}",
-                      share["sluice"], f"{r['tok_s']['llama.cpp']:.1f}", share["llama.cpp"], f"[bold]{r['ratio']:.2f}x[/]")
+                      share["sluice"], f"{r['tok_s']['llama.cpp']:.1f}", share["llama.cpp"],
+                      f"[bold]{r['ratio']:.2f}x[/]")
     console.print(table)
-    write_results(args.out, {"machine": machine() | {"read_bandwidth_gbs": bandwidth, "llama_cpp_python": LLAMA_CPP_PYTHON},
+    write_results(args.out, {"machine": machine() | {"read_bandwidth_gbs": bandwidth,
+                                                     "llama_cpp_python": LLAMA_CPP_PYTHON},
                              "settings": {k: str(v) for k, v in vars(args).items()}, "rows": rows})
 
 

@@ -73,7 +73,8 @@ def main() -> None:
     args = ap.parse_args()
     results = {"machine": machine(), "steps": args.steps, "models": {}}
     names = [p for p, _ in PARTS] + ["python between ops"]
-    table = Table(title=f"A batch-1 CPU decode step, ms per part ({machine()['isa']}, {torch.get_num_threads()} threads)")
+    table = Table(title=f"A batch-1 CPU decode step, ms per part ({machine()['isa']}, "
+                        f"{torch.get_num_threads()} threads)")
     for col in ("model", "weights", "step ms", *names, "not matmuls"):
         table.add_column(col)
     for name in args.models:

@@ -59,7 +59,8 @@ def main() -> None:
                          "the same, best sentence": max(overlap(q, s) for s in re.split(r"(?<=[.!?])\s+", context)),
                          "top dense score": dense[0], "gap between the top two dense scores": dense[0] - dense[-1],
                          "top BM25 score": bm25[0] if bm25 else 0.0,
-                         "gold paragraph ranked first": float(rank == 0), "gold paragraph retrieved": float(rank < len(hits))})
+                         "gold paragraph ranked first": float(rank == 0),
+                         "gold paragraph retrieved": float(rank < len(hits))})
     finally:
         collection.close()
     small = np.array([l.small_correct for l in labels])
@@ -71,7 +72,8 @@ def main() -> None:
     result = {}
     for name in rows[0]:
         x = np.array([r[name] for r in rows])
-        result[name] = {"mean": round(float(x.mean()), 4)} | {t: round(float(roc_auc_score(y, x)), 4) for t, y in targets.items()}
+        result[name] = {"mean": round(float(x.mean()), 4)} | {t: round(float(roc_auc_score(y, x)), 4)
+                                                              for t, y in targets.items()}
         table.add_row(name, *(f"{v:.3f}" for v in result[name].values()))
     Console(width=140).print(table)
     args.out.write_text(json.dumps({"folder": str(args.folder), "labels": len(labels),

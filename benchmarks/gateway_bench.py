@@ -40,6 +40,7 @@ TARGET_P50_MS, TARGET_P99_MS = 10.0, 30.0
 def write_setup(folder: Path, synchronous: str) -> list[str]:
     """Tiny models, one tenant with limits that never bind, a server config; returns CLI args."""
     import torch
+
     from tests.conftest import make_tiny_model
     torch.set_num_threads(1)
     small = make_tiny_model(folder / "small", "qwen2", seed=1)
@@ -166,7 +167,8 @@ def main() -> int:
     for r in results:
         lat, ov, sv = r["latency_ms"], r["overhead_ms"], r["server_side_overhead_ms"]
         print(f"{r['clients']:>7} {r['requests']:>8} {r['throughput_rps']:>7} {lat['p50']:>9.2f} /{lat['p99']:>7.2f} "
-              f"{r['engine_ms']['p50']:>10.2f} {ov['p50']:>10.2f} /{ov['p99']:>7.2f} {sv['p50']:>10.2f} /{sv['p99']:>7.2f}"
+              f"{r['engine_ms']['p50']:>10.2f} {ov['p50']:>10.2f} /{ov['p99']:>7.2f} "
+              f"{sv['p50']:>10.2f} /{sv['p99']:>7.2f}"
               f"  {'met' if r['meets_target'] else 'MISSED'}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

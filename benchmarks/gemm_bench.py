@@ -47,9 +47,9 @@ def main() -> None:
                 "float32 vs 1 row", "int8 vs 1 row"):
         table.add_column(col)
     for r in rows:
-        table.add_row(str(r["rows"]), f"{r['fp32_ms']:.2f}", f"{r['int8_ms']:.2f}", f"{r['fp32_ms'] / r['int8_ms']:.2f}x",
-                      f"{r['fp32_gflops']:.0f}", f"{r['int8_gflops']:.0f}", f"{r['fp32_ms'] / rows[0]['fp32_ms']:.2f}x",
-                      f"{r['int8_ms'] / rows[0]['int8_ms']:.2f}x")
+        table.add_row(str(r["rows"]), f"{r['fp32_ms']:.2f}", f"{r['int8_ms']:.2f}",
+                      f"{r['fp32_ms'] / r['int8_ms']:.2f}x", f"{r['fp32_gflops']:.0f}", f"{r['int8_gflops']:.0f}",
+                      f"{r['fp32_ms'] / rows[0]['fp32_ms']:.2f}x", f"{r['int8_ms'] / rows[0]['int8_ms']:.2f}x")
     console.print(table)
     out = RESULTS / "gemm_bench.json"
     out.write_text(json.dumps({"machine": machine(), "shape": [K, N], "rows": rows}, indent=2))

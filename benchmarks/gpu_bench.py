@@ -6,7 +6,7 @@
     overhead   the engine's decode step (scheduling, index tensors, replay, sampling, output)
                against the CUDA-graph replay of the same model step alone (target <= 1.15x)
     ttft       a 1,500-token prompt whose prefix is cached against the same prompt cold
-    label      one proxy label (evals/proxy.py): an 8-token reference scored after a cold
+    label      one proxy label (evals/lab/proxy.py): an 8-token reference scored after a cold
                512-token prompt, as `evals proxy` labels a SQuAD question per model
     baseline   transformers' generate with a static KV cache (its best recipe), bf16
 
@@ -212,7 +212,7 @@ def hf_decode(folder: Path, batches: list[int], tokens: int) -> dict:
         def gen(n: int) -> float:
             torch.cuda.synchronize()
             start = time.perf_counter()
-            model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, min_new_tokens=n,
+            model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, min_new_tokens=n,  # noqa: F821
                            do_sample=False, cache_implementation="static", pad_token_id=0)
             torch.cuda.synchronize()
             return time.perf_counter() - start
@@ -249,10 +249,12 @@ def run_model(name: str, args, bw: float, save) -> dict:
         r["profile"] = {f"{batch}{'' if graphs else ' eager'}": profile_step(engine, batch, graphs)
                         for batch in args.profile_batches for graphs in (True, False)}
         for key, p in r["profile"].items():
-            console.print(f"  {quant} profile batch {key}: step {p['wall_us']:.0f} µs, kernels {p['kernel_us']:.0f} µs: "
+            console.print(f"  {quant} profile batch {key}: step {p['wall_us']:.0f} µs, "
+                          f"kernels {p['kernel_us']:.0f} µs: "
                           + ", ".join(f"{part} {us:.0f}" for part, us in p["parts_us"].items()))
         r["ttft"] = ttft(engine)
-        console.print(f"  {quant} TTFT cached {r['ttft']['cached_s'] * 1e3:.1f} ms / cold {r['ttft']['cold_s'] * 1e3:.1f} ms")
+        console.print(f"  {quant} TTFT cached {r['ttft']['cached_s'] * 1e3:.1f} ms / "
+                      f"cold {r['ttft']['cold_s'] * 1e3:.1f} ms")
         r["label"] = label_cost(engine)
         console.print(f"  {quant} proxy label {r['label']['score_s'] * 1e3:.1f} ms")
         result["quants"][quant] = r
@@ -316,8 +318,8 @@ def main() -> None:
     for name in args.models:
         run_model(name, args, bw, lambda result, name=name: save(name, result))
     table = Table(title=f"Sluice on {device} (copy bandwidth {bw:.0f} GB/s)")
-    for col in ("model", "weights", "batch", "tok/s", "roofline", "step / replay", "transformers static", "TTFT cached / cold",
-                "proxy label"):
+    for col in ("model", "weights", "batch", "tok/s", "roofline", "step / replay", "transformers static",
+                "TTFT cached / cold", "proxy label"):
         table.add_column(col)
     for name, r in results["models"].items():
         hf = r.get("transformers_static", {})

@@ -27,7 +27,6 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
-
 from common import RESULTS, percentile, sluice_server
 
 KEYS = {"steady": "sk-steady", "hostile": "sk-hostile"}

@@ -50,7 +50,8 @@ def main() -> None:
     rows = []
     for name in args.models:
         # Prefix caching off: every turn computes its whole prompt.
-        engines = {rows_: LLMEngine(EngineConfig(models={"m": ModelEntry(MODELS[name], quant="int8", dequant_rows=rows_)},
+        engines = {rows_: LLMEngine(EngineConfig(models={"m": ModelEntry(MODELS[name], quant="int8",
+                                                                         dequant_rows=rows_)},
                                                  max_kv_blocks=512, prefix_caching=False), progress=False)
                    for rows_ in (ROWS, 0)}
         tok = engines[0].worker("m").tokenizer
@@ -80,7 +81,8 @@ def main() -> None:
     for r in rows:
         table.add_row(r["model"], str(r["prompt_tokens"]), f"{r['ttft_packed_s']:.2f}", f"{r['ttft_dequant_s']:.2f}",
                       f"{r['speedup']:.2f}x", f"{r['prefill_tok_s_packed']:.0f} -> {r['prefill_tok_s_dequant']:.0f}",
-                      "yes" if r["same_answer"] else f"no (first token p {r['first_token_p'][1]} / {r['first_token_p'][0]})")
+                      "yes" if r["same_answer"] else f"no (first token p {r['first_token_p'][1]} / "
+                                                     f"{r['first_token_p'][0]})")
     console.print(table)
     out = args.out
     out.write_text(json.dumps({"machine": machine(), "dequant_rows": ROWS,

@@ -1,4 +1,4 @@
-"""What a proxy label costs (evals/proxy.py): the reference answer's log-probability after the
+"""What a proxy label costs (evals/lab/proxy.py): the reference answer's log-probability after the
 served prompt, for both Qwen models, scored three ways in one run over the same questions:
 
 - off: every token of prompt + reference computed, the LM head over every position (the
@@ -32,7 +32,7 @@ from rich.table import Table
 from engine.config import EngineConfig, ModelEntry
 from engine.llm_engine import LLMEngine
 from evals.datasets import files_for
-from evals.proxy import ScoreJob, plan_score, score_job, scoring_order
+from evals.lab.proxy import ScoreJob, plan_score, score_job, scoring_order
 from evals.runner import RunConfig, build_collection, load_dataset, open_run, pipeline_for
 from pipeline import default_prices
 from retrieval import Embedder
@@ -74,7 +74,8 @@ def main() -> None:
                for cached in (False, True)}
     try:
         pipeline = pipeline_for(engines[True], config)
-        jobs = [plan_score(pipeline, config, e, m, collection) for e in dataset.examples[:args.questions] for m in MODELS]
+        jobs = [plan_score(pipeline, config, e, m, collection)
+                for e in dataset.examples[:args.questions] for m in MODELS]
     finally:
         collection.close()
     jobs = [j for j in jobs if j.prompt is not None]

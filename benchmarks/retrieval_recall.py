@@ -27,7 +27,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from retrieval import Document, Embedder, CollectionStore, build_prompt, trim  # noqa: E402
+from retrieval import CollectionStore, Document, Embedder, build_prompt, trim  # noqa: E402
 
 SEARCHES = ("dense", "bm25", "hybrid")
 RECALL_AT = (1, 3, 5)
@@ -48,8 +48,8 @@ def load_squad(path: Path):
 
 def answer_tokenizer(folder: str | None):
     """The engine's own tokenizer for Qwen2.5, so counts are the ones the engine will see."""
-    from models.store import resolve
     from engine.tokenizer import Tokenizer
+    from models.store import resolve
     return Tokenizer(Path(folder) if folder else resolve("qwen2.5-coder-0.5b"))
 
 

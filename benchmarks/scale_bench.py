@@ -39,14 +39,14 @@ PARTS = ["ledger", "replicas", "ingress", "affinity"]
 
 
 def row(i: int):
-    from gateway.ledger import UsageRow
+    from gateway.usage.rows import UsageRow
     return UsageRow(f"req_{i}", time.time(), "2026-01", "bench", "ask", "ok", "small", "small", "docs", 400, 256, 32,
                     0, 0.0012, 3.0, 0.1, 40.0, 120.0, "tenant default", None, None, False, "length")
 
 
 async def ledger_cost(where, rows: int, writers: int) -> dict:
     """`writers` tasks each recording its share of `rows` rows one after another."""
-    from gateway.ledger import Ledger
+    from gateway.usage.ledger import Ledger
     ledger = Ledger(*where)
     await ledger.record(replace(row(-1), request_id="warm-up"))
     latencies: list[float] = []
@@ -83,6 +83,7 @@ def bench_ledger(root: Path) -> dict:
 
 async def load(url: str, clients: int, seconds: float, tokens: int) -> dict:
     import httpx
+
     from tests.test_gateway_support import auth
     from tests.test_ray_serve import TOPICS, topic_words
     latencies: list[float] = []
@@ -124,11 +125,12 @@ def bench_replicas(url: str, root: Path, clients: int, seconds: float, tokens: i
 
 
 def bench_ingress(root: Path) -> dict:
+    import torch
+
     from gateway.config import Price, ServerConfig
-    from gateway.serve_requests import PrefixKeys
+    from gateway.scale.serve_requests import PrefixKeys
     from tests.test_gateway_support import auth
     from tests.test_ray_serve import TOPICS, make_site, topic_words
-    import torch
     torch.set_num_threads(1)                              # as the ingress runs (serve_ray.SluiceIngress)
     engine, tenants, data = make_site(root / "ingress", kv_blocks=16)
     keys = PrefixKeys(ServerConfig(engine=engine, prices={"small": Price(1.0, 1.0, 1.0)}), tenants, data)

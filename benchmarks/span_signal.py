@@ -31,7 +31,7 @@ from sklearn.metrics import roc_auc_score
 
 from engine.tokenizer import Tokenizer
 from evals.records import RecordLog
-from evals.runner import RECORDS_FILE, TENANT, COLLECTION, read_config
+from evals.runner import COLLECTION, RECORDS_FILE, TENANT, read_config
 from models.store import resolve
 from retrieval import CollectionStore, Embedder, rag_context
 

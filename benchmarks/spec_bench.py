@@ -30,7 +30,7 @@ from rich.console import Console
 from rich.progress import track
 from rich.table import Table
 
-from engine.config import EngineConfig, ModelEntry, SpecConfig
+from engine.config import EngineConfig, SpecConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.speculative import Speculator
@@ -175,7 +175,8 @@ def main() -> None:
         while done is None:
             done = next((o.completion for o in e.step() if o.request_id == rid and o.completion), None)
         t2 = time.perf_counter()
-        escalation.append({"scratch_s": t1 - t0, "with_draft_s": t2 - t1, "identical": done.token_ids == scratch.token_ids,
+        escalation.append({"scratch_s": t1 - t0, "with_draft_s": t2 - t1,
+                           "identical": done.token_ids == scratch.token_ids,
                            "small_agrees": small.token_ids == scratch.token_ids})
     table = Table(title=f"Speculative decoding, {models['large'].source} {models['large'].quant} target, "
                         f"{models['small'].source} {models['small'].quant} draft: decode tok/s against "
@@ -187,8 +188,8 @@ def main() -> None:
     for r in rows:
         acc = [a for a in r["acceptance"] if a is not None]
         table.add_row(r["workload"], str(r["batch"]), r["config"], f"{statistics.median(r['tok_s']):.2f}",
-                      f"{r['ratio_median']:.2f}x", f"{r['warmup_ratio_median']:.2f}x", f"{r['steady_ratio_median']:.2f}x",
-                      f"{statistics.median(acc):.2f}" if acc else "-", identical(r))
+                      f"{r['ratio_median']:.2f}x", f"{r['warmup_ratio_median']:.2f}x",
+                      f"{r['steady_ratio_median']:.2f}x", f"{statistics.median(acc):.2f}" if acc else "-", identical(r))
     console.print(table)
     if escalation:
         scratch_s = sum(x["scratch_s"] for x in escalation)
@@ -197,7 +198,8 @@ def main() -> None:
                       f"{drafted_s:.1f}s ({scratch_s / drafted_s:.2f}x), outputs identical: "
                       f"{all(x['identical'] for x in escalation)}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": machine(), "models": {k: msgspec.to_builtins(v) for k, v in models.items()},
+    args.out.write_text(json.dumps({"machine": machine(),
+                                    "models": {k: msgspec.to_builtins(v) for k, v in models.items()},
                                     "default_speculation": msgspec.to_builtins(DEFAULT), "tokens": args.tokens,
                                     "prompts": args.prompts, "repeats": args.repeats, "warmup_prompts": warm,
                                     "rows": rows, "escalation": escalation}, indent=2))

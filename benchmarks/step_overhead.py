@@ -51,7 +51,7 @@ TARGET_MS = {64: 1.0, 1: 0.150}     # bookkeeping per step
 
 def model_folder(root: Path, vocab: int) -> Path:
     threads = torch.get_num_threads()
-    from tests.conftest import make_tiny_model, write_word_tokenizer     # which sets the tests' 2 threads
+    from tests.conftest import make_tiny_model, write_word_tokenizer  # which sets the tests' 2 threads
     torch.set_num_threads(threads)
     folder = make_tiny_model(root / f"vocab{vocab}", "qwen2", tie=True, vocab_size=vocab, eos_token_id=vocab - 1,
                              max_position_embeddings=4096)

@@ -71,8 +71,8 @@ def main() -> None:
         table.add_column(col, justify="left" if col == "wider context" else "right")
     for k, name in enumerate(("canonical order", "narrow passages first")):
         part = s["canonical" if k == 0 else "lead"]
-        table.add_row(name, f"{w['prompt_tokens'][k]:.0f}", f"{w['cached_tokens'][k]:.0f}", f"{w['cost_per_1k'][k]:.4f}",
-                      f"{w['f1'][k]:.3f}", f"{part['quality']:.1%} / {part['cost']:.1%}")
+        table.add_row(name, f"{w['prompt_tokens'][k]:.0f}", f"{w['cached_tokens'][k]:.0f}",
+                      f"{w['cost_per_1k'][k]:.4f}", f"{w['f1'][k]:.3f}", f"{part['quality']:.1%} / {part['cost']:.1%}")
     Console().print(table)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
 

@@ -8,5 +8,5 @@ from .prompter import Prompter, Prompters
 from .sampling_params import MIN_SEED, MIN_TEMPERATURE, MIN_TOP_P, SamplingParams
 
 __all__ = ["AsyncEngine", "Completion", "EngineConfig", "EngineFailure", "LLMEngine", "MIN_SEED", "MIN_TEMPERATURE",
-           "MIN_TOP_P", "ModelEntry", "Prompter", "Prompters", "QUANT_SCHEMES", "SamplingParams", "SpecConfig", "StepOutput",
-           "ThinkingConfig"]
+           "MIN_TOP_P", "ModelEntry", "Prompter", "Prompters", "QUANT_SCHEMES", "SamplingParams", "SpecConfig",
+           "StepOutput", "ThinkingConfig"]

@@ -11,7 +11,6 @@ import torch
 from tqdm import tqdm
 
 import kernels
-
 from engine.config import EngineConfig
 from engine.detokenizer import Detokenizer
 from engine.prompter import Prompter

@@ -140,7 +140,8 @@ def row_block() -> int:
     w = torch.randint(0, 16, (256, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
     whole = torch._convert_weight_to_int4pack_for_cpu(w, 1)
     return next(b for b in (16, 32, 64, 128, 256)
-                if all(torch.equal(whole[i:i + b], torch._convert_weight_to_int4pack_for_cpu(w[i:i + b].contiguous(), 1))
+                if all(torch.equal(whole[i:i + b],
+                                   torch._convert_weight_to_int4pack_for_cpu(w[i:i + b].contiguous(), 1))
                        for i in range(0, 256, b)))
 
 

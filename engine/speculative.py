@@ -22,6 +22,7 @@ from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence, SpecState, Status
 from engine.worker import Worker
 
+
 @dataclass
 class SpecStats:
     verify_passes: int = 0          # target passes that verified a draft

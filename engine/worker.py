@@ -39,7 +39,8 @@ class Worker:
         """What this model holds of the memory budget: its weights and its KV blocks."""
         blocks, kv_dtype = len(self.block_manager.blocks), self.runner.kv_dtype
         kv = blocks * ModelRunner.kv_bytes_per_block(self.cfg, block_size, kv_dtype == torch.int8, kv_dtype.itemsize)
-        return (f"weights {weight_bytes(self.model) / 2**30:.2f} GiB ({quant}), {blocks} KV blocks of {block_size} tokens = "
+        return (f"weights {weight_bytes(self.model) / 2**30:.2f} GiB ({quant}), "
+                f"{blocks} KV blocks of {block_size} tokens = "
                 f"{kv / 2**30:.2f} GiB ({str(kv_dtype).removeprefix('torch.')})")
 
 

@@ -22,17 +22,32 @@ from pathlib import Path
 import msgspec
 
 from engine import QUANT_SCHEMES, EngineConfig, LLMEngine, ModelEntry, SpecConfig
-from models.store import StoreError
 from evals.budgets import write_budget_table
-from evals.contexts import write_context_curve
-from evals.heldout import HELDOUT_FILE, write_heldout
 from evals.datasets import DATASETS, SPLITS, DatasetError, files_for, parse_mix
-from evals.labels import LABELS_FILE, write_labels
-from evals.proxy import PROXY_FILE, PROXY_REPORT, agreement, read_thresholds, score_run
+from evals.lab.contexts import write_context_curve
+from evals.lab.heldout import HELDOUT_FILE, write_heldout
+from evals.lab.labels import LABELS_FILE, write_labels
+from evals.lab.proxy import PROXY_FILE, PROXY_REPORT, agreement, read_thresholds, score_run
 from evals.report import write_report
-from evals.runner import (DEFAULT_CONTEXT_BUDGET, DEFAULT_K, DEFAULT_MAX_TOKENS, MODES, ROUTED_MODES, RunConfig,
-                          RunError, build_collection, check_modes, load_dataset, open_run, pipeline_for,
-                          read_config, reusable, routed_modes, run_modes)
+from evals.runner import (
+    DEFAULT_CONTEXT_BUDGET,
+    DEFAULT_K,
+    DEFAULT_MAX_TOKENS,
+    MODES,
+    ROUTED_MODES,
+    RunConfig,
+    RunError,
+    build_collection,
+    check_modes,
+    load_dataset,
+    open_run,
+    pipeline_for,
+    read_config,
+    reusable,
+    routed_modes,
+    run_modes,
+)
+from models.store import StoreError
 from pipeline import default_prices, parse_price
 from retrieval import Embedder
 from router.data import RouterError
@@ -96,7 +111,8 @@ def build_parser(prog: str = "python -m evals") -> argparse.ArgumentParser:
                           "[router] closed_book_arm_margin (default: --margin)")
     run.add_argument("--widen-from-cache", action="store_true",
                      help="a widened answer's wider context leads with the narrow call's passages, which the "
-                          "prefix cache serves, as a tenant's [router] widen_from_cache = true (default: canonical order)")
+                          "prefix cache serves, as a tenant's [router] widen_from_cache = true "
+                          "(default: canonical order)")
     run.add_argument("--router-models", choices=("auto", "never_large", "always_large"), default="auto",
                      help="routed modes: which models the router may pick, as a tenant's [router] models; "
                           "always_large with --margin 1 starts every question at the cheapest large arm "
@@ -109,8 +125,10 @@ def build_parser(prog: str = "python -m evals") -> argparse.ArgumentParser:
                      help="both models' weights: none (float32), int8 or int4 (default: %(default)s)")
     run.add_argument("--out", metavar="DIR", help="run folder (default: .cache/evals/DATASET-nN-seedS in the repo)")
     run.add_argument("--context-budget", type=_count(1), default=DEFAULT_CONTEXT_BUDGET, metavar="TOKENS",
-                     help="prompt tokens for instructions, passages and question (default: %(default)s, the demo tenant's)")
-    run.add_argument("--k", type=_count(1), default=DEFAULT_K, help="hits searched for before trimming (default: %(default)s)")
+                     help="prompt tokens for instructions, passages and question "
+                          "(default: %(default)s, the demo tenant's)")
+    run.add_argument("--k", type=_count(1), default=DEFAULT_K,
+                     help="hits searched for before trimming (default: %(default)s)")
     run.add_argument("--max-tokens", type=_count(1), default=DEFAULT_MAX_TOKENS,
                      help="answer tokens per question (default: %(default)s)")
     run.add_argument("--thinking-budget", type=_count(0), default=0, metavar="TOKENS",
@@ -123,7 +141,8 @@ def build_parser(prog: str = "python -m evals") -> argparse.ArgumentParser:
                      "(greedy decoding writes the same tokens)")
     run.add_argument("--concurrency", type=_count(1), default=8,
                      help="questions in the engine at once (default: %(default)s)")
-    run.add_argument("--memory-gb", type=float, default=12.0, help="engine memory for weights and KV (default: %(default)s)")
+    run.add_argument("--memory-gb", type=float, default=12.0,
+                     help="engine memory for weights and KV (default: %(default)s)")
     run.set_defaults(run=cmd_run)
 
     for name, what in (("report", "rewrite summary.json, report.md and the plots"), ("labels", "rewrite labels.jsonl")):
@@ -131,8 +150,8 @@ def build_parser(prog: str = "python -m evals") -> argparse.ArgumentParser:
         p.add_argument("folder", metavar="RUN")
         if name == "labels":
             p.add_argument("--proxy", metavar="RUN2", help="also label the run's proxy-scored questions that have no "
-                                                           "generated answers, at the thresholds `proxy` fitted on RUN2 "
-                                                           "(a run folder, or a proxy.json it wrote)")
+                                                           "generated answers, at the thresholds `proxy` fitted on "
+                                                           "RUN2 (a run folder, or a proxy.json it wrote)")
             p.add_argument("--arms", nargs="+", default=[], metavar="RUN3",
                            help="runs over the same questions at other thinking or context budgets: their answers "
                                 "(and with --proxy their proxy scores) add arms (large+think256, large@256, ...) "
@@ -142,16 +161,18 @@ def build_parser(prog: str = "python -m evals") -> argparse.ArgumentParser:
                                                             "run's questions it was not trained on")
         p.set_defaults(run=cmd_report if name == "report" else cmd_labels)
 
-    p = sub.add_parser("proxy", help="score every SQuAD-style question of a run by the reference answer's teacher-forced "
-                                     "log-probability under each model (one prefill, no generation), and report how "
-                                     "well that agrees with the run's generated correctness (proxy.json)")
+    p = sub.add_parser("proxy", help="score every SQuAD-style question of a run by the reference answer's "
+                                     "teacher-forced log-probability under each model (one prefill, no "
+                                     "generation), and report how well that agrees with the run's generated "
+                                     "correctness (proxy.json)")
     p.add_argument("folder", metavar="RUN")
     p.add_argument("--limit", type=_count(1), metavar="N", help="score only the first N of the run's questions this "
                                                                "time (resumable: a larger N goes on)")
     p.add_argument("--models", nargs="+", choices=list(MODES), default=list(MODES),
                    help="the models to score (default: both); one alone labels its arm at this run's context budget "
                         "(labels --arms)")
-    p.add_argument("--memory-gb", type=float, default=12.0, help="engine memory for weights and KV (default: %(default)s)")
+    p.add_argument("--memory-gb", type=float, default=12.0,
+                   help="engine memory for weights and KV (default: %(default)s)")
     p.set_defaults(run=cmd_proxy)
 
     p = sub.add_parser("budgets", help="exact match by thinking budget, from runs that differ in their budget")
@@ -274,7 +295,8 @@ def cmd_proxy(args) -> int:
     (folder / PROXY_REPORT).write_bytes(msgspec.json.format(msgspec.json.encode(found)) + b"\n")
     print("| model | questions | threshold | agreement | generated correct | kappa |\n|---|---|---|---|---|---|")
     for a in found:
-        print(f"| {a.model} | {a.questions} | {a.threshold:.3f} | {a.agreement:.3f} | {a.base_rate:.3f} | {a.kappa:.3f} |")
+        print(f"| {a.model} | {a.questions} | {a.threshold:.3f} | {a.agreement:.3f} | {a.base_rate:.3f} "
+              f"| {a.kappa:.3f} |")
     print(f"{len(scores)} proxy scores: {folder / PROXY_FILE}; agreement: {folder / PROXY_REPORT}", file=sys.stderr)
     return 0
 

@@ -30,8 +30,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from evals.records import Record, RecordLog  # noqa: E402
-from evals.runner import MODES, RECORDS_FILE, ROUTED_MODES, RunError, read_config  # noqa: E402
 from evals.report import share, verdict  # noqa: E402
+from evals.runner import MODES, RECORDS_FILE, ROUTED_MODES, RunError, read_config  # noqa: E402
 from evals.summary import TARGET, difficulty_probabilities, ratio  # noqa: E402
 from router.data import DIFFICULTIES  # noqa: E402
 from router.policy import goes_large  # noqa: E402

@@ -98,7 +98,8 @@ def load_jsonl(path: Path) -> tuple[list[Example], list[Document]]:
         examples.append(Example(row.id or f"line-{n}", "qa", row.question, row.answers, row.context is not None))
     ids = [e.id for e in examples]
     if len(set(ids)) != len(ids):
-        raise DatasetError(f"{path}: ids repeat (e.g. {next(i for i in ids if ids.count(i) > 1)!r}); each must be unique")
+        raise DatasetError(f"{path}: ids repeat (e.g. {next(i for i in ids if ids.count(i) > 1)!r}); "
+                           "each must be unique")
     return examples, docs
 
 

@@ -13,8 +13,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from evals.records import RecordLog  # noqa: E402
 from evals.runner import RECORDS_FILE, RunError, read_config  # noqa: E402
-from evals.summary import (COST_TARGET, TARGET, ordered_modes, paired, router_curves, summarize,  # noqa: E402
-                           trained_router)
+from evals.summary import COST_TARGET, TARGET, ordered_modes, paired, router_curves, summarize, trained_router  # noqa: E402
 
 PLOTS = ("quality_cost.png", "latency.png")
 
@@ -46,7 +45,8 @@ def markdown(summary: dict) -> str:
         f"Models: {', '.join(f'{k} = `{v}`' for k, v in run['models'].items())}. Context budget "
         f"{run['context_budget']} tokens, top {run['k']} hits, at most {run['max_tokens']} output tokens, thinking "
         f"budget {run['thinking_budget']}, {run['quant'] if run['quant'] != 'none' else 'float32'} weights, questions "
-        f"from the {run['split']} split{' (SQuAD:GSM8K ' + ':'.join(map(str, run['mix'])) + ')' if run['dataset'] == 'mixed' else ''}. "
+        f"from the {run['split']} split"
+        f"{' (SQuAD:GSM8K ' + ':'.join(map(str, run['mix'])) + ')' if run['dataset'] == 'mixed' else ''}. "
         "Greedy decoding." + (f" Every mode over the {next(iter(modes.values()))['questions']} questions all of "
                               f"them answered ({summary['left_out']} answered by some modes only are left out)."
                               if summary["left_out"] else ""), "",

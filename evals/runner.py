@@ -28,7 +28,6 @@ from evals.datasets import Dataset, Example, load
 from evals.metrics import Score, score
 from evals.records import Call, Record, RecordLog, complete_lines
 from pipeline import Answer, Pipeline, Price, Progress, Query, Refused, Terms, call_cost, drive
-
 from retrieval import Collection, CollectionStore
 from router.policy import Policy
 

@@ -11,8 +11,15 @@ import numpy as np
 
 from evals.metrics import same_answer
 from evals.records import Record, RecordLog
-from evals.router_metrics import (CurvePoint, apgr, cascade_sweep, cost_at_quality, oracle_cascade, oracle_scores,
-                                  threshold_sweep)
+from evals.router_metrics import (
+    CurvePoint,
+    apgr,
+    cascade_sweep,
+    cost_at_quality,
+    oracle_cascade,
+    oracle_scores,
+    threshold_sweep,
+)
 from evals.runner import MODES, RunConfig
 from router.features import feature_vector
 from router.policy import Policy, goes_large
@@ -98,7 +105,8 @@ class TrainedRouter:
     small: list[Record]
     large: list[Record]
     left_out: int                   # questions of the run that were in its training labels
-    large_need: np.ndarray          # the routing score: arms' P(large right) - P(small right), else the classifier's P(large worth it)
+    large_need: np.ndarray          # the routing score: arms' P(large right) - P(small right), else the
+                                    # classifier's P(large worth it)
     first_large: np.ndarray         # the route: large beyond the default arm margin, else router.policy.goes_large
     confidence: np.ndarray          # the small answer's calibrated confidence
     by: str = "classifier"          # what routes first: the difficulty classifier, or the arms
@@ -133,7 +141,8 @@ def trained_router(log: RecordLog, router, embedder, hard_thinking: int = 0) -> 
     confidence = np.array([router.confidence([x for c in r.calls for x in c.logprobs]).value for r in small])
     if router.arms is not None:       # between the run's two arms: large when it beats small by the margin
         vectors = embedder.encode([r.question for r in small])
-        p = router.arms.predict_rows(np.stack([feature_vector(r.question, v, r.retrieval_scores, router.arms.with_embedding)
+        p = router.arms.predict_rows(np.stack([feature_vector(r.question, v, r.retrieval_scores,
+                                                              router.arms.with_embedding)
                                                for r, v in zip(small, vectors)]))
         need = np.nan_to_num(p["large"] - p["small"])     # a kind of question the arms never saw: no gain
         return TrainedRouter(small, large, len(every) - len(keep), need, need > Policy.arm_margin, confidence, "arms")

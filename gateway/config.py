@@ -11,7 +11,7 @@ import msgspec
 
 from engine import EngineConfig, ModelEntry, SpecConfig
 from gateway.errors import explain
-from pipeline.prices import Dollars, Price, default_prices
+from pipeline.prices import Price, default_prices
 
 T = TypeVar("T")
 Positive = Annotated[int, msgspec.Meta(ge=1)]

@@ -140,8 +140,8 @@ class GatewayMetrics:
                                                "first answer's first tokens, cutting it short"))
         self.widened = r.add(Counter("sluice_widened_total", "escalations of a narrow arm's answer to the same "
                                      "model with a wider context"))
-        self.routes = r.add(Counter("sluice_route_decisions_total", "first-call routes by tenant, model, difficulty and "
-                                    "what chose them (client, no_router, classifier, policy, fallback)",
+        self.routes = r.add(Counter("sluice_route_decisions_total", "first-call routes by tenant, model, difficulty "
+                                    "and what chose them (client, no_router, classifier, policy, fallback)",
                                     ("tenant", "model", "difficulty", "source")))
         r.add(Sampled("sluice_escalation_rate", "escalated answers over all answers", (),
                       lambda: {(): self.escalations.values.get((), 0.0) / max(1.0, sum(self.answers.values.values()))}))

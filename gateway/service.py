@@ -18,22 +18,21 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import aclosing
-from contextlib import contextmanager
+from contextlib import aclosing, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
 
 from engine import AsyncEngine, EngineFailure, LLMEngine
-from gateway import schemas as s
 from gateway.config import ServerConfig
 from gateway.errors import GatewayError, retry_after
-from gateway.ledger import UsageRow
-from gateway.limits import Admission, month_of
+from gateway.http import schemas as s
 from gateway.metrics import GatewayMetrics
-from gateway.storage import open_storage
 from gateway.tenants import Tenant, TenantRegistry
+from gateway.usage.limits import Admission, month_of
+from gateway.usage.rows import UsageRow
+from gateway.usage.storage import open_storage
 from pipeline import Answer, Judged, Models, Pipeline, Plan, Progress, Query, Refused, cost, drive
 from retrieval import CollectionStore, Embedder, RetrievalError
 from router.data import RouterError
@@ -370,7 +369,8 @@ class Gateway:
     def usage(self, tenant: Tenant, month: str | None = None) -> s.UsageReport:
         month = month or month_of(time.time())
         by_model = {m: s.UsageTotals(**u) for m, u in self.ledger.usage(tenant.id, month).items()}
-        totals = s.UsageTotals(*(sum(getattr(u, f) for u in by_model.values()) for f in s.UsageTotals.__struct_fields__))
+        totals = s.UsageTotals(*(sum(getattr(u, f) for u in by_model.values())
+                                 for f in s.UsageTotals.__struct_fields__))
         cap = tenant.spec.limits.monthly_spend_cap_usd
         spent = self.ledger.spent(tenant.id, month)
         return s.UsageReport(tenant.id, month, totals, by_model, cap, max(0.0, cap - spent))

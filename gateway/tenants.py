@@ -20,8 +20,9 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from gateway.config import ConfigError, Dollars, NonNegative, Positive, load_toml
+from gateway.config import ConfigError, NonNegative, Positive, load_toml
 from pipeline import Terms
+from pipeline.prices import Dollars
 from router.policy import Policy
 
 log = logging.getLogger("sluice.tenants")

@@ -1,7 +1,8 @@
 """Paged attention in Triton; same signatures as the references in attention.py.
 
 Caches must be contiguous ``[num_blocks, block_size, kv_heads, head_dim]`` (norm_rope_triton's
-`rotary_store_kv` writes them); q may be a strided view as long as head_dim is contiguous. Offsets into the caches are int64: a large KV pool passes 2**31 elements.
+`rotary_store_kv` writes them); q may be a strided view as long as head_dim is contiguous.
+Offsets into the caches are int64: a large KV pool passes 2**31 elements.
 The softmax runs online (flash-attention style) in fp32, in base 2 with log2(e) folded into
 the scale, because exp2 is the hardware instruction.
 

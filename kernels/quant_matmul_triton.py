@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+
 @triton.jit
 def _int8_kernel(x_ptr, w_ptr, scales_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_om,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
@@ -25,8 +26,10 @@ def _int8_kernel(x_ptr, w_ptr, scales_ptr, out_ptr, M, N, K, k_per_split, stride
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(lo, tl.minimum(lo + k_per_split, K), BLOCK_K):
         k = k0 + rk
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=(rm[:, None] < M) & (k[None, :] < K), other=0.0)
-        w = tl.load(w_ptr + rn[:, None].to(tl.int64) * K + k[None, :], mask=(rn[:, None] < N) & (k[None, :] < K), other=0)
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=(rm[:, None] < M) & (k[None, :] < K),
+                    other=0.0)
+        w = tl.load(w_ptr + rn[:, None].to(tl.int64) * K + k[None, :], mask=(rn[:, None] < N) & (k[None, :] < K),
+                    other=0)
         acc += tl.dot(x, tl.trans(w.to(x.dtype)))           # int8 -> bf16/fp32 is exact
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     if SPLIT:   # a float32 partial sum, which _int8_reduce_kernel adds up and scales
@@ -70,8 +73,9 @@ def _int4_kernel(x_ptr, w_ptr, scales_ptr, zeros_ptr, out_ptr, M, N, K, stride_x
         zero = tl.load(zeros_ptr + g_off, mask=n_mask & j_mask, other=0.0)
         lo = (((packed & 0xF).to(tl.float32) - zero) * scale).to(x_ptr.dtype.element_ty)   # [BLOCK_K/2, BLOCK_N]
         hi = (((packed >> 4).to(tl.float32) - zero) * scale).to(x_ptr.dtype.element_ty)
-        x_even = tl.load(x_ptr + rm[:, None] * stride_xm + 2 * j[None, :], mask=m_mask & (j[None, :] < K // 2), other=0.0)
-        x_odd = tl.load(x_ptr + rm[:, None] * stride_xm + 2 * j[None, :] + 1, mask=m_mask & (j[None, :] < K // 2), other=0.0)
+        j_mask = m_mask & (j[None, :] < K // 2)
+        x_even = tl.load(x_ptr + rm[:, None] * stride_xm + 2 * j[None, :], mask=j_mask, other=0.0)
+        x_odd = tl.load(x_ptr + rm[:, None] * stride_xm + 2 * j[None, :] + 1, mask=j_mask, other=0.0)
         acc += tl.dot(x_even, lo)
         acc += tl.dot(x_odd, hi)
     tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=m_mask & n_mask)

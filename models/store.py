@@ -186,7 +186,8 @@ def _check_hf_folder(folder: Path) -> Path:
         raise StoreError(f"{folder} is not a Hugging Face model folder: missing {', '.join(missing)}")
     model_type = json.loads((folder / "config.json").read_text()).get("model_type")
     if model_type not in convert.ARCHS:
-        raise StoreError(f"{folder}: model_type {model_type!r} is not supported; expected one of {sorted(convert.ARCHS)}")
+        raise StoreError(f"{folder}: model_type {model_type!r} is not supported; "
+                         f"expected one of {sorted(convert.ARCHS)}")
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))

@@ -1,7 +1,7 @@
 """Retrieval: parse and chunk documents, embed them, search per-tenant collections, and trim
 the hits to a context budget as a prompt whose prefix the engine's cache can reuse."""
-from .collection import Collection, CollectionConfig, IngestReport, CollectionStore
-from .context import Passage, OverBudget, RagContext, rag_context
+from .collection import Collection, CollectionConfig, CollectionStore, IngestReport
+from .context import OverBudget, Passage, RagContext, rag_context
 from .documents import chunk, load, parse
 from .embedder import Embedder
 from .prompt import DEFAULT_INSTRUCTIONS, Prompt, build_prompt, canonical, system_text
@@ -10,5 +10,5 @@ from .types import Chunk, Document, HFTokenizer, RetrievalError, SearchHit, Toke
 
 __all__ = ["Chunk", "Passage", "Collection", "CollectionConfig", "DEFAULT_INSTRUCTIONS", "Document", "Dropped",
            "Embedder", "HFTokenizer", "IngestReport", "OverBudget", "Prompt", "RagContext", "RetrievalError",
-           "SearchHit", "CollectionStore", "TokenCounter", "TrimResult", "build_prompt", "canonical", "chunk", "load", "parse",
-           "rag_context", "system_text", "trim"]
+           "SearchHit", "CollectionStore", "TokenCounter", "TrimResult", "build_prompt", "canonical", "chunk", "load",
+           "parse", "rag_context", "system_text", "trim"]

@@ -17,7 +17,8 @@ from sklearn.model_selection import train_test_split
 
 from router.arms import parse_arm
 from router.calibration import fit_calibrated
-from router.data import Confidence as LabelConfidence, Label, RouterError
+from router.data import Confidence as LabelConfidence
+from router.data import Label, RouterError
 
 # The untrained rule: the 25th percentile of token probability. Uncalibrated, but length-free.
 DEFAULT_RULE = "p25 token probability (uncalibrated)"
@@ -44,7 +45,7 @@ class ConfidenceReport:
 
 
 def quantiles(logprobs: list[float]) -> tuple[float, float, float, float, float, int]:
-    """mean, min, p10, p25, p50 of the log-probabilities, and the count. evals/labels.py
+    """mean, min, p10, p25, p50 of the log-probabilities, and the count. evals/lab/labels.py
     writes its labels with this same function, so serving computes what training read."""
     lp = np.asarray(logprobs, float)
     p10, p25, p50 = np.percentile(lp, [10, 25, 50])
@@ -163,7 +164,8 @@ def _fit(rows: list[tuple[object, bool]], seed: int, test_size: float,
     try:
         xa, xb, ya, yb = train_test_split(x, y, test_size=test_size, random_state=seed, stratify=y)
     except ValueError as e:
-        raise RouterError(f"cannot hold out a test share ({int(y.sum())} right, {int((~y).sum())} wrong): {e}") from None
+        raise RouterError("cannot hold out a test share "
+                          f"({int(y.sum())} right, {int((~y).sum())} wrong): {e}") from None
     held = fit_calibrated(xa, ya)
     p = held.predict_proba(xb)[:, list(held.classes_).index(True)]
     report = ConfidenceReport(len(ya), len(yb), float(np.mean((p - yb) ** 2)), float(yb.mean()),

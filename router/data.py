@@ -1,4 +1,4 @@
-"""The labels the router learns from: labels.jsonl, as evals write it (evals/labels.py).
+"""The labels the router learns from: labels.jsonl, as evals write it (evals/lab/labels.py).
 Read here with only the fields the router uses, so the router does not import evals."""
 from __future__ import annotations
 

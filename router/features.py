@@ -43,7 +43,8 @@ def retrieval_features(scores: list[float]) -> list[float]:
 RETRIEVED = len(text_features(""))
 
 
-def feature_vector(question: str, embedding: np.ndarray, scores: list[float], with_embedding: bool = True) -> np.ndarray:
+def feature_vector(question: str, embedding: np.ndarray, scores: list[float],
+                   with_embedding: bool = True) -> np.ndarray:
     """One row: text features, retrieval features, then (with_embedding) the unit-length
     question embedding. Training decides whether the embedding earns its place: a few hundred
     labels cannot fit its hundreds of dimensions without overfitting."""

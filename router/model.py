@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -15,15 +16,25 @@ import sklearn
 
 from router.arms import ArmModel, ArmReport, train_arms
 from router.classifier import ClassifierReport, DifficultyClassifier, train_classifier
-from router.confidence import (ConfidenceModel, ConfidenceReport, EarlyExit, EarlyReport, train_confidence, train_early,
-                               train_narrow)
+from router.confidence import (
+    ConfidenceModel,
+    ConfidenceReport,
+    EarlyExit,
+    EarlyReport,
+    train_confidence,
+    train_early,
+    train_narrow,
+)
 from router.data import RouterError, read_labels
 from router.features import FEATURE_VERSION
 
 ROUTER_FILE = "router.joblib"
-# The router a fresh checkout serves (`make router` rebuilds it), with its sidecar router.json:
-# how it was made, from which labels and model weights, and its training report.
-TRAINED_ROUTER = Path(__file__).resolve().parent / "trained" / ROUTER_FILE
+# Trained artifacts and their labels live in a data folder, not in the code: the checkout's
+# artifacts/, or $SLUICE_ARTIFACTS. The router a fresh checkout serves (`make router` rebuilds
+# it) has its sidecar router.json: how it was made, from which labels and model weights, and
+# its training report.
+ARTIFACTS = Path(os.environ.get("SLUICE_ARTIFACTS") or Path(__file__).resolve().parents[1] / "artifacts")
+TRAINED_ROUTER = ARTIFACTS / "router" / ROUTER_FILE
 
 
 @dataclass

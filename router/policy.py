@@ -9,7 +9,8 @@ runs past its time limit leaves the tenant's default model in charge, and the re
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 from router.arms import Arm
@@ -57,7 +58,8 @@ class Route:
     # arm widens (a narrow arm with a confidence model of its own): the same question again,
     # with a wider context.
     escalate_to: str | None = None
-    source: str = "classifier"          # what chose the model: client | no_router | classifier | arms | policy | fallback
+    # what chose the model: client | no_router | classifier | arms | policy | fallback
+    source: str = "classifier"
     # Calibrated chance the answer is right: the arm model's before the first call, the
     # cascade's verdict on the first answer once judged.
     confidence: float | None = None

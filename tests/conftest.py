@@ -14,7 +14,7 @@ TINY_VOCAB = 128
 
 def write_word_tokenizer(folder: Path, vocab_size: int) -> None:
     """A word-level tokenizer ("t0".."tN", "<eos>") so tiny models can take text prompts."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     vocab = {f"t{i}": i for i in range(vocab_size - 1)} | {"<eos>": vocab_size - 1}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()

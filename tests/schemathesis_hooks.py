@@ -12,7 +12,7 @@ import os
 
 import schemathesis
 
-# The error codes of a body or parameter that does not fit the schema (gateway/app.py's
+# The error codes of a body or parameter that does not fit the schema (gateway/http/app.py's
 # JSONRequest and gateway/errors.py).
 SHAPE_CODES = {"invalid_field", "invalid_body", "invalid_json", "invalid_utf8", "too_deep", "missing_body",
                "unsupported_media_type", "bad_request"}

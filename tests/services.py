@@ -68,7 +68,8 @@ class Postgres:
         done = subprocess.run(self.as_user + command, capture_output=True, text=True, cwd=self.root)
         if done.returncode:
             log = (self.root / "log").read_text() if (self.root / "log").exists() else ""
-            raise ServiceError(f"{Path(command[0]).name} failed: {done.stderr.strip() or done.stdout.strip()} {log[-500:]}")
+            raise ServiceError(f"{Path(command[0]).name} failed: {done.stderr.strip() or done.stdout.strip()} "
+                               f"{log[-500:]}")
 
     def fresh_database(self) -> str:
         """The URL of a new, empty database."""

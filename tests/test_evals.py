@@ -16,14 +16,33 @@ from engine.config import EngineConfig, ModelEntry
 from engine.llm_engine import LLMEngine
 from evals.__main__ import main as evals_main
 from evals.datasets import DatasetError, files_for, load, parse_mix
-from evals.labels import write_labels
+from evals.lab.labels import write_labels
 from evals.metrics import same_answer, score
 from evals.records import RecordLog
 from evals.report import write_report
-from evals.router_metrics import (CurvePoint, apgr, cascade_sweep, cost_at_quality, oracle_cascade, oracle_scores,
-                                  threshold_sweep)
-from evals.runner import (DEFAULT_CONTEXT_BUDGET, DEFAULT_K, DEFAULT_MAX_TOKENS, MODES, RECORDS_FILE, RunConfig,
-                          RunError, build_collection, load_dataset, open_run, pipeline_for, run_modes)
+from evals.router_metrics import (
+    CurvePoint,
+    apgr,
+    cascade_sweep,
+    cost_at_quality,
+    oracle_cascade,
+    oracle_scores,
+    threshold_sweep,
+)
+from evals.runner import (
+    DEFAULT_CONTEXT_BUDGET,
+    DEFAULT_K,
+    DEFAULT_MAX_TOKENS,
+    MODES,
+    RECORDS_FILE,
+    RunConfig,
+    RunError,
+    build_collection,
+    load_dataset,
+    open_run,
+    pipeline_for,
+    run_modes,
+)
 from pipeline import Price, Query, cost, default_prices, parse_price
 from retrieval import Collection
 from tests.conftest import make_tiny_model
@@ -320,7 +339,8 @@ def test_run_scores_costs_and_reports(tmp_path, data, engine, embedder):
     assert "| small | 10 |" in (tmp_path / "run" / "report.md").read_text()
     label = json.loads((tmp_path / "run" / "labels.jsonl").read_text().splitlines()[0])
     small = log.records["small", label["id"]]
-    assert label["small_correct"] == small.correct and label["large_correct"] == log.records["large", label["id"]].correct
+    assert (label["small_correct"] == small.correct
+            and label["large_correct"] == log.records["large", label["id"]].correct)
     lp = small.calls[0].logprobs
     assert label["confidence"]["length"] == len(lp) and label["confidence"]["min"] == pytest.approx(min(lp), abs=1e-4)
     assert label["confidence"]["p50"] == pytest.approx(float(np.median(lp)), abs=1e-4)
@@ -432,7 +452,7 @@ def test_command_line_refuses_bad_arguments_with_exit_2(tmp_path, data, capsys):
                        "--out", str(tmp_path / "run")]) == 2
     assert "max_tokens: 256 there, 64 now" in capsys.readouterr().err
     # `sluice eval` is the same command line.
-    from gateway.cli import main as sluice_main
+    from cli import main as sluice_main
     assert sluice_main(["eval", "run", "jsonl", "--data", str(data)]) == 2
     assert "sluice eval: error: dataset jsonl needs --path FILE" in capsys.readouterr().err
 
@@ -450,8 +470,8 @@ def test_routed_and_cascade_modes_run_end_to_end(tmp_path, data, engine, embedde
     try:
         # Threshold 1: every small answer is unsure enough to escalate.
         modes = routed_modes(threshold=1.0)
-        run_modes(folder, config, dataset.examples, list(modes.values()), pipeline_for(engine, config, router, embedder),
-                  collection, 3, progress=False)
+        run_modes(folder, config, dataset.examples, list(modes.values()),
+                  pipeline_for(engine, config, router, embedder), collection, 3, progress=False)
     finally:
         collection.close()
     log = RecordLog(folder / RECORDS_FILE)
@@ -510,7 +530,8 @@ def test_an_escalated_call_verifies_the_small_answer_and_keeps_the_large_answer(
     folder = tmp_path / "run"
     open_run(folder, config)
     examples = load_dataset(config).examples
-    run_modes(folder, config, examples, [cascade, MODES["large"]], pipeline_for(engine, config), None, 2, progress=False)
+    run_modes(folder, config, examples, [cascade, MODES["large"]], pipeline_for(engine, config), None, 2,
+              progress=False)
     log = RecordLog(folder / RECORDS_FILE)
     large = {r.id: r.answer for r in log.of_mode("large")}
     escalated = [r for r in log.of_mode("cascade") if r.escalated]
@@ -523,6 +544,7 @@ def test_an_escalated_call_verifies_the_small_answer_and_keeps_the_large_answer(
 
 def test_thinking_budget_table_and_budgets_by_difficulty(tmp_path):
     from types import SimpleNamespace
+
     from evals.budgets import write_budget_table
     from evals.records import Call, Record
     # q4: every fixed row answered it, the routed mode (stopped earlier) did not: left out.
@@ -634,7 +656,7 @@ def _fake_runs(tmp_path, setting: str, scores: dict) -> list[Path]:
 
 
 def test_context_curve_chooses_each_models_budget(tmp_path):
-    from evals.contexts import read_chosen, write_context_curve
+    from evals.lab.contexts import read_chosen, write_context_curve
     # The small model drowns in passages, and 256 tokens trail 512 on every question: a gap with
     # no spread is real. The large model's 1,024 beats 512 on one question of four: a gap within
     # its standard error, so the cheaper 512.
@@ -654,7 +676,7 @@ def test_context_curve_chooses_each_models_budget(tmp_path):
 
 
 def test_labels_carry_arms_from_runs_at_other_thinking_budgets(tmp_path):
-    from evals.labels import provenance
+    from evals.lab.labels import provenance
     from evals.runner import CONFIG_FILE, RunError, read_config
     from router.data import read_labels
     scores = {("small", 0): [1, 0], ("large", 0): [1, 0], ("small", 256): [1, 1], ("large", 256): [0, 1]}
@@ -679,8 +701,9 @@ def test_proxy_scores_the_reference_as_transformers_does_and_labels_from_it(tmp_
                                                                             monkeypatch):
     import torch
     import transformers
-    from evals.labels import LABELS_FILE
-    from evals.proxy import agreement, best_scores, distinct_answers, read_scores, score_run
+
+    from evals.lab.labels import LABELS_FILE
+    from evals.lab.proxy import agreement, best_scores, distinct_answers, read_scores, score_run
     config = config_for("squad", files_for("squad", None, str(data)))
     folder = tmp_path / "run"
     dataset = run(folder, config, engine, embedder)
@@ -744,7 +767,8 @@ def test_proxy_scores_the_reference_as_transformers_does_and_labels_from_it(tmp_
     for qid, r in mixed.items():
         assert r["small_correct"] == small[qid].correct and r["confidence"] is not None
         assert r["large_correct"] == r["arms"]["large"]["correct"] == (by_score[qid, "large"] >= thresholds["large"])
-    assert by_score["s1", "large"] == max(s.mean_logprob for s in read_scores(folder) if (s.id, s.model) == ("s1", "large"))
+    assert by_score["s1", "large"] == max(s.mean_logprob for s in read_scores(folder)
+                                          if (s.id, s.model) == ("s1", "large"))
     # A question judged only when all its answers were scored: s1's second missing, no label.
     partial = [s for s in read_scores(folder) if (s.id, s.answer) != ("s1", 1)]
     assert ("s1", "large") not in best_scores(partial, dataset.examples) and ("s2", "large") in by_score
@@ -753,7 +777,7 @@ def test_proxy_scores_the_reference_as_transformers_does_and_labels_from_it(tmp_
         assert r["large_correct"] == (by_score[qid, "large"] >= thresholds["large"])
         assert r["confidence"] is None and r["retrieval_scores"]
     # The thresholds kept as a file outside the run (make router without generated answers).
-    from evals.proxy import PROXY_REPORT, read_thresholds
+    from evals.lab.proxy import PROXY_REPORT, read_thresholds
     from evals.runner import RunError
     (folder / PROXY_REPORT).write_bytes(msgspec.json.encode(list(found.values())))
     kept = tmp_path / "agreement.json"
@@ -767,8 +791,8 @@ def test_proxy_scores_the_reference_as_transformers_does_and_labels_from_it(tmp_
 def test_a_run_at_another_context_budget_adds_its_proxy_verdicts_as_arms(tmp_path, data, engine, embedder):
     # The large model scored alone at a smaller context budget: its verdicts become the arm
     # large@64 beside the labelled run's own small and large, with what its prompts cost.
-    from evals.labels import write_labels
-    from evals.proxy import best_scores, read_scores, score_run
+    from evals.lab.labels import write_labels
+    from evals.lab.proxy import best_scores, read_scores, score_run
     from router.data import read_labels
     files = files_for("squad", None, str(data))
     main, other = tmp_path / "main", tmp_path / "narrow"
@@ -799,9 +823,10 @@ def test_a_run_at_another_context_budget_adds_its_proxy_verdicts_as_arms(tmp_pat
 
 
 def test_heldout_scores_the_routers_arms_on_labels_it_never_saw(tmp_path):
-    from evals.heldout import write_heldout
+    from evals.lab.heldout import write_heldout
     from router.model import train
-    from tests.test_router import HashEmbedder, write_labels as router_labels
+    from tests.test_router import HashEmbedder
+    from tests.test_router import write_labels as router_labels
     router, _ = train(router_labels(tmp_path / "train.jsonl"), HashEmbedder())
     folder = tmp_path / "test"
     open_run(folder, config_for("squad", [tmp_path / "squad.json"]))
@@ -840,9 +865,10 @@ def test_heldout_states_the_thinking_targets_on_closed_book_labels(tmp_path):
     # Closed-book problems (nothing searched): easy ones any arm answers, medium ones need the
     # large model, hard ones thinking; large+think1024 also misses one easy problem in five
     # (it talks itself out of it), so it is the best arm but not the cheapest right one.
-    from evals.heldout import write_heldout
+    from evals.lab.heldout import write_heldout
     from router.model import train
-    from tests.test_router import HashEmbedder, write_labels as router_labels
+    from tests.test_router import HashEmbedder
+    from tests.test_router import write_labels as router_labels
 
     def closed_book(path, **kw) -> list[dict]:
         rows = [json.loads(line) for line in router_labels(path, **kw).read_text().splitlines()]
@@ -883,9 +909,10 @@ def test_heldout_states_the_thinking_targets_on_closed_book_labels(tmp_path):
 def test_heldout_fits_a_narrow_arms_widening_on_training_labels_and_scores_it_on_the_rest(tmp_path):
     # large@256 is right where large is, and sure exactly when right: asking its unsure answers
     # again buys nothing here, so the cheapest threshold reaching 95% of large-only escalates none.
-    from evals.heldout import write_heldout
+    from evals.lab.heldout import write_heldout
     from router.model import train
-    from tests.test_router import HashEmbedder, write_labels as router_labels
+    from tests.test_router import HashEmbedder
+    from tests.test_router import write_labels as router_labels
     router, _ = train(router_labels(tmp_path / "train.jsonl", narrow=True), HashEmbedder())
     folder = tmp_path / "test"
     open_run(folder, config_for("squad", [tmp_path / "squad.json"]))

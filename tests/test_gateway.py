@@ -17,12 +17,22 @@ from litestar.testing import TestClient
 
 from engine.config import SpecConfig
 from engine.llm_engine import LLMEngine
-from gateway.app import create_app
+from gateway.config import ConfigError
+from gateway.http.app import create_app
 from gateway.service import Query
 from gateway.tenants import check_folder, load_tenant
-from gateway.config import ConfigError
-from tests.test_gateway_support import (DOCS, KEYS, auth, embedder, engine_config, llm, make_gateway,  # noqa: F401
-                                        parse_sse, tenant_toml, wait_ready)
+from tests.test_gateway_support import (  # noqa: F401
+    DOCS,
+    KEYS,
+    auth,
+    embedder,
+    engine_config,
+    llm,
+    make_gateway,
+    parse_sse,
+    tenant_toml,
+    wait_ready,
+)
 
 
 @pytest.fixture
@@ -66,8 +76,10 @@ def test_health_ready_openapi_and_metrics(client):
 
     schema = client.get("/schema/openapi.json").json()
     assert {"/v1/ask", "/v1/chat/completions", "/v1/models", "/v1/collections", "/v1/collections/{name}/documents",
-            "/v1/collections/{name}/documents/{doc_id}", "/v1/usage", "/healthz", "/readyz", "/metrics"} <= set(schema["paths"])
-    assert {"AskRequest", "AskResponse", "ChatRequest", "ChatCompletion", "UsageReport"} <= set(schema["components"]["schemas"])
+            "/v1/collections/{name}/documents/{doc_id}", "/v1/usage", "/healthz", "/readyz",
+            "/metrics"} <= set(schema["paths"])
+    assert {"AskRequest", "AskResponse", "ChatRequest", "ChatCompletion",
+            "UsageReport"} <= set(schema["components"]["schemas"])
     assert schema["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
     assert schema["paths"]["/v1/ask"]["post"]["security"] == [{"bearer": []}]
 
@@ -137,12 +149,14 @@ def test_ask_answers_and_writes_exactly_one_ledger_row(client, gateway):
     assert body["trimmed"] == {"kept": 0, "dropped": 0, "tokens": 6, "budget": 400}
     assert body["citations"] == [] and body["cited"] == []
     [row] = gateway.ledger.rows()
-    assert (row.request_id, row.tenant, row.endpoint, row.status, row.model) == (body["id"], "alpha", "ask", "ok", "small")
+    assert ((row.request_id, row.tenant, row.endpoint, row.status, row.model)
+            == (body["id"], "alpha", "ask", "ok", "small"))
     assert (row.prompt_tokens, row.cached_tokens, row.completion_tokens) == (u["prompt"], u["cached"], 5)
     assert row.cost == pytest.approx(body["cost"]) and row.route_reason == body["route_reason"]
 
     large = ask(client, mode="large", max_output_tokens=2).json()
-    assert (large["model"], large["route_reason"], large["usage"]["completion"]) == ("large", "requested by the client", 2)
+    assert ((large["model"], large["route_reason"], large["usage"]["completion"])
+            == ("large", "requested by the client", 2))
     assert len(gateway.ledger.rows()) == 2
 
 
@@ -486,7 +500,8 @@ def test_a_tenant_sets_its_closed_book_arm_margin_and_widening_order(tmp_path):
                                                                     "closed_book_arm_margin = 0.05\n"
                                                                     "widen_from_cache = true\n[limits]"))
     policy = load_tenant(path, {"small", "large"}).terms.policy
-    assert (policy.arm_margin, policy.closed_book_margin, policy.widen, policy.widen_from_cache) == (0.2, 0.05, True, True)
+    assert ((policy.arm_margin, policy.closed_book_margin, policy.widen, policy.widen_from_cache)
+            == (0.2, 0.05, True, True))
 
 
 # --------------------------------------------------------------------------- limits

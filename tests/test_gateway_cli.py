@@ -12,8 +12,9 @@ import time
 import httpx
 import pytest
 
-from gateway import cli
-from gateway.ledger import Ledger
+import cli
+from gateway import commands
+from gateway.usage.ledger import Ledger
 from tests.test_gateway_support import KEYS, embedder, engine_config, tenant_toml  # noqa: F401
 
 
@@ -21,7 +22,7 @@ from tests.test_gateway_support import KEYS, embedder, engine_config, tenant_tom
 def cli_env(tmp_path, tmp_path_factory, embedder, monkeypatch):
     """A server config naming the tiny models, a tenants folder, a data folder; the shared
     embedder stands in for a fresh one."""
-    monkeypatch.setattr(cli, "_embedder", lambda: embedder)
+    monkeypatch.setattr(commands, "_embedder", lambda: embedder)
     engine = engine_config(tmp_path_factory)
     config = tmp_path / "server.toml"
     config.write_text(f"""
@@ -114,10 +115,10 @@ def test_models_fetch_resolves_the_configured_models(cli_env, capsys, tmp_path_f
 
 
 def test_the_demo_banner_is_a_ready_to_paste_curl():
-    banner = cli.demo_banner("127.0.0.1", 8000)
+    banner = commands.demo_banner("127.0.0.1", 8000)
     assert "curl -s http://127.0.0.1:8000/v1/ask -H 'Authorization: Bearer sk-sluice-demo'" in banner
     assert '"collection": "docs"' in banner
-    assert cli.REPO / "README.md" in cli.demo_documents()
+    assert commands.REPO / "README.md" in commands.demo_documents()
 
 
 def test_serve_runs_a_server_until_interrupted(tmp_path, cli_env):
@@ -126,7 +127,7 @@ def test_serve_runs_a_server_until_interrupted(tmp_path, cli_env):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", *config, "serve", "--port", str(port), *where],
+    proc = subprocess.Popen([sys.executable, "-m", "cli", *config, "serve", "--port", str(port), *where],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
     try:
         url = f"http://127.0.0.1:{port}"

@@ -10,10 +10,9 @@ import msgspec
 import pytest
 from litestar.testing import TestClient
 
-from gateway.app import create_app
-from gateway.limits import dollars
-from tests.test_gateway_support import (DOCS, KEYS, auth, embedder, llm, make_gateway,  # noqa: F401
-                                        tenant_toml, wait_ready)
+from gateway.http.app import create_app
+from gateway.usage.limits import dollars
+from tests.test_gateway_support import DOCS, KEYS, auth, embedder, llm, make_gateway, tenant_toml, wait_ready  # noqa: F401
 
 BIG = 100_000
 MAX_BODY = 3 * BIG
@@ -26,7 +25,8 @@ DEEP = b"[" * BIG + b"]" * BIG          # past any parser's depth
 def posts(what: str, payload, status: int, code: str, words: str) -> list[tuple]:
     """The same refusal on each of the three POST endpoints; `payload(body)` wraps a valid body."""
     valid = {ASK: Q, CHAT: CHAT_BODY, DOCUMENTS: {"documents": [{"id": "a", "text": "x"}]}}
-    return [(f"{what} ({url})", "POST", url, payload(body), "alpha", status, code, words) for url, body in valid.items()]
+    return [(f"{what} ({url})", "POST", url, payload(body), "alpha", status, code, words)
+            for url, body in valid.items()]
 
 
 def as_text(body: dict) -> tuple[str, bytes]:
@@ -304,10 +304,12 @@ def test_an_exhausted_spend_cap_is_402_on_ask_and_openais_429_insufficient_quota
         error = r.json()["error"]
         assert r.status_code == 402 and (error["type"], error["code"]) == ("insufficient_quota", "spend_cap_reached")
         assert "left of its monthly cap of $0.004;" in error["message"]
-        for tenant, words in (("alpha", "left of its monthly cap of $0.004;"), ("beta", "has spent its monthly cap of $0.00")):
+        for tenant, words in (("alpha", "left of its monthly cap of $0.004;"),
+                              ("beta", "has spent its monthly cap of $0.00")):
             r = c.post(CHAT, json=CHAT_BODY, headers=auth(tenant))
             error = r.json()["error"]
-            assert r.status_code == 429 and (error["type"], error["code"]) == ("insufficient_quota", "insufficient_quota")
+            assert (r.status_code == 429
+                    and (error["type"], error["code"]) == ("insufficient_quota", "insufficient_quota"))
             assert words in error["message"], error
             assert r.headers["x-should-retry"] == "false" and "retry-after" not in r.headers
         assert c.post(ASK, json=Q, headers=auth("beta")).status_code == 402

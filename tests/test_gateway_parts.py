@@ -11,11 +11,12 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from gateway import limits
 from gateway.errors import GatewayError, explain
-from gateway.ledger import Ledger, UsageRow
-from gateway.limits import Admission, TokenBucket
 from gateway.metrics import Counter, Histogram, Registry
+from gateway.usage import limits
+from gateway.usage.ledger import Ledger
+from gateway.usage.limits import Admission, TokenBucket
+from gateway.usage.rows import UsageRow
 from tests.services import ledger_at  # noqa: F401
 
 
@@ -34,7 +35,8 @@ def row(i: int, tenant: str = "alpha", cost: float = 0.5, request_id: str | None
 async def test_ledger_keeps_the_arm_and_adds_its_column_to_an_older_ledger(ledger_at, tmp_path):
     import dataclasses
     import sqlite3
-    from gateway.ledger import SCHEMA
+
+    from gateway.usage.ledger import SCHEMA
     ledger = Ledger(ledger_at)
     await ledger.record(dataclasses.replace(row(1), arm="large+think256"))
     await ledger.record(row(2))
@@ -80,7 +82,7 @@ def test_ledger_rows_survive_a_crash_right_after_they_are_answered(ledger_at):
     script = textwrap.dedent(f"""
         import asyncio, os
         from tests.test_gateway_parts import row
-        from gateway.ledger import Ledger
+        from gateway.usage.ledger import Ledger
         async def main():
             ledger = Ledger({path!r})
             for i in range(50):

@@ -11,8 +11,7 @@ import httpx
 import msgspec
 import pytest
 
-from tests.test_gateway_support import (DOCS, KEYS, Server, auth, embedder, llm, make_gateway,  # noqa: F401
-                                        parse_sse, tenant_toml)
+from tests.test_gateway_support import DOCS, KEYS, Server, auth, embedder, llm, make_gateway, parse_sse, tenant_toml  # noqa: F401
 
 
 @pytest.fixture

@@ -18,8 +18,8 @@ from safetensors.torch import load_file, save_file
 
 from engine.config import EngineConfig, ModelEntry
 from engine.llm_engine import LLMEngine
-from gateway.app import create_app
 from gateway.config import Price, ServerConfig
+from gateway.http.app import create_app
 from gateway.service import Gateway
 from gateway.tenants import TenantRegistry
 from tests.conftest import make_tiny_model

@@ -58,7 +58,7 @@ def test_greedy_output_on_cuda_equals_the_cpu_float32_engine(tiny_folder, dtype,
 
 
 def test_proxy_scores_on_cuda_equal_the_cpu_float32_engine(tiny_folder):
-    """The labelling proxy (evals/proxy.py) on a GPU: references scored after a prompt the
+    """The labelling proxy (evals/lab/proxy.py) on a GPU: references scored after a prompt the
     prefix cache holds, against the CPU scoring each sequence whole."""
     cpu = engine({"m": tiny_folder}, device="cpu")
     gpu = engine({"m": tiny_folder}, dtype="float32")

@@ -11,13 +11,12 @@ import pytest
 from evals.datasets import Example
 from evals.records import RecordLog
 from evals.runner import RECORDS_FILE, Mode, RunConfig, open_run, pipeline_for, run_modes
-from gateway.app import create_app
 from gateway.config import RouterConfig
+from gateway.http.app import create_app
 from pipeline import Pipeline, Query, Refused, Terms
 from retrieval import CollectionStore, Document
 from router.policy import Policy
-from tests.test_gateway_support import (DOCS, KEYS, PRICES, auth, embedder, llm, make_gateway,  # noqa: F401
-                                        tenant_toml, wait_ready)
+from tests.test_gateway_support import DOCS, KEYS, PRICES, auth, embedder, llm, make_gateway, tenant_toml, wait_ready  # noqa: F401
 
 QUESTIONS = [("q-paris", "What is the capital of France?", True), ("q-rome", "Where is the Colosseum?", True),
              ("q-bare", "t5 t6 t7 t8", False)]
@@ -139,7 +138,7 @@ def _early_router(tmp_path, tokens: int = 4):
 
 def test_early_escalation_cuts_the_small_answer_and_drafts_with_its_prefix(tmp_path, llm, embedder):
     from litestar.testing import TestClient
-    router = _early_router(tmp_path)
+    _early_router(tmp_path)
     bodies, rows = {}, {}
     for early in (True, False):
         toml = ("escalation_threshold = 1.0\n" + tenant_toml(KEYS["alpha"], salt=f"salt-early-{early}")
@@ -171,6 +170,7 @@ def test_an_answer_that_ends_on_the_step_after_the_early_verdict_still_escalates
     38: /v1/ask and /v1/chat/completions answered 500, the route never sent). Every way of
     asking gets the large model's answer with its route, and the ledger bills both calls."""
     from litestar.testing import TestClient
+
     from tests.test_gateway_support import parse_sse
     _early_router(tmp_path, tokens=4)
     toml = ("escalation_threshold = 1.0\n" + tenant_toml(KEYS["alpha"], salt="salt-early-race")

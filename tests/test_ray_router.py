@@ -11,14 +11,18 @@ import msgspec
 import pytest
 
 pytest.importorskip("ray")
-from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID  # noqa: E402
+from ray.serve._private.common import (  # noqa: E402
+    DeploymentHandleSource,
+    DeploymentID,
+    ReplicaID,
+    RequestMetadata,  # noqa: E402
+)
 from ray.serve._private.request_router.common import PendingRequest  # noqa: E402
-from ray.serve._private.common import RequestMetadata  # noqa: E402
 
 from gateway.config import Price, ServerConfig  # noqa: E402
-from gateway.serve_ray import merge_metrics  # noqa: E402
-from gateway.serve_requests import Forwarded, Pinned, PrefixKeys  # noqa: E402
-from gateway.serve_router import AffinityRouter  # noqa: E402
+from gateway.scale.serve_ray import merge_metrics  # noqa: E402
+from gateway.scale.serve_requests import Forwarded, Pinned, PrefixKeys  # noqa: E402
+from gateway.scale.serve_router import AffinityRouter  # noqa: E402
 from retrieval import CollectionStore, Document  # noqa: E402
 from tests.test_gateway_support import KEYS, auth, embedder, engine_config, tenant_toml  # noqa: E402,F401
 
@@ -131,15 +135,16 @@ def test_replicas_metrics_merge_into_one_family_each_labelled_by_replica():
 def test_the_deploy_files_load_and_build_the_application(tmp_path):
     import yaml
     from ray.serve.schema import ServeDeploySchema
+
     from gateway.config import ConfigError, load_server_config
-    from gateway.serve_ray import application, build
+    from gateway.scale.serve_ray import application, build
     root = Path(__file__).parent.parent / "deploy"
     config = load_server_config(root / "sluice.toml")
     assert config.ledger.startswith("postgresql://") and config.limits.startswith("redis://")
     assert (config.replicas.min, config.replicas.max, config.replicas.gpus) == (1, 2, 1.0)
     schema = ServeDeploySchema.parse_obj(yaml.safe_load((root / "serve.yaml").read_text()))
     [app] = schema.applications
-    assert app.import_path == "gateway.serve_ray:build" and set(app.args) == {"config", "tenants", "data"}
+    assert app.import_path == "gateway.scale.serve_ray:build" and set(app.args) == {"config", "tenants", "data"}
     built = build({"config": str(root / "sluice.toml"), "tenants": str(tmp_path), "data": str(tmp_path)})
     replica = built._bound_deployment.init_args[0]._bound_deployment
     assert replica._deployment_config.autoscaling_config.max_replicas == 2

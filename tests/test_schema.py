@@ -13,11 +13,10 @@ from pathlib import Path
 import pytest
 from litestar.testing import TestClient
 
-from gateway.app import create_app
 from gateway.config import RouterConfig
+from gateway.http.app import create_app
 from router.model import TRAINED_ROUTER, RouterModel
-from tests.test_gateway_support import (KEYS, Server, embedder, llm, make_gateway,  # noqa: F401
-                                        tenant_toml, wait_ready)
+from tests.test_gateway_support import KEYS, Server, embedder, llm, make_gateway, tenant_toml, wait_ready  # noqa: F401
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -51,7 +50,8 @@ def test_every_endpoint_documents_its_statuses_in_the_error_shape_it_sends(schem
         for code in codes:
             response = schema["paths"][path][method]["responses"][code]
             if code != "200" and path != "/readyz":
-                assert response["content"] == {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}
+                assert response["content"] == {"application/json":
+                                               {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}
                 assert response["description"]
     components = schema["components"]["schemas"]
     assert components["ErrorBody"]["required"] == ["error"]
@@ -117,7 +117,8 @@ def test_schemathesis_finds_nothing_in_the_served_schema(tmp_path, llm, embedder
     log = tmp_path / "responses.log"        # schemathesis_hooks.after_call: "METHOD PATH STATUS"
     command = [sys.executable, "-m", "schemathesis.cli", "--no-color", "--config-file",
                str(ROOT / "tests" / "schemathesis.toml"), "run", "--checks", "all", "--max-examples", "10",
-               "--seed", "1", "--workers", "1", "--request-timeout", "60", "-H", f"Authorization: Bearer {KEYS['alpha']}"]
+               "--seed", "1", "--workers", "1", "--request-timeout", "60",
+               "-H", f"Authorization: Bearer {KEYS['alpha']}"]
     env = {**os.environ, "SCHEMATHESIS_HOOKS": "tests.schemathesis_hooks", "PYTHONPATH": str(ROOT),
            "SLUICE_FUZZ_LOG": str(log)}
     with Server(gw) as server:

@@ -6,8 +6,8 @@ import torch
 
 from engine.config import EngineConfig, ModelEntry, SpecConfig
 from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
 from engine.sampler import verify
+from engine.sampling_params import SamplingParams
 from engine.speculative import best_k, prompt_lookup
 from tests.conftest import make_tiny_model, write_word_tokenizer
 from tests.test_engine import prompts
@@ -143,7 +143,8 @@ def test_speculation_under_preemption_keeps_greedy_output(pair):
     models = {"large": ModelEntry(str(large)), "small": ModelEntry(str(small))}
     tight = LLMEngine(EngineConfig(models=models, block_size=4, max_kv_blocks=48, max_num_batched_tokens=64,
                                    memory_budget_gb=1.0,
-                                   speculative=SpecConfig(target="large", draft="small", draft_cost=0.1, verify_cost=0.05)),
+                                   speculative=SpecConfig(target="large", draft="small", draft_cost=0.1,
+                                                          verify_cost=0.05)),
                       progress=False)
     assert [c.token_ids for c in tight.generate(ps, GREEDY, model="large")] == plain
     assert tight.stats()["large"]["preemptions"] > 0
@@ -291,6 +292,7 @@ def test_prefill_steps_price_catch_up_and_never_the_decode_step():
     drafting look free after every prefill), and until a catch-up is measured it prices one:
     the target's prefill per token, scaled by the draft model's step cost."""
     from types import SimpleNamespace
+
     from engine.speculative import Speculator
     spec = Speculator(SpecConfig(target="large", govern=False), target=None, draft=None)
     spec.draft_cost = 0.4

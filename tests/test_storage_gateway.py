@@ -12,8 +12,7 @@ import pytest
 import tests.test_gateway as gateway_tests
 from engine.llm_engine import LLMEngine
 from tests.services import Postgres, Redis, server
-from tests.test_gateway_support import (KEYS, Server, auth, embedder, engine_config, llm, make_gateway,  # noqa: F401
-                                        tenant_toml)
+from tests.test_gateway_support import KEYS, Server, auth, embedder, engine_config, llm, make_gateway, tenant_toml  # noqa: F401
 
 
 @pytest.fixture

@@ -7,8 +7,8 @@ import asyncio
 import pytest
 
 from gateway.config import ServerConfig
-from gateway.ledger import Ledger
-from gateway.storage import open_storage
+from gateway.usage.ledger import Ledger
+from gateway.usage.storage import open_storage
 from tests.services import postgres_url  # noqa: F401
 from tests.test_gateway_parts import row
 
@@ -35,7 +35,8 @@ async def test_two_replicas_writing_the_same_tenants_at_once_lose_nothing(postgr
 
 def test_postgres_schema_is_migrated_once_by_version(postgres_url):
     import psycopg
-    from gateway.ledger_postgres import MIGRATIONS, migrate
+
+    from gateway.usage.ledger_postgres import MIGRATIONS, migrate
     Ledger(postgres_url)
     assert migrate(postgres_url) == []                       # a second replica applies nothing
     with psycopg.connect(postgres_url) as db:

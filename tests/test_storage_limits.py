@@ -14,9 +14,9 @@ import pytest
 
 from gateway.config import ServerConfig
 from gateway.errors import GatewayError
-from gateway.limits import dollars, month_of
-from gateway.storage import open_storage
 from gateway.tenants import load_tenant
+from gateway.usage.limits import dollars, month_of
+from gateway.usage.storage import open_storage
 from tests.services import Redis, redis_url, server  # noqa: F401
 from tests.test_gateway_parts import row
 from tests.test_gateway_support import tenant_toml
@@ -164,7 +164,7 @@ def test_a_commit_while_the_mirror_is_seeded_is_not_lost(tmp_path, redis_url):
 
 
 def test_a_dead_replicas_reservations_are_dropped_when_its_heartbeat_lapses(tmp_path, redis_url):
-    from gateway.limits_redis import RedisSpendGuard, connect
+    from gateway.usage.limits_redis import RedisSpendGuard, connect
     alpha = tenant(tmp_path, cap=1.0)
     ledger, _, alive = open_storage(ServerConfig(limits=redis_url), tmp_path)
     dying = RedisSpendGuard(ledger, connect(redis_url), heartbeat_ms=300)

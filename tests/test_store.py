@@ -21,8 +21,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from models import convert, store
-from models.store import DEFAULT_MODELS, ModelSpec, StoreError, resolve
 from models.convert import permute
+from models.store import DEFAULT_MODELS, ModelSpec, StoreError, resolve
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

@@ -78,7 +78,8 @@ def test_a_stop_token_inside_the_span_closes_it_and_the_answer_follows(folder, s
     stop = free.token_ids[3]
     first = free.token_ids.index(stop)
     c = engine(folder, speculative=speculative).generate(
-        prompts(1, seed=33), SamplingParams(max_tokens=8, ignore_eos=True, thinking_budget=50, stop_token_ids=[stop]))[0]
+        prompts(1, seed=33), SamplingParams(max_tokens=8, ignore_eos=True, thinking_budget=50,
+                                            stop_token_ids=[stop]))[0]
     assert c.num_thinking_tokens == first and c.token_ids[:first] == free.token_ids[:first]
     assert c.token_ids[first] == CLOSE and NUDGE not in c.token_ids     # closed in the stop's place, no nudge
     answer = c.token_ids[first + 1:]

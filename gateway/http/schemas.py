@@ -1,6 +1,6 @@
 """Every HTTP body, request and response, as a msgspec struct: validated on the way in
 (strictly: a string is never taken for a number), encoded on the way out, and described in
-the OpenAPI schema from the same definitions (gateway/openapi.py). Request bodies refuse
+the OpenAPI schema from the same definitions (gateway/http/openapi.py). Request bodies refuse
 unknown fields, and every bound the server enforces on a field is stated here."""
 from __future__ import annotations
 

@@ -30,9 +30,10 @@ from collections import defaultdict
 import redis
 
 from gateway.errors import GatewayError, retry_after
-from gateway.ledger import Ledger, UsageRow
-from gateway.limits import RateLimiter, SpendGuard, month_of
 from gateway.tenants import Tenant
+from gateway.usage.ledger import Ledger
+from gateway.usage.limits import RateLimiter, SpendGuard, month_of
+from gateway.usage.rows import UsageRow
 
 log = logging.getLogger("sluice.limits")
 PREFIX = "sluice:"

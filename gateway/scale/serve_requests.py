@@ -22,9 +22,9 @@ from pathlib import Path
 import msgspec
 
 from engine import Prompters
-from gateway.auth import bearer_key
 from gateway.config import ServerConfig
 from gateway.errors import GatewayError
+from gateway.http.auth import bearer_key
 from gateway.service import pipeline_for
 from gateway.tenants import TenantRegistry
 from pipeline import Query, Refused

@@ -34,11 +34,11 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 from uvicorn.lifespan.on import LifespanOn
 
-from gateway.app import create_app
 from gateway.config import ConfigError, ServerConfig
 from gateway.errors import body as error_body
+from gateway.http.app import create_app
 from gateway.metrics import CONTENT_TYPE, Registry, Sampled
-from gateway.serve_requests import ROUTERS, Forwarded, Pinned, PrefixKeys
+from gateway.scale.serve_requests import ROUTERS, Forwarded, Pinned, PrefixKeys
 from gateway.service import Gateway
 from gateway.tenants import TenantRegistry
 
@@ -263,12 +263,13 @@ def application(config: ServerConfig, tenants: Path, data: Path) -> serve.Applic
                           "limits = \"redis://...\"): otherwise each replica would hold its own spend caps and rate "
                           "limits (docs/scale.md)")
     scaling = {"num_replicas": r.min} if r.min == r.max else \
-        {"autoscaling_config": {"min_replicas": r.min, "max_replicas": r.max, "target_ongoing_requests": r.target_ongoing}}
+        {"autoscaling_config": {"min_replicas": r.min, "max_replicas": r.max,
+                                "target_ongoing_requests": r.target_ongoing}}
     replica = serve.deployment(SluiceReplica, name=REPLICA, **scaling,
                                max_ongoing_requests=config.max_inflight + config.max_queued,
                                ray_actor_options={"num_gpus": r.gpus} if r.gpus else {"num_cpus": r.cpus},
                                request_router_config=RequestRouterConfig(
-                                   request_router_class="gateway.serve_router:AffinityRouter",
+                                   request_router_class="gateway.scale.serve_router:AffinityRouter",
                                    request_router_kwargs={"policy": r.routing, "slack": r.affinity_slack}),
                                health_check_period_s=5)
     ingress = serve.deployment(serve.ingress()(SluiceIngress), name=INGRESS, num_replicas=r.ingress_replicas,

@@ -14,8 +14,8 @@ from contextlib import asynccontextmanager
 from datetime import datetime, timezone
 
 from gateway.errors import GatewayError, retry_after
-from gateway.ledger import Ledger
 from gateway.tenants import Tenant
+from gateway.usage.ledger import Ledger
 
 
 class TokenBucket:

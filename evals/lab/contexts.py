@@ -66,7 +66,8 @@ def markdown(rows: list[dict], picked: dict[str, int], kind: str) -> str:
              + ".", "",
              "| model | budget | F1 | gap to best (± SE) | EM | passages | prompt tokens | engine s / q | $ / 1k |",
              "|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['mode']} (`{r['model']}`) | {r['budget']}{' (chosen)' if picked[r['mode']] == r['budget'] else ''} "
+    lines += [f"| {r['mode']} (`{r['model']}`) "
+              f"| {r['budget']}{' (chosen)' if picked[r['mode']] == r['budget'] else ''} "
               f"| {r['quality']:.3f} | {r['gap']:.3f} ± {r['gap_se']:.3f} | {r['em']:.3f} | {r['passages']:.1f} "
               f"| {r['prompt_tokens']:.0f} "
               f"| {r['engine_s']:.2f} | {r['cost_per_1k']:.4f} |" for r in rows]

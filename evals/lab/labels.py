@@ -17,8 +17,8 @@ from pathlib import Path
 
 import msgspec
 
+from evals.lab.proxy import ProxyScore, best_scores, read_scores
 from evals.records import Record, RecordLog
-from evals.proxy import ProxyScore, best_scores, read_scores
 from evals.runner import RECORDS_FILE, RunError, load_dataset, read_config
 from router.arms import arm_name
 from router.confidence import EARLY_TOKENS, quantiles
@@ -48,7 +48,8 @@ class Label:
     large_correct: bool | None = None    # None: the large mode did not run on this question
     large_score: float | None = None
     large_tokens: Tokens | None = None
-    early: dict[str, Confidence] = field(default_factory=dict)   # of the small answer's first k tokens, where it had more
+    early: dict[str, Confidence] = field(default_factory=dict)   # of the small answer's first k tokens, where it
+                                                                 # had more
     source: str = "generated"         # "proxy": from the reference's log-probability, no answer generated;
                                       # "mixed": the small answer generated, the large outcome from the proxy
     arms: dict[str, ArmOutcome] = field(default_factory=dict)    # by arm name: how each arm did
@@ -78,7 +79,8 @@ def arm_outcomes(log: RecordLog, thinking: int, context: int | None = None) -> d
     return out
 
 
-def proxy_verdicts(scores: list[ProxyScore], examples: list, thresholds: dict[str, float]) -> dict[str, dict[str, ArmOutcome]]:
+def proxy_verdicts(scores: list[ProxyScore], examples: list,
+                   thresholds: dict[str, float]) -> dict[str, dict[str, ArmOutcome]]:
     """Question id -> model -> the proxy's verdict at the model's threshold, with the prompt's
     tokens where the scores kept them."""
     prompts = {(s.id, s.model): s.prompt for s in scores if s.prompt}
@@ -107,7 +109,7 @@ def labels(log: RecordLog, thinking: int = 0) -> list[Label]:
 
 
 def proxy_labels(folder: Path, thresholds: dict[str, float]) -> list[Label]:
-    """Labels from the run's proxy scores (evals/proxy.py) at these thresholds; no confidence
+    """Labels from the run's proxy scores (evals/lab/proxy.py) at these thresholds; no confidence
     features, since no answer was generated."""
     read = read_scores(folder)
     examples = load_dataset(read_config(folder)).examples

@@ -1,13 +1,9 @@
-"""The `sluice` command: serve the gateway, ingest documents, ask a question locally through
-the same pipeline as /v1/ask, check tenant files, fetch models, run evals.
-
-Exit codes: 0 done, 2 bad arguments or bad files (the message says which and why).
-"""
+"""The gateway's commands under `sluice` (cli.py): serve, ingest documents, ask a question
+locally through the same pipeline as /v1/ask, check tenant files, fetch models."""
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import sys
 from pathlib import Path
@@ -15,10 +11,9 @@ from pathlib import Path
 import msgspec
 
 from engine import LLMEngine
-from models.store import StoreError, resolve
-from gateway.config import ConfigError, RouterConfig, ServerConfig, load_server_config
-from gateway.errors import GatewayError
+from gateway.config import RouterConfig, ServerConfig
 from gateway.tenants import Tenant, TenantRegistry, check_folder
+from models.store import resolve
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_TENANTS = REPO / "examples" / "tenants"
@@ -110,7 +105,8 @@ async def _ask(args, config: ServerConfig) -> int:
     # not wait for every model the server would load. With the router installed, auto may
     # pick either model and escalate: then all of them.
     model = tenant.spec.default_model if args.mode == "auto" else args.mode
-    spec = config.engine.speculative if config.engine.speculative and config.engine.speculative.target == model else None
+    spec = (config.engine.speculative if config.engine.speculative and config.engine.speculative.target == model
+            else None)
     names = {model, *([spec.draft] if spec and spec.draft else [])}
     if args.mode == "auto" and config.router is not None:
         names, spec = set(config.engine.models), config.engine.speculative
@@ -163,12 +159,13 @@ def demo_banner(host: str, port: int) -> str:
 
 def cmd_serve(args, config: ServerConfig) -> int:
     import uvicorn
-    from gateway.app import create_app
+
+    from gateway.http.app import create_app
     from gateway.service import Gateway
     from retrieval import CollectionStore
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.ray:
-        from gateway.serve_ray import run
+        from gateway.scale.serve_ray import run
         run(config, *_folders(args), args.host, args.port)
         return 0
     registry = _registry(args, config)
@@ -217,48 +214,18 @@ def cmd_models_fetch(args, config: ServerConfig) -> int:
     return 0
 
 
-def cmd_eval(args, config: ServerConfig) -> int:
-    from evals.__main__ import main as evals_main
-    return evals_main(args.args, prog="sluice eval")
+# -------------------------------------------------------------------- commands
 
-
-def cmd_train_router(args, config: ServerConfig) -> int:
-    from evals.contexts import read_chosen
-    from evals.labels import provenance
-    from retrieval import Embedder
-    from router.model import ROUTER_FILE, train
-    runs = [Path(f) for f in args.folders]
-    folders = [run if run.is_dir() else run.parent for run in runs]
-    budgets = read_chosen(Path(args.context_curve)) if args.context_curve else None
-    if not 0 <= args.holdout < 1:
-        print(f"sluice train-router: --holdout must be at least 0 and below 1, got {args.holdout}", file=sys.stderr)
-        return 2
-    about = provenance(folders) if all((f / "run.json").exists() for f in folders) else {}
-    model, report = train(runs, Embedder(device="cpu"), context_budgets=budgets, holdout=args.holdout)
-    out = Path(args.out) if args.out else folders[0] / ROUTER_FILE
-    command = " ".join(["sluice train-router", *args.folders,
-                        *(["--context-curve", args.context_curve] if budgets else []),
-                        *([f"--holdout {args.holdout}"] if args.holdout else []), *(["--out", args.out] if args.out else [])])
-    model.save(out, {"command": command, "rebuild": args.rebuild, **about, "context_budgets": budgets,
-                     "report": report.as_dict()})
-    print(json.dumps(report.as_dict(), indent=2))
-    print(f"router: {out}", file=sys.stderr)
-    return 0
-
-
-# ------------------------------------------------------------------------ main
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sluice", description="Sluice: a workload-aware RAG gateway")
-    parser.add_argument("--config", help="server config TOML (engine models, prices, queue sizes); "
-                                         "default: built-in defaults, see docs/gateway.md")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+def add_commands(sub) -> None:
+    """The gateway's subcommands, onto the `sluice` parser's subparsers."""
     where = argparse.ArgumentParser(add_help=False)
-    where.add_argument("--tenants", default="tenants", metavar="DIR", help="folder of tenant files (default: %(default)s)")
+    where.add_argument("--tenants", default="tenants", metavar="DIR",
+                       help="folder of tenant files (default: %(default)s)")
     where.add_argument("--data", default="sluice-data", metavar="DIR",
                        help="collections and usage ledger (default: %(default)s)")
     where.add_argument("--demo", action="store_true",
-                       help=f"use the demo tenant ({DEMO_TENANTS.relative_to(REPO)}) and data ({DEMO_DATA.relative_to(REPO)})")
+                       help=f"use the demo tenant ({DEMO_TENANTS.relative_to(REPO)}) "
+                            f"and data ({DEMO_DATA.relative_to(REPO)})")
 
     serve = sub.add_parser("serve", parents=[where], help="run the HTTP gateway")
     serve.add_argument("--host", default="127.0.0.1")
@@ -290,47 +257,3 @@ def build_parser() -> argparse.ArgumentParser:
     models = sub.add_parser("models", help="model weights").add_subparsers(dest="action", required=True)
     fetch = models.add_parser("fetch", help="download, verify and convert the configured models")
     fetch.set_defaults(run=cmd_models_fetch)
-
-    train = sub.add_parser("train-router", help="train the difficulty classifier and the confidence model on "
-                                                 "runs' labels.jsonl; print held-out accuracy, ECE, confusion")
-    train.add_argument("folders", nargs="+", metavar="RUN", help="run folders (or their labels.jsonl): a SQuAD "
-                                                                 "run and a GSM8K one, each labelled with its arms")
-    train.add_argument("--out", help="where to save the router (default: the first RUN/router.joblib)")
-    train.add_argument("--context-curve", metavar="FILE", help="context.json from `sluice eval context`: each model's "
-                                                               "chosen context budget goes to its arms")
-    train.add_argument("--holdout", type=float, default=0.0, metavar="SHARE",
-                       help="leave this share of the questions out (by a hash of their ids), so `sluice eval heldout "
-                            "RUN --router OUT` scores the router on labels it never saw (default: none)")
-    train.add_argument("--rebuild", metavar="COMMAND", help="the command that makes the labels and this router from "
-                                                            "nothing (e.g. `make router ...`), recorded in its sidecar")
-    train.set_defaults(run=cmd_train_router)
-
-    # Everything after `eval` is the evals command line (python -m evals), help included.
-    evals = sub.add_parser("eval", add_help=False, help="run evals: quality, cost and latency per mode "
-                                                        "(`sluice eval --help`; docs/evals.md)")
-    evals.add_argument("args", nargs=argparse.REMAINDER)
-    evals.set_defaults(run=cmd_eval)
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    # Known args only: argparse hands a leading option after `eval` (`sluice eval --help`) to
-    # the extras, not to eval's remainder; every other command takes none.
-    args, extra = parser.parse_known_args(argv)     # exits 2 with a message on bad arguments
-    if args.command == "eval":
-        args.args = extra + args.args
-    elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    try:
-        return args.run(args, load_server_config(args.config))
-    except (UsageError, ConfigError, StoreError, GatewayError, ValueError) as e:   # RetrievalError is a ValueError
-        message = e.message if isinstance(e, GatewayError) else str(e)
-        print(f"sluice: error: {message}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -29,8 +29,7 @@ import numpy as np
 from msgspec.structs import astuple
 
 from evals.budgets import against_best
-from evals.router_metrics import (apgr, cascade_sweep, cost_at_quality, oracle_cascade, oracle_scores,
-                                  threshold_sweep)
+from evals.router_metrics import apgr, cascade_sweep, cost_at_quality, oracle_cascade, oracle_scores, threshold_sweep
 from evals.runner import PAIR, RunError, read_config
 from pipeline import cost
 from router.arms import KINDS, retrieved

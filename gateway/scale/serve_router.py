@@ -19,7 +19,7 @@ from collections import Counter, OrderedDict
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from gateway import serve_requests
+from gateway.scale import serve_requests
 
 KEYS_REMEMBERED = 100_000               # most recently used first; older keys start afresh
 

@@ -15,9 +15,10 @@ import queue
 import sqlite3
 import threading
 from collections.abc import Callable
-from dataclasses import astuple, dataclass, fields
+from dataclasses import astuple
 from pathlib import Path
-from typing import Protocol
+
+from gateway.usage.rows import COLUMNS, SELECT_ROWS, USAGE, USAGE_KEYS, Database, UsageRow
 
 log = logging.getLogger("sluice.ledger")
 
@@ -48,61 +49,9 @@ CREATE TABLE IF NOT EXISTS spend(
 """
 
 
-@dataclass(frozen=True)
-class UsageRow:
-    request_id: str
-    ts: float
-    month: str
-    tenant: str
-    endpoint: str
-    status: str
-    model: str
-    models: str
-    collection: str | None
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
-    thinking_tokens: int
-    cost: float
-    retrieval_ms: float
-    queue_ms: float
-    ttft_ms: float | None
-    total_ms: float
-    route_reason: str
-    difficulty: str | None
-    confidence: float | None
-    escalated: bool
-    finish_reason: str | None
-    arm: str | None = None
-
-
-COLUMNS = [f.name for f in fields(UsageRow)]
 INSERT = f"INSERT INTO requests({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
 ADD_SPEND = ("INSERT INTO spend(tenant, month, cost) VALUES (?, ?, ?) "
              "ON CONFLICT(tenant, month) DO UPDATE SET cost = cost + excluded.cost")
-SELECT_ROWS = f"SELECT {', '.join(COLUMNS)} FROM requests"
-# Written with %s (PostgreSQL's placeholder); SQLite's ? is substituted in.
-USAGE = ("SELECT model, count(*), sum(prompt_tokens), sum(cached_tokens), sum(completion_tokens), "
-         "sum(thinking_tokens), sum(cost) FROM requests WHERE tenant = %s AND month = %s GROUP BY model")
-USAGE_KEYS = ("requests", "prompt", "cached", "completion", "thinking", "cost")
-
-
-class Database(Protocol):
-    """What the ledger needs of a database. `write` is called from the writer thread only;
-    the reads from any thread."""
-    Error: type[Exception]          # what a row that cannot be committed raises
-
-    def write(self, rows: list[UsageRow]) -> None:
-        """Commit the rows and add their costs to the monthly totals, all in one transaction, or raise Error."""
-
-    def close_writer(self) -> None: ...
-
-    def spent(self, tenant: str, month: str) -> float: ...
-
-    def usage(self, tenant: str, month: str) -> dict[str, dict]:
-        """Per model: requests, tokens by kind and cost of one tenant in one month."""
-
-    def rows(self, tenant: str | None = None) -> list[UsageRow]: ...
 
 
 class SqliteDatabase:
@@ -152,7 +101,8 @@ class SqliteDatabase:
             self._writer = None
 
     def spent(self, tenant: str, month: str) -> float:
-        row = self._reader().execute("SELECT cost FROM spend WHERE tenant = ? AND month = ?", (tenant, month)).fetchone()
+        row = self._reader().execute("SELECT cost FROM spend WHERE tenant = ? AND month = ?",
+                                     (tenant, month)).fetchone()
         return row[0] if row else 0.0
 
     def usage(self, tenant: str, month: str) -> dict[str, dict]:
@@ -161,13 +111,14 @@ class SqliteDatabase:
 
     def rows(self, tenant: str | None = None) -> list[UsageRow]:
         sql = SELECT_ROWS + (" WHERE tenant = ?" if tenant else "") + " ORDER BY id"
-        return [UsageRow(*r[:-3], bool(r[-3]), *r[-2:]) for r in self._reader().execute(sql, (tenant,) if tenant else ())]
+        return [UsageRow(*r[:-3], bool(r[-3]), *r[-2:])
+                for r in self._reader().execute(sql, (tenant,) if tenant else ())]
 
 
 def open_database(where: str | Path, synchronous: str = "NORMAL") -> Database:
     """A postgresql:// URL, or the path of a SQLite file."""
     if isinstance(where, str) and where.startswith(("postgresql://", "postgres://")):
-        from gateway.ledger_postgres import PostgresDatabase
+        from gateway.usage.ledger_postgres import PostgresDatabase
         return PostgresDatabase(where)
     return SqliteDatabase(where, synchronous)
 

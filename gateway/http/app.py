@@ -25,16 +25,16 @@ from litestar.datastructures import State
 from litestar.di import NamedDependency, Provide
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.datastructures import ResponseSpec
-from litestar.params import FromPath, JSONBody, Parameter
 from litestar.openapi.spec import Components, SecurityScheme
+from litestar.params import FromPath, JSONBody, Parameter
 from litestar.response import Stream
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway import schemas as s
-from gateway.auth import authenticate, current_tenant
 from gateway.errors import HANDLERS, GatewayError, body, clause, documented, explain, on_openai_error
+from gateway.http import schemas as s
+from gateway.http.auth import authenticate, current_tenant
+from gateway.http.openapi import ASK_EVENTS, CHAT_EVENTS, make_truthful
 from gateway.metrics import CONTENT_TYPE
-from gateway.openapi import ASK_EVENTS, CHAT_EVENTS, make_truthful
 from gateway.service import Done, Gateway, Meta, Token
 from gateway.tenants import Tenant
 from pipeline import Query
@@ -270,7 +270,8 @@ async def models(tenant: NamedDependency[Tenant]) -> s.ModelList:
 @post("/collections/{name:str}/documents", status_code=200,
       summary="Add or replace documents in one of the tenant's collections (created on first use)",
       responses=documented(400, 401, 413, 415, 422, 429, 503))
-async def add_documents(request: Request, name: CollectionPath, data: JSONBody[s.IngestRequest], tenant: NamedDependency[Tenant]) -> s.IngestResponse:
+async def add_documents(request: Request, name: CollectionPath, data: JSONBody[s.IngestRequest],
+                        tenant: NamedDependency[Tenant]) -> s.IngestResponse:
     docs = []
     for i, d in enumerate(data.documents):
         try:
@@ -282,7 +283,8 @@ async def add_documents(request: Request, name: CollectionPath, data: JSONBody[s
 
 @delete("/collections/{name:str}/documents/{doc_id:path}", status_code=200, summary="Delete one document",
         responses=documented(401, 404, 422, 429, 503))
-async def delete_document(request: Request, name: CollectionPath, doc_id: FromPath[str], tenant: NamedDependency[Tenant]) -> s.DeleteResponse:
+async def delete_document(request: Request, name: CollectionPath, doc_id: FromPath[str],
+                          tenant: NamedDependency[Tenant]) -> s.DeleteResponse:
     return await gateway_of(request).delete(tenant, name, doc_id.lstrip("/"))
 
 
@@ -352,7 +354,8 @@ def create_app(gateway: Gateway, banner: str | None = None, debug: bool = False)
                 guards=[authenticate], dependencies={"tenant": Provide(current_tenant, sync_to_thread=False)},
                 security=[{"bearer": []}], request_class=JSONRequest)
     openapi = OpenAPIConfig(title="Sluice", version="0.1.0", path="/schema",
-                            description="A workload-aware RAG gateway. Authenticate with `Authorization: Bearer <key>`.",
+                            description="A workload-aware RAG gateway. Authenticate with "
+                                        "`Authorization: Bearer <key>`.",
                             components=Components(security_schemes={"bearer": SecurityScheme(
                                 type="http", scheme="bearer", description="the tenant's API key")}))
     pending: set[asyncio.Task] = set()      # a task must be referenced until it is done

@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Protocol
 
 from gateway.config import ServerConfig
-from gateway.ledger import Ledger
-from gateway.limits import RateLimiter, SpendGuard
 from gateway.tenants import Tenant
+from gateway.usage.ledger import Ledger
+from gateway.usage.limits import RateLimiter, SpendGuard
 
 SQLITE = "sqlite:///"
 
@@ -48,6 +48,6 @@ def open_storage(config: ServerConfig, data_dir: Path) -> tuple[Ledger, Rates, S
     ledger = Ledger(ledger_location(config.ledger, data_dir), config.ledger_synchronous)
     if config.limits == "memory":
         return ledger, RateLimiter(), SpendGuard(ledger)
-    from gateway.limits_redis import RedisRateLimiter, RedisSpendGuard, connect
+    from gateway.usage.limits_redis import RedisRateLimiter, RedisSpendGuard, connect
     client = connect(config.limits)
     return ledger, RedisRateLimiter(client), RedisSpendGuard(ledger, client)

@@ -19,8 +19,8 @@ import msgspec
 from litestar import Litestar
 from litestar.openapi.spec import OpenAPIMediaType
 
-from gateway import schemas
 from gateway.errors import ErrorBody
+from gateway.http import schemas
 
 SSE = "text/event-stream"
 

@@ -15,7 +15,7 @@ from dataclasses import astuple
 
 import psycopg
 
-from gateway.ledger import COLUMNS, SELECT_ROWS, USAGE, USAGE_KEYS, UsageRow
+from gateway.usage.rows import COLUMNS, SELECT_ROWS, USAGE, USAGE_KEYS, UsageRow
 
 MIGRATIONS: list[tuple[int, list[str]]] = [
     (1, ["""CREATE TABLE requests(

@@ -1,0 +1,60 @@
+"""A usage row, and what every ledger database (SQLite in ledger.py, PostgreSQL in ledger_postgres.py)
+writes and reads, in one place both import."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class UsageRow:
+    request_id: str
+    ts: float
+    month: str
+    tenant: str
+    endpoint: str
+    status: str
+    model: str
+    models: str
+    collection: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    thinking_tokens: int
+    cost: float
+    retrieval_ms: float
+    queue_ms: float
+    ttft_ms: float | None
+    total_ms: float
+    route_reason: str
+    difficulty: str | None
+    confidence: float | None
+    escalated: bool
+    finish_reason: str | None
+    arm: str | None = None
+
+
+COLUMNS = [f.name for f in fields(UsageRow)]
+SELECT_ROWS = f"SELECT {', '.join(COLUMNS)} FROM requests"
+# Written with %s (PostgreSQL's placeholder); SQLite's ? is substituted in.
+USAGE = ("SELECT model, count(*), sum(prompt_tokens), sum(cached_tokens), sum(completion_tokens), "
+         "sum(thinking_tokens), sum(cost) FROM requests WHERE tenant = %s AND month = %s GROUP BY model")
+USAGE_KEYS = ("requests", "prompt", "cached", "completion", "thinking", "cost")
+
+
+class Database(Protocol):
+    """What the ledger needs of a database. `write` is called from the writer thread only;
+    the reads from any thread."""
+    Error: type[Exception]          # what a row that cannot be committed raises
+
+    def write(self, rows: list[UsageRow]) -> None:
+        """Commit the rows and add their costs to the monthly totals, all in one transaction, or raise Error."""
+
+    def close_writer(self) -> None: ...
+
+    def spent(self, tenant: str, month: str) -> float: ...
+
+    def usage(self, tenant: str, month: str) -> dict[str, dict]:
+        """Per model: requests, tokens by kind and cost of one tenant in one month."""
+
+    def rows(self, tenant: str | None = None) -> list[UsageRow]: ...
