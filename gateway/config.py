@@ -82,6 +82,10 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # engine batches them), this many more wait; past that the gateway answers 503.
     max_inflight: Positive = 32
     max_queued: NonNegative = 64
+    # Seconds a request may take from arrival to its last token, unless its tenant file says
+    # otherwise: past it the request is cut (504, or an SSE error event) and its row says
+    # "timeout"; one that the queue's pace says cannot make it is refused at once (503).
+    request_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0
     # A cheap guard before tokenizing: characters in a question, or in all chat messages.
     max_input_chars: Positive = 16_000
     # Absent: mode=auto is the tenant's default model, with no escalation (no router installed).

@@ -33,7 +33,7 @@ from gateway.tenants import Tenant, TenantRegistry
 from gateway.usage.limits import Admission, month_of
 from gateway.usage.rows import UsageRow
 from gateway.usage.storage import open_storage
-from pipeline import Answer, Judged, Models, Pipeline, Plan, Progress, Query, Refused, cost, drive
+from pipeline import Answer, DeadlineExceeded, Judged, Models, Pipeline, Plan, Progress, Query, Refused, cost, drive
 from retrieval import CollectionStore, Embedder, RetrievalError
 from router.data import RouterError
 from router.model import RouterModel
@@ -220,19 +220,27 @@ class Gateway:
                     (len(progress.call.prompt_ids) if progress.call else 0)
                 self.rates.settle_tokens(tenant, est_tokens, prompts + progress.tokens)
 
+        limit = tenant.spec.limits.request_timeout_s or self.config.request_timeout_s
+        deadline = job.start + limit
         try:
-            async with self.admission.slot() as queued:
+            async with self.admission.slot(deadline) as queued:
                 # While the answer may yet be escalated, Meta (with the final route) waits for
                 # the cascade's verdict, and the driver holds the text back with it.
                 if not answer.may_escalate:
                     yield job.meta()
                 job.engine_start = time.monotonic()
                 try:
-                    async with aclosing(drive(answer, self.async_engine, progress)) as events:
+                    async with aclosing(drive(answer, self.async_engine, progress, deadline)) as events:
                         async for event in events:
                             yield job.meta() if isinstance(event, Judged) else Token(event.text)
                 except ValueError as e:            # the engine refused the input: nothing ran
                     raise GatewayError(422, f"the engine refused this request: {e}", code="engine_refused") from e
+                except DeadlineExceeded:           # its blocks are free already
+                    with anyio.CancelScope(shield=True):
+                        await self._settle(job, progress, queued, "timeout")
+                    raise GatewayError(504, f"the request passed its deadline of {limit:g} s and was cut after "
+                                            f"{progress.tokens} generated tokens, which are billed",
+                                       code="deadline_exceeded") from None
                 except EngineFailure as e:
                     with anyio.CancelScope(shield=True):
                         await self._settle(job, progress, queued, "error")

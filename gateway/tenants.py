@@ -67,6 +67,8 @@ class Limits(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     requests_per_minute: Positive
     tokens_per_minute: Positive          # prompt plus output tokens
     monthly_spend_cap_usd: Dollars       # calendar month, UTC
+    # Seconds from arrival to the last token (504 past it); absent: the server's request_timeout_s.
+    request_timeout_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
 
 
 class TenantSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):

@@ -7,10 +7,13 @@ stream) and evals (many questions at once) alike:
 `drive` yields the answer text a client may see as it comes, and `Judged` once the cascade's
 verdict makes the route final. While an answer may yet be escalated its text is held back
 (a client never sees a replaced answer) and follows `Judged` unless escalated. `Progress`
-keeps what the engine has produced, so a request that is cut off can still be billed.
+keeps what the engine has produced, so a request that is cut off can still be billed. Past
+its `deadline` the call in flight is closed (the engine aborts it and frees its blocks) and
+`DeadlineExceeded` is raised.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -29,6 +32,10 @@ class Engine(Protocol):
                draft: list[int] | None = None) -> AsyncIterator[StepOutput]: ...
 
     async def cut(self, request_id: str) -> Completion | None: ...
+
+
+class DeadlineExceeded(Exception):
+    """The answer was not done by its deadline; the call in flight was aborted."""
 
 
 @dataclass
@@ -51,9 +58,11 @@ class Progress:
     call: EngineCall | None = None          # in flight: not yet in the answer's calls
 
 
-async def drive(answer: Answer, engine: Engine, progress: Progress) -> AsyncIterator[Text | Judged]:
-    """Every call of `answer` through `engine`. Raises the engine's ValueError for input it
-    refuses (nothing ran) and EngineFailure for a call that failed while generating."""
+async def drive(answer: Answer, engine: Engine, progress: Progress,
+                deadline: float | None = None) -> AsyncIterator[Text | Judged]:
+    """Every call of `answer` through `engine`, done by `deadline` (time.monotonic(); None: no
+    deadline). Raises the engine's ValueError for input it refuses (nothing ran), EngineFailure
+    for a call that failed while generating, DeadlineExceeded past the deadline."""
     while (call := answer.next_call()) is not None:
         holding, progress.call, progress.text = answer.may_escalate, call, ""
         completion = None
@@ -61,7 +70,7 @@ async def drive(answer: Answer, engine: Engine, progress: Progress) -> AsyncIter
         # (aborting the request), not whenever it is garbage-collected.
         async with aclosing(engine.stream(call.prompt_ids, call.params, call.model, call.salt, call.request_id,
                                           draft=call.draft)) as outputs:
-            async for out in outputs:
+            while (out := await _next(outputs, deadline)) is not None:
                 if progress.first_token is None:
                     progress.first_token = time.monotonic()
                 progress.cached = out.num_cached_tokens
@@ -84,3 +93,16 @@ async def drive(answer: Answer, engine: Engine, progress: Progress) -> AsyncIter
             yield Judged(verdict)
             if not verdict.escalate and progress.text:
                 yield Text(progress.text)
+
+
+async def _next(outputs: AsyncIterator[StepOutput], deadline: float | None) -> StepOutput | None:
+    """The stream's next output, None at its end. A timeout cancels the wait inside the
+    stream, which aborts the request there (its blocks are freed before this raises)."""
+    try:
+        if deadline is None:
+            return await anext(outputs)
+        return await asyncio.wait_for(anext(outputs), max(0.0, deadline - time.monotonic()))
+    except StopAsyncIteration:
+        return None
+    except TimeoutError:
+        raise DeadlineExceeded() from None

@@ -11,7 +11,18 @@ import httpx
 import msgspec
 import pytest
 
-from tests.test_gateway_support import DOCS, KEYS, Server, auth, embedder, llm, make_gateway, parse_sse, tenant_toml  # noqa: F401
+from tests.test_gateway_support import (  # noqa: F401
+    DOCS,
+    KEYS,
+    Server,
+    auth,
+    embedder,
+    llm,
+    make_gateway,
+    parse_sse,
+    slow_llm,
+    tenant_toml,
+)
 
 
 @pytest.fixture
@@ -55,15 +66,6 @@ def test_every_endpoint_over_http(tmp_path, llm, embedder):
 
 
 LONG = {"alpha": tenant_toml(KEYS["alpha"], output=400)}
-
-
-@pytest.fixture
-def slow_llm(llm, monkeypatch):
-    """The engine, 3 ms slower a step: a 400-token answer then takes over a second, so a
-    client can be sure to leave while it is being generated, however loaded the machine."""
-    step = llm.step
-    monkeypatch.setattr(llm, "step", lambda: (time.sleep(0.003), step())[1])
-    return llm
 
 
 @pytest.mark.parametrize("endpoint", ["ask", "chat"])

@@ -92,6 +92,15 @@ def embedder():
     return _shared["embedder"]
 
 
+@pytest.fixture
+def slow_llm(llm, monkeypatch):
+    """The engine, 3 ms slower a step: a 400-token answer then takes over a second, so a
+    client can be sure to leave while it is being generated, however loaded the machine."""
+    step = llm.step
+    monkeypatch.setattr(llm, "step", lambda: (time.sleep(0.003), step())[1])
+    return llm
+
+
 def make_gateway(root: Path, llm: LLMEngine, embedder, tenants: dict[str, str] | None = None,
                  **config) -> Gateway:
     (root / "tenants").mkdir(parents=True, exist_ok=True)

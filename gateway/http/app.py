@@ -169,7 +169,7 @@ def _ask_done(meta: Meta, done: Done) -> s.AskResponse:
 
 
 @post("/ask", status_code=200, summary="Answer a question, from a collection or not", opt={"sse": ASK_EVENTS},
-      responses=documented(400, 401, 402, 403, 404, 413, 415, 422, 429, 500, 503),
+      responses=documented(400, 401, 402, 403, 404, 413, 415, 422, 429, 500, 503, 504),
       description="With `stream: true` the answer comes as Server-Sent Events: `meta` (route, citations), "
                   "`token` events (`{\"text\": ...}`), then `done` (usage, cost, timings), or `error`.")
 async def ask(request: Request, data: JSONBody[s.AskRequest], tenant: NamedDependency[Tenant]) -> s.AskResponse:
@@ -208,7 +208,7 @@ def _chat_usage(done: Done) -> s.ChatUsage:
 
 @post("/chat/completions", status_code=200, summary="OpenAI-compatible chat completions",
       opt={"sse": CHAT_EVENTS},
-      responses=documented(400, 401, 403, 404, 413, 415, 429, 500, 503, openai=True),
+      responses=documented(400, 401, 403, 404, 413, 415, 429, 500, 503, 504, openai=True),
       exception_handlers={GatewayError: on_openai_error},
       description="`model` is `auto`, `small` or `large`. Sluice's extra field `collection` answers from "
                   "that collection's passages (with an OpenAI SDK: `extra_body={\"collection\": ...}`). "

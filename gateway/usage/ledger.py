@@ -30,7 +30,7 @@ CREATE TABLE IF NOT EXISTS requests(
     month TEXT NOT NULL,              -- YYYY-MM (UTC): the month its cost counts against
     tenant TEXT NOT NULL,
     endpoint TEXT NOT NULL,           -- ask | chat | cli
-    status TEXT NOT NULL,             -- ok | cancelled (client went away) | error (engine failed)
+    status TEXT NOT NULL,             -- ok | cancelled (client went away) | error (engine failed) | timeout
     model TEXT NOT NULL,              -- the model that gave the answer
     models TEXT NOT NULL,             -- every model that ran, comma-separated
     collection TEXT,

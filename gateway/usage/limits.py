@@ -152,29 +152,47 @@ class SpendGuard:
 
 class Admission:
     """The bounded queue in front of the engine: `slots` generations at once, `queue` more
-    waiting in arrival order, and a 503 with Retry-After for anything past that."""
+    waiting in arrival order, and a 503 with Retry-After for anything past that, or for a
+    request that the queue's pace says would not start before its deadline (the mean time a
+    slot is held, as recent requests held it, times the rounds of slots ahead of it)."""
 
     def __init__(self, slots: int, queue: int, retry_after_s: float = 1.0):
         self.slots, self.queue, self.retry_after_s = slots, queue, retry_after_s
         self.running = 0
         self.waiting = 0
+        self.held_s = 0.0                # moving mean of how long a request holds its slot
         self._free = asyncio.Semaphore(slots)
 
+    def expected_wait(self) -> float:
+        """Seconds a request arriving now would wait for a slot, at the recent pace."""
+        return 0.0 if not self._free.locked() else math.ceil((self.waiting + 1) / self.slots) * self.held_s
+
     @asynccontextmanager
-    async def slot(self):
-        """Yields the seconds spent waiting for a slot."""
+    async def slot(self, deadline: float | None = None):
+        """Yields the seconds spent waiting for a slot. `deadline` (time.monotonic()): refuse
+        now what could not start before it, and give up waiting at it (504)."""
         if self._free.locked() and self.waiting >= self.queue:
             raise retry_after(503, f"the server is at capacity ({self.running} generating, {self.waiting} "
                                    f"queued); retry shortly", self.retry_after_s, "overloaded")
         start = time.monotonic()
+        wait = self.expected_wait()
+        if deadline is not None and start + wait >= deadline:
+            raise retry_after(503, f"the server is too busy to start this request before its deadline (about "
+                                   f"{wait:.0f} s of queue ahead of it); retry later", max(wait, self.retry_after_s),
+                              "overloaded")
         self.waiting += 1
         try:
-            await self._free.acquire()
+            await asyncio.wait_for(self._free.acquire(), None if deadline is None else deadline - start)
+        except TimeoutError:
+            raise GatewayError(504, f"the request waited {time.monotonic() - start:.1f} s for an engine slot and "
+                                    f"passed its deadline; nothing was generated", code="deadline_exceeded") from None
         finally:
             self.waiting -= 1
         self.running += 1
+        got = time.monotonic()
         try:
-            yield time.monotonic() - start
+            yield got - start
         finally:
             self.running -= 1
             self._free.release()
+            self.held_s += 0.2 * ((time.monotonic() - got) - self.held_s)
