@@ -1,7 +1,7 @@
 """The engine: every served model in one process, one step loop over them (llm_engine.py), and
 an async front for servers (async_engine.py). What the layers above may use is exported here;
 the rest of the package is its inside."""
-from .async_engine import AsyncEngine, EngineFailure
+from .async_engine import AsyncEngine, EngineFailure, Stopped
 from .config import QUANT_SCHEMES, EngineConfig, ModelEntry, SpecConfig, ThinkingConfig
 from .llm_engine import Completion, LLMEngine, StepOutput
 from .prompter import Prompter, Prompters
@@ -9,4 +9,4 @@ from .sampling_params import MIN_SEED, MIN_TEMPERATURE, MIN_TOP_P, SamplingParam
 
 __all__ = ["AsyncEngine", "Completion", "EngineConfig", "EngineFailure", "LLMEngine", "MIN_SEED", "MIN_TEMPERATURE",
            "MIN_TOP_P", "ModelEntry", "Prompter", "Prompters", "QUANT_SCHEMES", "SamplingParams", "SpecConfig",
-           "StepOutput", "ThinkingConfig"]
+           "StepOutput", "Stopped", "ThinkingConfig"]

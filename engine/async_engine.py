@@ -21,6 +21,10 @@ class EngineFailure(RuntimeError):
     pinned on one request); the engine itself and the other requests go on."""
 
 
+class Stopped(RuntimeError):
+    """The engine was told to stop serving (`fail_all`) while this request was in flight."""
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
@@ -49,14 +53,19 @@ class AsyncEngine:
                     outputs = await loop.run_in_executor(self._stepper, self.engine.step)
                 except Exception as exc:                 # keep serving: fail only what was in flight
                     log.exception("engine step failed")
-                    for request_id, queue in list(self._queues.items()):
-                        await loop.run_in_executor(self._stepper, self.engine.abort, request_id)
-                        queue.put_nowait(EngineFailure(f"engine step failed: {exc}"))
+                    await self.fail_all(EngineFailure(f"engine step failed: {exc}"))
                     continue
                 for out in outputs:
                     if (queue := self._queues.get(out.request_id)) is not None:
                         queue.put_nowait(out)
             await self._wakeup.wait()
+
+    async def fail_all(self, error: Exception) -> None:
+        """End every request in flight now (their blocks go back), each stream raising `error`."""
+        loop = asyncio.get_running_loop()
+        for request_id, queue in list(self._queues.items()):
+            await loop.run_in_executor(self._stepper, self.engine.abort, request_id)
+            queue.put_nowait(error)
 
     async def cut(self, request_id: str) -> Completion | None:
         """End a request now (its stream yields nothing more): what it had produced."""

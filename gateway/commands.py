@@ -158,9 +158,7 @@ def demo_banner(host: str, port: int) -> str:
 
 
 def cmd_serve(args, config: ServerConfig) -> int:
-    import uvicorn
-
-    from gateway.http.app import create_app
+    from gateway.http.server import serve
     from gateway.service import Gateway
     from retrieval import CollectionStore
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -187,7 +185,7 @@ def cmd_serve(args, config: ServerConfig) -> int:
             store.close()
         banner = demo_banner(args.host, args.port)
     gateway = Gateway(config, registry, data, engine=engine, embedder=embedder)
-    uvicorn.run(create_app(gateway, banner=banner), host=args.host, port=args.port, log_level="info")
+    serve(gateway, args.host, args.port, banner)
     return 0
 
 

@@ -86,6 +86,9 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # otherwise: past it the request is cut (504, or an SSE error event) and its row says
     # "timeout"; one that the queue's pace says cannot make it is refused at once (503).
     request_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0
+    # On SIGTERM (or the first Ctrl-C) the server drains: new requests get 503, those admitted
+    # may finish for this long, then the rest are cut (503 shutting_down) and it exits.
+    drain_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 30.0
     # A cheap guard before tokenizing: characters in a question, or in all chat messages.
     max_input_chars: Positive = 16_000
     # Absent: mode=auto is the tenant's default model, with no escalation (no router installed).

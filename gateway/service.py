@@ -24,7 +24,7 @@ from pathlib import Path
 
 import anyio
 
-from engine import AsyncEngine, EngineFailure, LLMEngine
+from engine import AsyncEngine, EngineFailure, LLMEngine, Stopped
 from gateway.config import ServerConfig
 from gateway.errors import GatewayError, retry_after
 from gateway.http import schemas as s
@@ -141,6 +141,8 @@ class Gateway:
         self.pipeline: Pipeline | None = None
         self.collection_store: CollectionStore | None = None
         self.load_error: str | None = None
+        self.draining = False            # refusing new requests: shutting down (drain)
+        self.closed = False              # past the drain: nothing more is started
         self._loading: asyncio.Task | None = None
         self._ingest = anyio.CapacityLimiter(1)    # embedding is CPU-bound: one ingest at a time
 
@@ -190,7 +192,24 @@ class Gateway:
             self.collection_store.close()
         self.ledger.close()
 
+    async def drain(self) -> None:
+        """Stop admitting (503), let what was admitted finish for up to drain_timeout_s, then
+        cut the rest with a clear error and return once their ledger rows are written."""
+        self.draining = True
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        while (self.admission.running or self.admission.waiting) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        self.closed = True
+        if self.async_engine:
+            await self.async_engine.fail_all(Stopped("the server is shutting down"))
+        while self.admission.running or self.admission.waiting:     # the cut ones settle, the queued leave
+            await asyncio.sleep(0.01)
+        log.info("drained")
+
     def _require_ready(self) -> None:
+        if self.draining:
+            raise retry_after(503, "the server is shutting down; retry shortly (another replica may answer)", 1,
+                              "shutting_down")
         if self.load_error:
             raise GatewayError(503, f"the server cannot answer: {self.load_error}", code="not_ready")
         if not self.ready:
@@ -224,6 +243,8 @@ class Gateway:
         deadline = job.start + limit
         try:
             async with self.admission.slot(deadline) as queued:
+                if self.closed:                    # queued through the whole drain: nothing ran
+                    raise retry_after(503, "the server is shutting down; retry shortly", 1, "shutting_down")
                 # While the answer may yet be escalated, Meta (with the final route) waits for
                 # the cascade's verdict, and the driver holds the text back with it.
                 if not answer.may_escalate:
@@ -241,6 +262,12 @@ class Gateway:
                     raise GatewayError(504, f"the request passed its deadline of {limit:g} s and was cut after "
                                             f"{progress.tokens} generated tokens, which are billed",
                                        code="deadline_exceeded") from None
+                except Stopped:                    # cut by the drain's end
+                    with anyio.CancelScope(shield=True):
+                        await self._settle(job, progress, queued, "cancelled")
+                    raise retry_after(503, f"the server is shutting down and cut this request after "
+                                           f"{progress.tokens} generated tokens, which are billed; retry",
+                                      1, "shutting_down") from None
                 except EngineFailure as e:
                     with anyio.CancelScope(shield=True):
                         await self._settle(job, progress, queued, "error")

@@ -144,11 +144,13 @@ class Server:
 
     def __init__(self, gateway: Gateway):
         import uvicorn
+
+        from gateway.http.server import DrainingServer
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(create_app(gateway), log_level="warning", lifespan="on"))
+        self.server = DrainingServer(uvicorn.Config(create_app(gateway), log_level="warning", lifespan="on"), gateway)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def __enter__(self) -> Server:

@@ -38,7 +38,8 @@ def test_every_endpoint_documents_its_statuses_in_the_error_shape_it_sends(schem
     statuses = {(path, method): sorted(op["responses"]) for path, item in schema["paths"].items()
                 for method, op in item.items()}
     assert statuses == {
-        ("/v1/ask", "post"): ["200", "400", "401", "402", "403", "404", "413", "415", "422", "429", "500", "503", "504"],
+        ("/v1/ask", "post"): ["200", "400", "401", "402", "403", "404", "413", "415", "422", "429", "500", "503",
+                              "504"],
         ("/v1/chat/completions", "post"): ["200", "400", "401", "403", "404", "413", "415", "429", "500", "503", "504"],
         ("/v1/models", "get"): ["200", "401", "429", "503"],
         ("/v1/collections/{name}/documents", "post"): ["200", "400", "401", "413", "415", "422", "429", "503"],

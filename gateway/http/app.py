@@ -307,10 +307,13 @@ async def healthz() -> s.Health:
 
 
 @get("/readyz", summary="Models and embedder are loaded",
-     responses={503: ResponseSpec(s.Health, description="still loading, or loading failed (`detail` says why)",
-                                  generate_examples=False)})
+     responses={503: ResponseSpec(s.Health, generate_examples=False,
+                                  description="still loading, loading failed (`detail` says why), or draining "
+                                              "before shutdown")})
 async def readyz(request: Request) -> Response[s.Health]:
     gw = gateway_of(request)
+    if gw.draining:
+        return Response(s.Health("draining", "shutting down"), status_code=503, headers={"Retry-After": "1"})
     if gw.ready:
         return Response(s.Health("ready", models=sorted(gw.engine.workers)))
     status = "failed" if gw.load_error else "loading"
