@@ -39,8 +39,9 @@ STATUSES = {
     429: "Over the tenant's requests or tokens per minute (`Retry-After`); on /v1/chat/completions also an "
          "exhausted spend cap, with code `insufficient_quota`.",
     500: "A fault of the server's own (the engine failed); it is logged.",
-    503: "Models are still loading, the bounded queue is full or too slow to start the request before its "
-         "deadline, or the shared limits store cannot be reached (`Retry-After`).",
+    503: "Models are still loading, the server is shutting down, the bounded queue is full or too slow to start "
+         "the request before its deadline, or the usage ledger or the shared limits store takes no writes "
+         "(`Retry-After`).",
     504: "The request passed its deadline (the tenant's `request_timeout_s`, else the server's) and was cut; "
          "what it generated is billed. A stream ends with an `error` event instead.",
 }

@@ -30,6 +30,7 @@ from gateway.errors import GatewayError, retry_after
 from gateway.http import schemas as s
 from gateway.metrics import GatewayMetrics
 from gateway.tenants import Tenant, TenantRegistry
+from gateway.usage.ledger import LedgerUnavailable
 from gateway.usage.limits import Admission, month_of
 from gateway.usage.rows import UsageRow
 from gateway.usage.storage import open_storage
@@ -287,6 +288,9 @@ class Gateway:
         where they cost least: after the pipeline's cheap checks, before retrieval."""
         start = time.monotonic()
         self._require_ready()
+        if self.ledger.unavailable:
+            raise retry_after(503, f"the usage ledger takes no writes now ({self.ledger.unavailable}); no request is "
+                                   f"answered unbilled, so none is taken until it does", 1, "ledger_unavailable")
         terms = tenant.terms
         with refusals():
             self.pipeline.check(terms, q)
@@ -333,11 +337,15 @@ class Gateway:
         finish = last.finish_reason if last else "abort"
         text = last.text if last else p.text
         model, tenant_id = d.model, job.tenant.id
-        await self.ledger.record(UsageRow(
-            job.plan.request_id, time.time(), month_of(time.time()), tenant_id, job.query.endpoint, status,
-            model, ",".join(c[0] for c in calls), job.query.collection, prompt, cached, produced, thinking, spent,
-            timings.retrieval, timings.queue, timings.ttft, timings.total, d.reason, d.difficulty, d.confidence,
-            d.escalated, finish, d.arm))
+        try:
+            await self.ledger.record(UsageRow(
+                job.plan.request_id, time.time(), month_of(time.time()), tenant_id, job.query.endpoint, status,
+                model, ",".join(c[0] for c in calls), job.query.collection, prompt, cached, produced, thinking, spent,
+                timings.retrieval, timings.queue, timings.ttft, timings.total, d.reason, d.difficulty, d.confidence,
+                d.escalated, finish, d.arm))
+        except LedgerUnavailable as e:     # kept, and written when the store is back; not answered now
+            raise retry_after(503, f"the usage ledger takes no writes now ({e}); this request's answer is withheld "
+                                   f"rather than given unbilled", 1, "ledger_unavailable") from None
         m = self.metrics
         m.answers.inc(model, status)
         m.escalations.inc(amount=int(d.escalated))

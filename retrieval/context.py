@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .prompt import build_prompt
+from .select import Selector
 from .trim import TrimResult, trim
 from .types import Chunk, RetrievalError, SearchHit, TokenCounter
 
@@ -36,14 +37,15 @@ class RagContext:
 
 def rag_context(collection, question: str, budget: int, tokenizer: TokenCounter, k: int,
                 messages: list[dict[str, str]] | None = None, vector=None, lead: Sequence[Chunk] = (),
-                hits: list[SearchHit] | None = None) -> RagContext:
+                hits: list[SearchHit] | None = None, selector: Selector | None = None) -> RagContext:
     """`collection`: a retrieval Collection, or None to send the question (or `messages`) alone.
     `question` is what is searched for; the budget counts the whole conversation when
     `messages` is given; `vector` is the question's embedding when the caller has it already
     (the gateway's router embeds the question once for both); `lead`: the passages of an
     earlier, narrower call that this one widens, kept and put first (trim); `hits`: that
-    question's search results when the caller has them (one search, trimmed to several budgets). Raises
-    RetrievalError (OverBudget when nothing could be dropped)."""
+    question's search results when the caller has them (one search, trimmed to several budgets);
+    `selector`: cut the hits down to their sentences that bear on the question before trimming
+    (select.py), None for whole chunks. Raises RetrievalError (OverBudget when nothing could be dropped)."""
     text = question if messages is None else "\n".join(m["content"] for m in messages)
     if collection is None:
         tokens = len(tokenizer.encode(text))
@@ -52,7 +54,9 @@ def rag_context(collection, question: str, budget: int, tokenizer: TokenCounter,
         return RagContext(messages or [{"role": "user", "content": question}], [], [],
                           TrimResult([], [], tokens, budget))
     hits = collection.search(question, k=k, vector=vector) if hits is None else hits
-    result = trim([h.chunk for h in hits], text, budget, tokenizer, lead=lead)
+    chunks = ([h.chunk for h in hits] if selector is None
+              else selector.select(question, hits, budget, tokenizer, lead, counted=text))
+    result = trim(chunks, text, budget, tokenizer, lead=lead)
     prompt = build_prompt(question, result.chunks, lead=lead)
     if messages is None:
         composed = prompt.messages

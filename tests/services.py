@@ -79,6 +79,11 @@ class Postgres:
             db.execute(f"CREATE DATABASE {name}")
         return f"{self.url}/{name}"
 
+    def restart(self) -> None:
+        """Stop at once (connections drop mid-transaction, as in a crash), then start again."""
+        self._run([self.pg_ctl, "-D", str(self.data), "-l", str(self.root / "log"), "-m", "immediate", "-w", "-t", "60",
+                   "restart"])
+
     def stop(self) -> None:
         subprocess.run(self.as_user + [self.pg_ctl, "-D", str(self.data), "-m", "immediate", "stop"],
                        capture_output=True, cwd=self.root)

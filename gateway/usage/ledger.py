@@ -56,6 +56,7 @@ ADD_SPEND = ("INSERT INTO spend(tenant, month, cost) VALUES (?, ?, ?) "
 
 class SqliteDatabase:
     Error = sqlite3.Error
+    Unavailable = sqlite3.OperationalError        # disk full, read-only, locked past the timeout
 
     def __init__(self, path: str | Path, synchronous: str = "NORMAL"):
         self.path = Path(path)
@@ -123,13 +124,25 @@ def open_database(where: str | Path, synchronous: str = "NORMAL") -> Database:
     return SqliteDatabase(where, synchronous)
 
 
+class LedgerUnavailable(Exception):
+    """The store refused the row for a reason of its own (full, read-only, unreachable). The
+    row is kept and written once the store takes writes again; meanwhile `unavailable` says why."""
+
+
 class Ledger:
     """Group commit in front of a database. `after_commit` hooks see each committed batch in
-    the writer thread before any of its callers return (the shared spend cap counts it there)."""
+    the writer thread before any of its callers return (the shared spend cap counts it there).
 
-    def __init__(self, where: str | Path, synchronous: str = "NORMAL"):
+    When the store itself fails (not a bad row), the rows are kept in memory, their callers
+    get LedgerUnavailable, `unavailable` says why, and the writer tries them again every
+    `retry_s`: the first success clears it, without a restart."""
+
+    def __init__(self, where: str | Path, synchronous: str = "NORMAL", retry_s: float = 1.0):
         self.db = open_database(where, synchronous)
         self.after_commit: list[Callable[[list[UsageRow]], None]] = []
+        self.unavailable: str | None = None
+        self.retry_s = retry_s
+        self._pending: list[UsageRow] = []          # refused by the store; written when it is back
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._writer: threading.Thread | None = None
         self._start_lock = threading.Lock()
@@ -152,9 +165,14 @@ class Ledger:
 
     def _write_loop(self) -> None:
         while True:
-            batch = [self._queue.get()]
+            try:
+                batch = [self._queue.get(timeout=self.retry_s if self._pending else None)]
+            except queue.Empty:              # time to try the kept rows again
+                batch = []
             while not self._queue.empty():
                 batch.append(self._queue.get())
+            if self._pending:
+                self._retry()
             items = [b for b in batch if b is not None]
             if items:
                 rows = [row for row, _, _ in items]
@@ -164,26 +182,47 @@ class Ledger:
                 except self.db.Error:        # one bad row must not cost the others theirs
                     errors = [self._write_alone(row) for row in rows]
                 committed = [row for row, error in zip(rows, errors) if error is None]
-                for hook in self.after_commit if committed else ():
-                    try:
-                        hook(committed)
-                    except Exception:        # the rows stand; the hook reports its own trouble
-                        log.exception("after-commit hook failed")
+                self._committed(committed)
                 for (_, loop, done), error in zip(items, errors):
                     try:
                         loop.call_soon_threadsafe(_settle, done, error)
                     except RuntimeError:     # that caller's event loop is gone; the row is written
                         pass
             if len(items) < len(batch):      # close() asked us to stop
+                if self._pending:
+                    log.error("closing with %d usage rows the store never took", len(self._pending))
                 self.db.close_writer()
                 return
 
     def _write_alone(self, row: UsageRow) -> Exception | None:
         try:
             self.db.write([row])
+        except self.db.Unavailable as e:
+            self.unavailable = f"{type(e).__name__}: {e}"
+            self._pending.append(row)
+            log.error("usage ledger unavailable, %d rows kept to write later: %s", len(self._pending), e)
+            return LedgerUnavailable(self.unavailable)
         except self.db.Error as e:
             return e
+        self.unavailable = None
         return None
+
+    def _retry(self) -> None:
+        try:
+            self.db.write(self._pending)
+        except self.db.Error as e:
+            self.unavailable = f"{type(e).__name__}: {e}"
+            return
+        log.warning("usage ledger available again: wrote the %d rows kept", len(self._pending))
+        self._committed(self._pending)
+        self._pending, self.unavailable = [], None
+
+    def _committed(self, rows: list[UsageRow]) -> None:
+        for hook in self.after_commit if rows else ():
+            try:
+                hook(rows)
+            except Exception:        # the rows stand; the hook reports its own trouble
+                log.exception("after-commit hook failed")
 
     def close(self) -> None:
         with self._start_lock:

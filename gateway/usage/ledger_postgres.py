@@ -73,6 +73,7 @@ def migrate(url: str) -> list[int]:
 
 class PostgresDatabase:
     Error = psycopg.Error
+    Unavailable = psycopg.OperationalError        # the server is down, restarting or unreachable
 
     def __init__(self, url: str):
         self.url = url

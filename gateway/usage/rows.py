@@ -46,6 +46,7 @@ class Database(Protocol):
     """What the ledger needs of a database. `write` is called from the writer thread only;
     the reads from any thread."""
     Error: type[Exception]          # what a row that cannot be committed raises
+    Unavailable: type[Exception]    # of those, the store's own trouble (full, read-only, gone), not the row's
 
     def write(self, rows: list[UsageRow]) -> None:
         """Commit the rows and add their costs to the monthly totals, all in one transaction, or raise Error."""
