@@ -10,7 +10,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[dev,triton,ray]'
 	touch $@
 
-.PHONY: run test lint test-slow test-ray services bench router context-curve eval-report thinking-table
+.PHONY: run test lint test-slow test-ray services bench soak router context-curve eval-report thinking-table
 run: $(VENV)/.installed
 	$(VENV)/bin/sluice serve --demo
 
@@ -41,6 +41,11 @@ test-ray: $(VENV)/.installed services
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/engine_bench.py
+
+# An hour of steady traffic at half the measured capacity (benchmarks/load_bench.py): memory and
+# p99 latency slopes, errors, KV blocks at the end. Not in CI.
+soak: $(VENV)/.installed
+	$(PY) benchmarks/load_bench.py soak --minutes 60
 
 # The router a fresh checkout serves (artifacts/router/router.joblib, committed with its sidecar
 # router.json: the commands, labels, weights and training report). SQuAD questions of the train

@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -52,10 +53,17 @@ def machine() -> dict:
             "threads": torch.get_num_threads(), "torch": torch.__version__}
 
 
+@dataclass(frozen=True)
+class Running:
+    url: str
+    pid: int
+
+
 @contextmanager
-def sluice_server(args: list[str], log: Path, env: dict[str, str] | None = None, timeout: float = 300) -> Iterator[str]:
+def sluice_server(args: list[str], log: Path, env: dict[str, str] | None = None,
+                  timeout: float = 300) -> Iterator[Running]:
     """`sluice <args> --port P` in its own process on 127.0.0.1, its stderr in `log`; yields
-    its URL once /readyz answers 200, and stops it afterwards."""
+    its URL and process id once /readyz answers 200, and stops it afterwards."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -74,7 +82,7 @@ def sluice_server(args: list[str], log: Path, env: dict[str, str] | None = None,
             except httpx.TransportError:
                 pass
             time.sleep(0.2)
-        yield url
+        yield Running(url, server.pid)
     finally:
         server.terminate()
         server.wait(timeout=30)

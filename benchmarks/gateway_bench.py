@@ -152,8 +152,8 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         setup = write_setup(Path(tmp), args.ledger_synchronous)
-        with sluice_server(setup, Path(tmp) / "server.log", {"OMP_NUM_THREADS": "1"}, timeout=120) as url:
-            host, port = url.removeprefix("http://").split(":")
+        with sluice_server(setup, Path(tmp) / "server.log", {"OMP_NUM_THREADS": "1"}, timeout=120) as server:
+            host, port = server.url.removeprefix("http://").split(":")
             load = os.getloadavg()[0]
             results = [asyncio.run(run_load(host, int(port), c, args.requests)) for c in args.clients]
     # uvicorn takes httptools and uvloop when they are installed, else h11 and asyncio's loop.

@@ -111,7 +111,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=RESULTS / "noisy_neighbour.json")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        with sluice_server(write_setup(Path(tmp)), Path(tmp) / "server.log") as url:
+        with sluice_server(write_setup(Path(tmp)), Path(tmp) / "server.log") as server:
+            url = server.url
             asyncio.run(run(url, args.clients, 10, hostile=False))            # warm up
             load = os.getloadavg()[0]
             alone = asyncio.run(run(url, args.clients, args.seconds, hostile=False))
