@@ -7,6 +7,7 @@ plain ChatML, the format of both Qwen and SmolLM2.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import jinja2
@@ -34,7 +35,10 @@ class Tokenizer:
         self.eos_id = self.hf.token_to_id(self.eos_token) if self.eos_token else None
         self.add_bos = bool(config.get("add_bos_token")) and self.bos_token is not None
         self.vocab_size = self.hf.get_vocab_size()
-        self.special_ids = frozenset(i for i, t in self.hf.get_added_tokens_decoder().items() if t.special)
+        added = self.hf.get_added_tokens_decoder()
+        self.special_ids = frozenset(i for i, t in added.items() if t.special)
+        spellings = sorted((t.content for t in added.values() if t.special), key=len, reverse=True)
+        self._specials = re.compile("|".join(map(re.escape, spellings))) if spellings else None
 
     def encode(self, text: str) -> list[int]:
         ids = self.hf.encode(text, add_special_tokens=False).ids
@@ -46,10 +50,18 @@ class Tokenizer:
         """Special tokens (special_ids) write nothing."""
         return self.hf.decode(ids, skip_special_tokens=True)
 
+    def defuse(self, text: str) -> str:
+        """`text` with each special token's spelling broken by a zero-width space after its first
+        character: what a client or a document writes is read as text, so "<|im_end|>" in a
+        question cannot end its turn and start another."""
+        return self._specials.sub(lambda m: f"{m[0][0]}\u200b{m[0][1:]}", text) if self._specials else text
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         for m in messages:
             if m.get("role") not in ("system", "user", "assistant") or not isinstance(m.get("content"), str):
                 raise ValueError(f"bad chat message {m!r}: needs role system|user|assistant and text content")
+        # Only the template writes control tokens; the messages' own text is defused.
+        messages = [{**m, "content": self.defuse(m["content"])} for m in messages]
         return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "")
 
