@@ -127,6 +127,9 @@ def build_parser(prog: str = "python -m evals") -> argparse.ArgumentParser:
     run.add_argument("--context-budget", type=_count(1), default=DEFAULT_CONTEXT_BUDGET, metavar="TOKENS",
                      help="prompt tokens for instructions, passages and question "
                           "(default: %(default)s, the demo tenant's)")
+    run.add_argument("--selection", action="store_true",
+                     help="cut the hits to the sentences that bear on the question before trimming, as a tenant's "
+                          "passage_selection (default: whole passages)")
     run.add_argument("--k", type=_count(1), default=DEFAULT_K,
                      help="hits searched for before trimming (default: %(default)s)")
     run.add_argument("--max-tokens", type=_count(1), default=DEFAULT_MAX_TOKENS,
@@ -213,7 +216,7 @@ def cmd_run(args) -> int:
     config = RunConfig(args.dataset, [str(f.resolve()) for f in files], args.sample, args.seed,
                        {"small": args.small, "large": args.large}, prices, args.context_budget, args.k,
                        args.max_tokens, args.thinking_budget, args.quant, args.split,
-                       parse_mix(args.mix) if args.dataset == "mixed" else (1, 1))
+                       parse_mix(args.mix) if args.dataset == "mixed" else (1, 1), args.selection)
     folder = Path(args.out) if args.out else (
         REPO / ".cache" / "evals" / f"{args.dataset}-n{args.sample or 'all'}-seed{args.seed}")
     dataset = load_dataset(config)

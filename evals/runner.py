@@ -66,6 +66,7 @@ class RunConfig(msgspec.Struct, forbid_unknown_fields=True):
     quant: str = "none"               # both models' weights: none, int8 or int4 (engine.quantize)
     split: str = "all"                # all, or the train or test half (evals.datasets.in_split)
     mix: tuple[int, int] = (1, 1)     # mixed: SQuAD questions to GSM8K problems
+    selection: bool = False           # passages cut to what bears on the question, as a tenant's passage_selection
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,8 @@ class Mode:
                         closed_book_margin=self.closed_book_margin, widen_from_cache=self.widen_from_cache)
         # Each mode its own prefix-cache namespace: a mode run after another in the same engine
         # would find that one's prompts cached, and look cheaper and faster than it is served.
-        return Terms(TENANT, policy, config.context_budget, config.max_tokens, SALT + b"/" + self.name.encode())
+        return Terms(TENANT, policy, config.context_budget, config.max_tokens, SALT + b"/" + self.name.encode(),
+                     config.selection)
 
 
 MODES: dict[str, Mode] = {"small": Mode("small", "small"), "large": Mode("large", "large")}

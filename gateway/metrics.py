@@ -140,6 +140,8 @@ class GatewayMetrics:
                                                "first answer's first tokens, cutting it short"))
         self.widened = r.add(Counter("sluice_widened_total", "escalations of a narrow arm's answer to the same "
                                      "model with a wider context"))
+        self.passages = r.add(Counter("sluice_context_passages_total", "passages put in prompts, whole or cut to "
+                                      "what bears on the question (passage_selection)", ("tenant", "kind")))
         self.routes = r.add(Counter("sluice_route_decisions_total", "first-call routes by tenant, model, difficulty "
                                     "and what chose them (client, no_router, classifier, policy, fallback)",
                                     ("tenant", "model", "difficulty", "source")))

@@ -351,6 +351,8 @@ class Gateway:
         m.escalations.inc(amount=int(d.escalated))
         m.early_escalations.inc(amount=int(answer.cut_early))
         m.widened.inc(amount=int(answer.widened))
+        m.passages.inc(tenant_id, "selected" if job.plan.terms.selection else "whole",
+                       amount=len(job.plan.context.citations))
         m.routes.inc(tenant_id, calls[0][0] if calls else job.plan.route.model, d.difficulty or "none", d.source)
         for name, *counts in calls:
             for kind, n in zip(("prompt", "cached", "completion"), counts[:3]):

@@ -78,6 +78,10 @@ class TenantSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, froze
     default_model: str
     allowed_models: Annotated[list[str], msgspec.Meta(min_length=1)]
     context_budget: Positive             # tokens of system message, passages and question
+    # true: the hits are cut to their sentences that bear on the question before the budget is
+    # filled (more answers fit a small budget); false: whole passages, in an order questions
+    # over the same passages share, so the prefix cache serves more of each prompt.
+    passage_selection: bool = False
     output_budget: Positive              # most output tokens one request may ask for
     thinking_budget: ThinkingBudgets = ThinkingBudgets()
     escalation_threshold: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.5
@@ -106,7 +110,7 @@ class Tenant:
                         spec.escalation_threshold, r.classifier, r.escalation, r.models, r.max_thinking_budget,
                         r.classifier_timeout_ms / 1000, r.early_escalation, r.arm_margin, r.closed_book_arm_margin,
                         r.widen, r.widen_from_cache)
-        return Terms(self.id, policy, spec.context_budget, spec.output_budget, self.salt)
+        return Terms(self.id, policy, spec.context_budget, spec.output_budget, self.salt, spec.passage_selection)
 
 
 def load_tenant(path: Path, served_models: set[str]) -> Tenant:

@@ -24,7 +24,7 @@ from typing import Protocol
 
 from engine import Completion, Prompter, SamplingParams, StepOutput
 from pipeline.prices import Price, cost
-from retrieval import OverBudget, RagContext, RetrievalError, rag_context
+from retrieval import OverBudget, RagContext, RetrievalError, Selector, rag_context
 from router.arms import Arm, arm_name, retrieved
 from router.confidence import ConfidenceModel, EarlyExit, Verdict, judge
 from router.data import RouterError
@@ -78,6 +78,7 @@ class Terms:
     context_budget: int
     output_budget: int
     salt: bytes                            # the engine's prefix-cache salt for its requests
+    selection: bool = False                # the hits cut to what bears on the question (retrieval/select.py)
 
     @property
     def max_thinking(self) -> int:
@@ -129,6 +130,7 @@ class Pipeline:
         says why one failed to load, and every routed question falls back saying so."""
         self.engine, self.prices, self.router, self.router_error = engine, prices, router, router_error
         self.embedder, self.pair, self.k, self.max_input_chars = embedder, pair, k, max_input_chars
+        self.selector = Selector(top=k)
         # The router's arms name the models they were labelled with (small, large); here they
         # are the pair's, whatever the server calls them.
         self.arms: tuple[Arm, ...] = () if router is None or router.arms is None or pair is None else tuple(
@@ -190,9 +192,11 @@ class Pipeline:
         # router; the routed pair shares one tokenizer, so a route cannot change the count.
         first = q.mode if q.mode != "auto" else terms.policy.default_model
         embed, tokenizer = self.routes_by_classifier(terms, q), self.engine.prompter(first)
+        selector = self.selector if terms.selection else None
         try:
             vector = self.embedder.encode([q.question]) if embed else None
-            context = rag_context(collection, q.question, terms.context_budget, tokenizer, self.k, q.messages, vector)
+            context = rag_context(collection, q.question, terms.context_budget, tokenizer, self.k, q.messages, vector,
+                                  selector=selector)
         except OverBudget as e:
             raise Refused(422, f"the {e.what} is {e.tokens} tokens; tenant {terms.name!r} has a context "
                                f"budget of {terms.context_budget}", q.input_field, "over_context_budget") from None
@@ -207,7 +211,7 @@ class Pipeline:
             # search, trimmed to the arm's budget.
             whole = context
             trimmed = lambda budget, lead=(): rag_context(collection, q.question, budget, tokenizer, self.k,
-                                                          q.messages, vector, lead, whole.hits)
+                                                          q.messages, vector, lead, whole.hits, selector)
             try:
                 context = trimmed(r.context_budget)
                 r = replace(r, reason=f"{r.reason}; context trimmed to the arm's {r.context_budget} tokens")

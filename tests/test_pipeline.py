@@ -250,3 +250,30 @@ def test_plan_routes_a_closed_book_question_by_the_closed_book_margin(tmp_path, 
     # ...and a wide one the cheapest, whatever the margin for retrieved questions says.
     cheap = plan(arm_margin=0.0, closed_book_margin=1.0)
     assert cheap.arm == "small" and "within 1.00 of the best, large+think256" in cheap.reason
+
+
+def test_a_tenants_passage_selection_cuts_the_passages_to_what_the_question_asks(tmp_path, llm, embedder):
+    """With passage_selection the prompt holds the sentence that answers, cited by its document,
+    in a budget too small for its whole passage; without it, whole passages or none."""
+    from dataclasses import replace as with_
+
+    from retrieval.prompt import passage, system_text
+    store = CollectionStore(tmp_path / "collections", embedder)
+    collection = store.collection("acme", "kb")
+    collection.ingest([Document(d["id"], d["text"], d["title"]) for d in DOCS["documents"]])
+    p, question = _pipeline(llm), "Which landmark stands in Paris?"
+    paris = collection.chunks("paris")[0]
+    count = lambda text: len(llm.prompter("small").encode(text))
+    # Room for the instructions, the question and all but the last few tokens of the Paris passage.
+    budget = count(system_text([])) + count(question) + count("\n\n" + passage(3, paris)) - 4
+    try:
+        found = {}
+        for selection in (False, True):
+            terms = with_(_terms(classifier=False), context_budget=budget, selection=selection)
+            ctx = p.plan(terms, Query(question, collection="kb", mode="small"), collection, "r").context
+            assert ctx.trimmed.tokens <= budget
+            found[selection] = {c.doc_id: c.text for c in ctx.trimmed.chunks}
+        assert "paris" not in found[False]
+        assert "The Eiffel Tower stands in Paris." in found[True].get("paris", "")
+    finally:
+        store.close()
