@@ -2,6 +2,7 @@
 timing, percentiles, a `sluice serve` process, and where results go."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -86,3 +87,35 @@ def sluice_server(args: list[str], log: Path, env: dict[str, str] | None = None,
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def smollm_setup(folder: Path, keys: dict[str, str], output_tokens: int, server: str = "") -> list[str]:
+    """A `sluice serve` setup in `folder`: SmolLM2-135M (the `smollm2-135m` store model) as its one
+    model, a tenant per (name, API key) whose limits never bind, `server` more lines at the top of
+    the server config. Returns the CLI arguments."""
+    (folder / "tenants").mkdir()
+    for name, key in keys.items():
+        (folder / "tenants" / f"{name}.toml").write_text(f"""
+api_key_sha256 = ["{hashlib.sha256(key.encode()).hexdigest()}"]
+allowed_models = ["small"]
+default_model = "small"
+context_budget = 400
+output_budget = {output_tokens}
+prefix_cache_salt = "salt-{name}"
+[limits]
+requests_per_minute = 100000000
+tokens_per_minute = 100000000
+monthly_spend_cap_usd = 1000000.0
+""")
+    (folder / "server.toml").write_text(f"""{server}
+[engine]
+memory_budget_gb = 2.0
+[engine.models.small]
+source = "smollm2-135m"
+[prices.small]
+input = 0.1
+cached_input = 0.025
+output = 0.4
+""")
+    return ["--config", str(folder / "server.toml"), "serve", "--tenants", str(folder / "tenants"),
+            "--data", str(folder / "data")]

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import os
 import random
 import re
@@ -35,7 +34,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-from common import RESULTS, percentile, sluice_server, write_results
+from common import RESULTS, percentile, sluice_server, smollm_setup, write_results
 
 KEY = "sk-load"
 QUESTIONS = ["What is the capital of France?", "Name three primary colours.", "How many legs does a spider have?",
@@ -44,34 +43,8 @@ OUTPUT_TOKENS, INFLIGHT, QUEUED, DEADLINE_S = 16, 16, 32, 20.0
 
 
 def write_setup(folder: Path) -> list[str]:
-    (folder / "tenants").mkdir()
-    (folder / "tenants" / "load.toml").write_text(f"""
-api_key_sha256 = ["{hashlib.sha256(KEY.encode()).hexdigest()}"]
-allowed_models = ["small"]
-default_model = "small"
-context_budget = 400
-output_budget = {OUTPUT_TOKENS}
-prefix_cache_salt = "salt-load"
-[limits]
-requests_per_minute = 100000000
-tokens_per_minute = 100000000
-monthly_spend_cap_usd = 1000000.0
-""")
-    (folder / "server.toml").write_text(f"""
-max_inflight = {INFLIGHT}
-max_queued = {QUEUED}
-request_timeout_s = {DEADLINE_S}
-[engine]
-memory_budget_gb = 2.0
-[engine.models.small]
-source = "smollm2-135m"
-[prices.small]
-input = 0.1
-cached_input = 0.025
-output = 0.4
-""")
-    return ["--config", str(folder / "server.toml"), "serve", "--tenants", str(folder / "tenants"),
-            "--data", str(folder / "data")]
+    return smollm_setup(folder, {"load": KEY}, OUTPUT_TOKENS, f"max_inflight = {INFLIGHT}\nmax_queued = {QUEUED}\n"
+                                                            f"request_timeout_s = {DEADLINE_S}")
 
 
 async def ask(http: httpx.AsyncClient, samples: list, started: float) -> None:

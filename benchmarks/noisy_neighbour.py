@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import json
 import os
 import sys
@@ -27,7 +26,7 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
-from common import RESULTS, percentile, sluice_server
+from common import RESULTS, percentile, sluice_server, smollm_setup
 
 KEYS = {"steady": "sk-steady", "hostile": "sk-hostile"}
 QUESTIONS = ["What is the capital of France?", "Name three primary colours.", "How many legs does a spider have?",
@@ -41,33 +40,7 @@ TARGET_RATIO = 1.2
 
 def write_setup(folder: Path) -> list[str]:
     """Two tenants whose limits never bind, a server config with SmolLM2; returns CLI args."""
-    (folder / "tenants").mkdir()
-    for name, key in KEYS.items():
-        (folder / "tenants" / f"{name}.toml").write_text(f"""
-api_key_sha256 = ["{hashlib.sha256(key.encode()).hexdigest()}"]
-allowed_models = ["small"]
-default_model = "small"
-context_budget = 400
-output_budget = {OUTPUT_TOKENS}
-prefix_cache_salt = "salt-{name}"
-[limits]
-requests_per_minute = 100000000
-tokens_per_minute = 100000000
-monthly_spend_cap_usd = 1000000.0
-""")
-    (folder / "server.toml").write_text("""
-max_inflight = 64
-[engine]
-memory_budget_gb = 2.0
-[engine.models.small]
-source = "smollm2-135m"
-[prices.small]
-input = 0.1
-cached_input = 0.025
-output = 0.4
-""")
-    return ["--config", str(folder / "server.toml"), "serve", "--tenants", str(folder / "tenants"),
-            "--data", str(folder / "data")]
+    return smollm_setup(folder, KEYS, OUTPUT_TOKENS, "max_inflight = 64")
 
 
 async def client(http: httpx.AsyncClient, tenant: str, i: int, until: float, samples: list) -> None:
