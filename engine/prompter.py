@@ -4,6 +4,7 @@ one per served model; the Ray ingress loads them alone to compute prompts as rep
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from engine.config import EngineConfig, ModelConfig, ThinkingConfig
 from engine.tokenizer import Tokenizer
@@ -22,7 +23,7 @@ class Prompter:
         folder = resolve(config.models[model].source, progress=False)
         return cls(Tokenizer(folder), config.models[model].thinking, ModelConfig.from_folder(folder).max_position)
 
-    @property
+    @cached_property
     def forced_tokens(self) -> int:
         """The most tokens budget forcing writes after a spent thinking budget (the nudge and
         the closing marker): output past the budget that a request must still reserve."""

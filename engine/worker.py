@@ -3,6 +3,7 @@ scheduler, stop checker, runner), and how the engine builds them under one memor
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -31,7 +32,7 @@ class Worker:
     stop: StopChecker
     dequant_rows: int = 0           # quantized matmuls over this many rows or more dequantize (0: never)
 
-    @property
+    @cached_property
     def prompter(self) -> Prompter:
         return Prompter(self.tokenizer, self.thinking, self.cfg.max_position)
 

@@ -22,19 +22,13 @@ from tests.test_gateway_support import (  # noqa: F401
     parse_sse,
     slow_llm,
     tenant_toml,
+    wait_for,
 )
 
 
 @pytest.fixture
 def anyio_backend():
     return "asyncio"
-
-
-def wait_for(condition, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
 
 
 def test_every_endpoint_over_http(tmp_path, llm, embedder):

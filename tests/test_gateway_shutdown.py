@@ -22,16 +22,10 @@ from tests.test_gateway_support import (  # noqa: F401
     parse_sse,
     slow_llm,
     tenant_toml,
+    wait_for,
 )
 
 LONG = {"alpha": tenant_toml(KEYS["alpha"], output=400, salt="salt-shutdown")}
-
-
-def wait_for(condition, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
 
 
 def _stream(url: str, tokens: int, out: list) -> None:

@@ -172,6 +172,13 @@ class Server:
         self.sock.close()
 
 
+def wait_for(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
 def wait_ready(client, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while client.get("/readyz").status_code != 200:

@@ -16,7 +16,7 @@ from gateway.http.app import create_app
 from gateway.usage.ledger import Ledger, LedgerUnavailable
 from tests.services import Postgres, server
 from tests.test_gateway_parts import row
-from tests.test_gateway_support import auth, embedder, llm, make_gateway, wait_ready  # noqa: F401
+from tests.test_gateway_support import auth, embedder, llm, make_gateway, wait_for, wait_ready  # noqa: F401
 
 NO_LIMIT = 1073741823          # SQLite's largest max_page_count
 
@@ -30,13 +30,6 @@ def fill_disk(ledger: Ledger) -> None:
 
 def free_disk(ledger: Ledger) -> None:
     ledger.db._writer.execute(f"PRAGMA max_page_count = {NO_LIMIT}")
-
-
-def wait_for(condition, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 def big(i: int):
