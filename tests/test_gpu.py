@@ -268,3 +268,36 @@ def test_quantized_layers_at_engine_shapes(model, M):
             if N == 151936 and M == 1:
                 ids = torch.arange(0, 4096, device="cuda")
                 torch.testing.assert_close(layer.rows(ids)(x), layer(x)[:, ids], rtol=0, atol=0)
+
+
+@pytest.mark.anyio
+async def test_async_front_on_cuda_reports_cache_and_time_and_stops_cleanly(pair):
+    """What the gateway reads from the engine, on a GPU: prefix-cache hits per request, the
+    engine seconds billed, the memory plan; and `fail_all` (the drain's last step) ending every
+    stream with every KV block back."""
+    import asyncio
+
+    from engine.async_engine import AsyncEngine, Stopped
+    gpu = engine({"large": pair[0]}, dtype="float32")
+    assert "large:" in gpu.memory_plan()
+    front = AsyncEngine(gpu)
+    shared = [i * 7 % 120 + 1 for i in range(64)]          # 4 full blocks of 16 shared
+    outs = [out async for out in front.stream(shared + [3], GREEDY)]
+    again = [out async for out in front.stream(shared + [4], GREEDY)]
+    assert outs[-1].completion.engine_s > 0 and again[-1].completion.engine_s > 0
+    assert outs[0].num_cached_tokens == 0 and again[0].num_cached_tokens >= 48
+    total = gpu.stats()["large"]["kv_blocks_total"]
+    started = asyncio.Event()
+
+    async def long_stream():
+        async for _ in front.stream(prompts(1, seed=18)[0], SamplingParams(max_tokens=2000, ignore_eos=True)):
+            started.set()
+
+    tasks = [asyncio.create_task(long_stream()) for _ in range(3)]
+    await started.wait()
+    await front.fail_all(Stopped("draining"))
+    for t in tasks:
+        with pytest.raises(Stopped):
+            await t
+    assert not gpu.requests and gpu.stats()["large"]["kv_blocks_free"] == total
+    await front.stop()
