@@ -105,6 +105,35 @@ def test_a_client_leaving_before_its_answer_cancels_its_generation(tmp_path, slo
         assert all(s["kv_blocks_free"] == s["kv_blocks_total"] for s in llm.stats().values())
 
 
+def test_a_client_leaving_mid_prefill_cancels_its_request_before_the_prefill_ends(tmp_path, llm, embedder,
+                                                                                   monkeypatch):
+    """A long prompt prefilled 16 tokens a step, each step slowed: a client that hangs up while
+    it is being prefilled has it cut there (not after the prompt's KV is built), its blocks
+    back, and a ledger row that bills the prompt and no output."""
+    gw = make_gateway(tmp_path, llm, embedder, LONG)
+    monkeypatch.setattr(llm.worker("small").scheduler, "max_num_batched_tokens", 16)
+    step = llm.step
+    monkeypatch.setattr(llm, "step", lambda: (time.sleep(0.02), step())[1])
+    with Server(gw) as server:
+        host, port = server.url.removeprefix("http://").split(":")
+        chat = {"model": "small", "max_tokens": 8,
+                "messages": [{"role": "user", "content": " ".join(f"t{i % 9}" for i in range(300))}]}
+        body = msgspec.json.encode(chat)
+        request = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEYS['alpha']}\r\n"
+                   f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(request)
+            wait_for(lambda: any(seq.num_computed_tokens for _, seq in llm.requests.values()))
+            [(_, seq)] = llm.requests.values()
+            assert len(seq.token_ids) > 160              # ten steps of prefill at least
+        wait_for(lambda: not llm.requests)
+        assert seq.num_computed_tokens < seq.num_prompt_tokens == len(seq.token_ids)   # no token made
+        wait_for(lambda: gw.ledger.rows())
+        [row] = gw.ledger.rows()
+        assert row.status == "cancelled" and row.completion_tokens == 0 and row.prompt_tokens == seq.num_prompt_tokens
+        assert all(s["kv_blocks_free"] == s["kv_blocks_total"] for s in llm.stats().values())
+
+
 # ------------------------------------------------------------------ many clients
 
 async def one_request(client: httpx.AsyncClient, kind: str, tenant: str) -> tuple[int, str | None]:

@@ -6,6 +6,7 @@ packages. Slow (Ray and every replica start in tens of seconds): `make test-ray`
   whose KV cache holds about three topics' passages each: the affine router keeps a topic
   on one replica, round robin makes each replica cycle through all five. The hit rate is
   cached prompt tokens over prompt tokens, as the engines counted them.
+- A rolling update under load: the old replicas drain, no request fails.
 - A replica killed by its process id under load: every answered request has its ledger row,
   Serve starts a new replica, and only requests the dead one held fail, with a 503 that says so.
 """
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 
 import httpx
+import msgspec
 import pytest
 
 from engine.config import EngineConfig, ModelEntry
@@ -76,17 +78,17 @@ def topic_words(t: int) -> list[str]:
     return [f"t{t * 20 + i + 1}" for i in range(20)]
 
 
-def deploy(site, **replicas) -> ServerConfig:
-    """Two replicas on a fresh PostgreSQL and Redis database; a second call replaces the first
-    deployment (and its replicas, with cold caches)."""
+def deploy(site, config: ServerConfig | None = None, **replicas) -> ServerConfig:
+    """Two replicas on a fresh PostgreSQL and Redis database, or on `config`'s; a second call
+    replaces the first deployment (and its replicas, with cold caches)."""
     from ray import serve
 
     from gateway.scale.serve_ray import application
     engine, tenants, data = site
-    config = ServerConfig(engine=engine, prices={"small": Price(input=1000.0, cached_input=250.0, output=2000.0)},
-                          ledger=server(Postgres).fresh_database(), limits=server(Redis).fresh_database(),
-                          replicas=ReplicaConfig(**{"min": 2, "max": 2, "cpus": 1, **replicas}),
-                          tenant_reload_interval_s=0.0)
+    config = config or ServerConfig(
+        engine=engine, prices={"small": Price(input=1000.0, cached_input=250.0, output=2000.0)},
+        ledger=server(Postgres).fresh_database(), limits=server(Redis).fresh_database(),
+        replicas=ReplicaConfig(**{"min": 2, "max": 2, "cpus": 1, **replicas}), tenant_reload_interval_s=0.0)
     serve.run(application(config, tenants, data), name="sluice", route_prefix="/")
     return config
 
@@ -127,8 +129,54 @@ def test_the_affine_router_makes_half_again_as_many_cache_hits_as_round_robin(cl
 CLIENTS, LOAD_S, KILL_AT_S = 8, 12.0, 4.0
 
 
-def test_a_killed_replica_loses_no_answered_row_and_fails_only_what_it_held(cluster, site):
+def ask_in_turn(i: int, n: int) -> dict:
+    topic = (i + n) % TOPICS
+    return {"question": " ".join(topic_words(topic)[(i + n + j) % 20] for j in range(4)), "collection": "topics",
+            "max_output_tokens": 32}
+
+
+def ledger_ids(config: ServerConfig) -> list[str]:
     import psycopg
+    with psycopg.connect(config.ledger) as db:
+        return [rid for (rid,) in db.execute("SELECT request_id FROM requests")]
+
+
+def test_a_rolling_update_under_load_drains_the_old_replicas_and_fails_no_request(cluster, site):
+    """A new deployment while 8 clients keep asking: Serve starts new replicas and drains the old
+    ones (no new requests, the held ones finished), so every request is answered, once billed."""
+    config = deploy(site)
+    before = {r["replica"] for r in httpx.get(f"{cluster}/replicas").json()}
+    results: list[tuple[int, dict]] = []
+
+    async def load() -> None:
+        updated = asyncio.Event()
+        async with httpx.AsyncClient(base_url=cluster, timeout=120) as client:
+            async def user(i: int) -> None:
+                n = 0
+                while not updated.is_set():
+                    r = await client.post("/v1/ask", headers=auth("alpha"), json=ask_in_turn(i, n))
+                    results.append((r.status_code, r.json()))
+                    n += 1
+
+            async def update() -> None:
+                await asyncio.sleep(2)
+                new = msgspec.structs.replace(config, drain_timeout_s=config.drain_timeout_s + 1)
+                await asyncio.to_thread(deploy, site, new)      # returns once the new replicas serve
+                await asyncio.sleep(3)                         # and the old ones are draining
+                updated.set()
+
+            await asyncio.gather(update(), *(user(i) for i in range(CLIENTS)))
+
+    asyncio.run(load())
+    assert len(results) > 2 * CLIENTS and [s for s, _ in results if s != 200] == [], \
+        [b for s, b in results if s != 200][:3]
+    rows = ledger_ids(config)
+    assert len(rows) == len(set(rows)) and {body["id"] for _, body in results} <= set(rows)
+    after = {r["replica"] for r in httpx.get(f"{cluster}/replicas").json()}
+    assert len(after) == 2 and not after & before, (before, after)
+
+
+def test_a_killed_replica_loses_no_answered_row_and_fails_only_what_it_held(cluster, site):
     config = deploy(site)
     before = {r["replica"]: r["pid"] for r in httpx.get(f"{cluster}/replicas").json()}
     assert len(before) == 2
@@ -142,11 +190,8 @@ def test_a_killed_replica_loses_no_answered_row_and_fails_only_what_it_held(clus
             async def user(i: int) -> None:
                 n = 0
                 while time.monotonic() < start + LOAD_S:
-                    topic = (i + n) % TOPICS
-                    question = " ".join(topic_words(topic)[(i + n + j) % 20] for j in range(4))
                     began = time.monotonic()
-                    r = await client.post("/v1/ask", headers=auth("alpha"), json={
-                        "question": question, "collection": "topics", "max_output_tokens": 32})
+                    r = await client.post("/v1/ask", headers=auth("alpha"), json=ask_in_turn(i, n))
                     results.append((began, time.monotonic(), r.status_code, r.json(),
                                     r.headers.get("x-sluice-replica")))
                     n += 1
@@ -171,8 +216,7 @@ def test_a_killed_replica_loses_no_answered_row_and_fails_only_what_it_held(clus
     assert {replica for status, replica in spanned if status == 200} <= {survivor}
     assert len(spanned) <= CLIENTS and any(replica == victim for *_, replica in results)
     answered = [body["id"] for _, _, status, body, _ in results if status == 200]
-    with psycopg.connect(config.ledger) as db:
-        rows = [rid for (rid,) in db.execute("SELECT request_id FROM requests")]
+    rows = ledger_ids(config)
     assert len(rows) == len(set(rows)) and set(answered) <= set(rows)   # every answer has its one row
     deadline = time.monotonic() + 120        # Serve starts a replacement
     while time.monotonic() < deadline:

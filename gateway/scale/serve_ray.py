@@ -11,7 +11,9 @@ a request router, engine replicas):
 - `SluiceIngress`: the HTTP front. It reads a request, computes its prefix key
   (serve_requests.PrefixKeys), hands it to a replica through the handle whose router is
   serve_router.AffinityRouter, and streams the replica's ASGI messages back. A replica that
-  dies mid-request fails only the requests it held, each with a 503 `replica_failed`.
+  dies mid-request fails only the requests it held, each with a 503 `replica_failed`. A
+  replica that Serve replaces (a new deployment, scaling down) drains: it gets no new
+  requests and finishes its own for up to `drain_timeout_s`.
   `/metrics` merges every replica's metrics, each series labelled by `replica`, with the
   router's counts; `/replicas` lists the replicas (id, process id, node).
 """
@@ -107,6 +109,10 @@ class SluiceReplica:
         return self.gateway.metrics.render()
 
     async def __del__(self):
+        # Serve calls this once the requests it routed here are done, or not at all: past
+        # graceful_shutdown_timeout_s (the drain timeout) it kills the replica, and the ingress
+        # answers what it still held with 503 `replica_failed`.
+        await self.gateway.drain()
         await self.lifespan.shutdown()
 
 
@@ -271,7 +277,11 @@ def application(config: ServerConfig, tenants: Path, data: Path) -> serve.Applic
                                request_router_config=RequestRouterConfig(
                                    request_router_class="gateway.scale.serve_router:AffinityRouter",
                                    request_router_kwargs={"policy": r.routing, "slack": r.affinity_slack}),
-                               health_check_period_s=5)
+                               health_check_period_s=5,
+                               # A replica being replaced gets no new requests and may finish what
+                               # it holds for the drain timeout, as `sluice serve` does on SIGTERM.
+                               graceful_shutdown_timeout_s=config.drain_timeout_s,
+                               graceful_shutdown_wait_loop_s=0.5)
     ingress = serve.deployment(serve.ingress()(SluiceIngress), name=INGRESS, num_replicas=r.ingress_replicas,
                                max_ongoing_requests=4 * (config.max_inflight + config.max_queued) * r.max,
                                ray_actor_options={"num_cpus": 0})
