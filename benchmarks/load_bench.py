@@ -9,9 +9,10 @@ request. First its capacity: 16 closed-loop clients for 20 s (requests a second,
   answers normally at once. Promised: every refusal is a 503 with Retry-After, no other 5xx,
   the admitted answered within their deadline (p99), memory flat (the slope of the resident
   set, sampled each second), and one ledger row per answered request.
-- `soak`: a steady `--share` (0.5) of capacity for `--minutes` (60; `make soak`). Promised:
-  memory and p99 latency flat (slopes stated, per minute), no error, and every KV block free
-  again at the end.
+- `soak`: a steady `--share` (0.5) of capacity for `--minutes` (60; `make soak`) of mixed
+  traffic: /v1/ask plain, streamed and over a collection, /v1/chat/completions plain and
+  streamed, in turn. Promised: memory and p99 latency flat (slopes stated, per minute), no
+  error, and every KV block free again at the end.
 
     .venv/bin/python benchmarks/load_bench.py overload [--factor 10] [--seconds 120]
     .venv/bin/python benchmarks/load_bench.py soak [--minutes 60]
@@ -40,6 +41,10 @@ KEY = "sk-load"
 QUESTIONS = ["What is the capital of France?", "Name three primary colours.", "How many legs does a spider have?",
              "What does a compiler do?", "Why is the sky blue?", "What is two plus two?"]
 OUTPUT_TOKENS, INFLIGHT, QUEUED, DEADLINE_S = 16, 16, 32, 20.0
+KINDS = ("ask", "ask-stream", "ask-rag", "chat", "chat-stream")
+FACTS = ["Paris is the capital of France and its largest city.", "Red, yellow and blue are primary colours.",
+         "A spider has eight legs; insects have six.", "A compiler translates source code into machine code.",
+         "The sky looks blue because air scatters short wavelengths of sunlight more than long ones."]
 
 
 def write_setup(folder: Path) -> list[str]:
@@ -47,16 +52,24 @@ def write_setup(folder: Path) -> list[str]:
                                                             f"request_timeout_s = {DEADLINE_S}")
 
 
-async def ask(http: httpx.AsyncClient, samples: list, started: float) -> None:
-    """One request; a sample is (seconds since start, status, latency, error code, has Retry-After)."""
-    start = time.monotonic()
+async def ask(http: httpx.AsyncClient, samples: list, started: float, kind: str = "ask") -> None:
+    """One request of a kind (KINDS); a sample is (seconds since start, status, latency, error
+    code, has Retry-After, kind). A stream that ends in an error event counts as that error."""
+    start, question = time.monotonic(), random.choice(QUESTIONS)
+    url, body = ("/v1/chat/completions", {"model": "small", "max_tokens": OUTPUT_TOKENS,
+                                          "messages": [{"role": "user", "content": question}]}) \
+        if kind.startswith("chat") else ("/v1/ask", {"question": question, "max_output_tokens": OUTPUT_TOKENS})
+    body |= {"stream": True} if kind.endswith("stream") else {"collection": "facts"} if kind == "ask-rag" else {}
     try:
-        r = await http.post("/v1/ask", json={"question": random.choice(QUESTIONS), "max_output_tokens": OUTPUT_TOKENS},
-                            headers={"Authorization": f"Bearer {KEY}"})
+        async with http.stream("POST", url, json=body, headers={"Authorization": f"Bearer {KEY}"}) as r:
+            text = (await r.aread()).decode()
         code = None if r.status_code == 200 else r.json().get("error", {}).get("code")
-        samples.append((start - started, r.status_code, time.monotonic() - start, code, "retry-after" in r.headers))
+        if r.status_code == 200 and kind.endswith("stream") and "event: error" in text:
+            code = "stream_error"
+        samples.append((start - started, r.status_code, time.monotonic() - start, code, "retry-after" in r.headers,
+                        kind))
     except httpx.HTTPError as e:              # the connection itself failed: counted, never hidden
-        samples.append((start - started, 0, time.monotonic() - start, type(e).__name__, False))
+        samples.append((start - started, 0, time.monotonic() - start, type(e).__name__, False, kind))
 
 
 async def closed_loop(url: str, clients: int, seconds: float) -> tuple[float, int]:
@@ -78,9 +91,9 @@ def resident_mb(pid: int) -> float:
     return int(re.search(r"VmRSS:\s+(\d+)", Path(f"/proc/{pid}/status").read_text()).group(1)) / 1024
 
 
-async def open_loop(url: str, pid: int, rate: float, seconds: float) -> tuple[list, list]:
-    """Poisson arrivals at `rate` a second for `seconds`, waiting for the last answers; and
-    the server's resident memory each second, as (seconds, MB)."""
+async def open_loop(url: str, pid: int, rate: float, seconds: float, kinds=("ask",)) -> tuple[list, list]:
+    """Poisson arrivals at `rate` a second for `seconds`, of `kinds` in turn, waiting for the
+    last answers; and the server's resident memory each second, as (seconds, MB)."""
     samples, memory, tasks = [], [], []
     limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
     async with httpx.AsyncClient(base_url=url, timeout=DEADLINE_S * 3, limits=limits) as http:
@@ -95,7 +108,7 @@ async def open_loop(url: str, pid: int, rate: float, seconds: float) -> tuple[li
         while next_at < started + seconds:
             next_at += random.expovariate(rate)
             await asyncio.sleep(max(0.0, next_at - time.monotonic()))
-            tasks.append(asyncio.create_task(ask(http, samples, started)))
+            tasks.append(asyncio.create_task(ask(http, samples, started, kinds[len(tasks) % len(kinds)])))
         await asyncio.gather(*tasks)
         sampler.cancel()
     return samples, memory
@@ -127,7 +140,8 @@ def summarize(samples: list, memory: list, seconds: float) -> dict:
     per_minute = [(m * 60 + 30, percentile([lat for t, lat in windows if m * 60 <= t < (m + 1) * 60], 0.99))
                   for m in range(int(seconds // 60)) if any(m * 60 <= t < (m + 1) * 60 for t, _ in windows)]
     return {
-        "requests": len(samples), "statuses": {str(k): v for k, v in sorted(statuses.items())},
+        "requests": len(samples), "kinds": dict(Counter(s[5] for s in samples)),
+        "statuses": {str(k): v for k, v in sorted(statuses.items())},
         "error_codes": dict(Counter(s[3] for s in samples if s[3])),
         "refusals_without_retry_after": sum(1 for s in samples if s[1] == 503 and not s[4]),
         "other_5xx": sum(v for k, v in statuses.items() if k >= 500 and k != 503),
@@ -178,8 +192,12 @@ def main() -> int:
             capacity, measured = asyncio.run(closed_loop(server.url, INFLIGHT, 20))
             factor = args.factor if args.mode == "overload" else args.share
             seconds = args.seconds if args.mode == "overload" else args.minutes * 60
+            facts = {"documents": [{"id": f"fact{i}", "text": t} for i, t in enumerate(FACTS)]}
+            httpx.post(f"{server.url}/v1/collections/facts/documents", headers={"Authorization": f"Bearer {KEY}"},
+                       json=facts, timeout=60).raise_for_status()
             load = os.getloadavg()[0]
-            samples, memory = asyncio.run(open_loop(server.url, server.pid, capacity * factor, seconds))
+            kinds = ("ask",) if args.mode == "overload" else KINDS
+            samples, memory = asyncio.run(open_loop(server.url, server.pid, capacity * factor, seconds, kinds))
             time.sleep(1.0)
             after: list = []
             for _ in range(5):
