@@ -1,27 +1,39 @@
-"""The matmul under every quantized Linear on this CPU: torch's packed int8 op with bf16
-activations against the float32 GEMM on the transposed weight (the engine's float path),
-on one of Qwen2.5-Coder-1.5B's layer shapes, from decode's 1 row to prefill's 512.
+"""The matmul under every quantized Linear on this CPU, three ways: the float32 GEMM on the
+transposed weight (the engine's float path), torch's packed int8 op with bf16 activations, and
+integer dot products (activations quantized to int8 per row, as llama.cpp's q8 activations,
+int32 sums; that quantization is in the time) on what the engine uses for them on this CPU:
+torch's `_int_mm` with VNNI, else the compiled AVX2 kernel (kernels/quant_matmul_cpu.py), else
+`_int_mm` anyway.
 
-    python benchmarks/gemm_bench.py
+Two tables: one of Qwen2.5-Coder-1.5B's layers from decode's 1 row to prefill's 512 (what a
+batch of rows costs against one: batched decode and speculative verification pay it); and a
+whole decode step's int8 matmuls for both Qwen models (every layer shape times its count, the
+LM head included), packed against dot products, at 1 and 8 rows, with the GB/s of weights read.
 
-Prints a table and writes benchmarks/results/gemm_bench.json. The "vs 1 row" columns say
-how much a batch of rows costs against one: what batched decode and speculative verification
-(k + 1 rows per sequence) pay.
+    python benchmarks/gemm_bench.py [--threads 2] [--out benchmarks/results/gemm_bench.json]
 """
 from __future__ import annotations
 
-import json
+import argparse
+from pathlib import Path
 
 import torch
-from common import RESULTS, machine, timed
+from common import RESULTS, machine, memory_bandwidth_gbs, timed, write_results
 from rich.console import Console
 from rich.table import Table
 
-from engine.quantize import quantize_int8
+from engine.quantize import int8_dot_matmul, quantize_int8
+from kernels.quant_matmul import int8_int8_matmul
 
-console = Console()
+DOT = int8_dot_matmul() or int8_int8_matmul
+DOT_NAME = "the AVX2 kernel" if DOT is not int8_int8_matmul else "_int_mm"
+
+console = Console(width=150)
 K, N = 1536, 8960            # the 1.5B's MLP up projection (one half of gate_up)
 ROWS = (1, 2, 4, 8, 16, 128, 512)
+VOCAB = 151936
+# (hidden, intermediate, layers, q heads, kv heads, head dim) of the served models.
+MODELS = {"qwen2.5-coder-0.5b": (896, 4864, 24, 14, 2, 64), "qwen2.5-coder-1.5b": (1536, 8960, 28, 12, 2, 128)}
 
 
 def best_ms(fn, repeats: int) -> float:
@@ -29,31 +41,87 @@ def best_ms(fn, repeats: int) -> float:
     return 1e3 * min(timed(fn) for _ in range(repeats))
 
 
-def main() -> None:
+def layer_rows() -> list[dict]:
     torch.manual_seed(0)
     w = torch.randn(N, K)
     q, scales = quantize_int8(w)
-    scales, w_t = scales.to(torch.bfloat16), w.t().contiguous()
+    scales_bf16, w_t = scales.to(torch.bfloat16), w.t().contiguous()
     rows = []
     for m in ROWS:
         x = torch.randn(m, K)
         repeats = 5 if m > 100 else 30
         fp32 = best_ms(lambda: x @ w_t, repeats)
-        int8 = best_ms(lambda: torch._weight_int8pack_mm(x.to(torch.bfloat16), q, scales).float(), repeats)
-        rows.append({"rows": m, "fp32_ms": fp32, "int8_ms": int8, "fp32_gflops": 2 * m * K * N / fp32 / 1e6,
-                     "int8_gflops": 2 * m * K * N / int8 / 1e6})
-    table = Table(title=f"[{K} x {N}] matmul: float32 against int8 (bf16 activations), best of runs")
-    for col in ("rows", "float32 ms", "int8 ms", "int8 speedup", "float32 GFLOP/s", "int8 GFLOP/s",
-                "float32 vs 1 row", "int8 vs 1 row"):
+        packed = best_ms(lambda: torch._weight_int8pack_mm(x.to(torch.bfloat16), q, scales_bf16).float(), repeats)
+        dot = best_ms(lambda: DOT(x, q, scales), repeats)
+        rows.append({"rows": m, "fp32_ms": fp32, "int8_ms": packed, "int8_dot_ms": dot,
+                     "fp32_gflops": 2 * m * K * N / fp32 / 1e6, "int8_gflops": 2 * m * K * N / packed / 1e6,
+                     "int8_dot_gflops": 2 * m * K * N / dot / 1e6})
+    return rows
+
+
+def step_shapes(hidden: int, inter: int, layers: int, heads: int, kv_heads: int, head_dim: int):
+    """(in, out, count) of every int8 matmul of one decode step."""
+    return [(hidden, (heads + 2 * kv_heads) * head_dim, layers), (heads * head_dim, hidden, layers),
+            (hidden, 2 * inter, layers), (inter, hidden, layers), (hidden, VOCAB, 1)]
+
+
+def decode_steps(batches: tuple[int, ...] = (1, 8)) -> list[dict]:
+    """Each model's decode-step matmuls, packed against dot products, interleaved per shape."""
+    out = []
+    for name, dims in MODELS.items():
+        shapes = step_shapes(*dims)
+        weights = []
+        for k, n, _ in shapes:
+            q, s = quantize_int8(torch.randn(n, k))
+            weights.append((q, s, s.to(torch.bfloat16)))
+        read = sum(k * n * count for k, n, count in shapes)             # int8: a byte a weight
+        for m in batches:
+            ms = {"packed": 0.0, "dot": 0.0}
+            for (k, n, count), (q, s, s_bf16) in zip(shapes, weights):
+                x = torch.randn(m, k)
+                ms["packed"] += count * best_ms(lambda: torch._weight_int8pack_mm(x.to(torch.bfloat16), q, s_bf16),
+                                                 7)
+                ms["dot"] += count * best_ms(lambda: DOT(x, q, s), 7)
+            out.append({"model": name, "rows": m, "weight_gb": read / 1e9, "ms": ms,
+                        "gb_s": {k: read / v / 1e6 for k, v in ms.items()}, "dot_speedup": ms["packed"] / ms["dot"]})
+            console.print(f"{name}, {m} rows: packed {ms['packed']:.1f} ms, dot products {ms['dot']:.1f} ms")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--out", type=Path, default=RESULTS / "gemm_bench.json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    bandwidth = memory_bandwidth_gbs()
+    isa = machine()["isa"]
+    rows = layer_rows()
+    table = Table(title=f"[{K} x {N}] matmul, best of runs, {args.threads} threads, {isa}, dot products on {DOT_NAME}")
+    for col in ("rows", "float32 ms", "int8 packed ms", "int8 dot ms", "packed speedup", "dot speedup",
+                "float32 GFLOP/s", "dot GFLOP/s", "float32 vs 1 row", "dot vs 1 row"):
         table.add_column(col)
     for r in rows:
-        table.add_row(str(r["rows"]), f"{r['fp32_ms']:.2f}", f"{r['int8_ms']:.2f}",
-                      f"{r['fp32_ms'] / r['int8_ms']:.2f}x", f"{r['fp32_gflops']:.0f}", f"{r['int8_gflops']:.0f}",
-                      f"{r['fp32_ms'] / rows[0]['fp32_ms']:.2f}x", f"{r['int8_ms'] / rows[0]['int8_ms']:.2f}x")
+        table.add_row(str(r["rows"]), f"{r['fp32_ms']:.2f}", f"{r['int8_ms']:.2f}", f"{r['int8_dot_ms']:.2f}",
+                      f"{r['fp32_ms'] / r['int8_ms']:.2f}x", f"{r['fp32_ms'] / r['int8_dot_ms']:.2f}x",
+                      f"{r['fp32_gflops']:.0f}", f"{r['int8_dot_gflops']:.0f}",
+                      f"{r['fp32_ms'] / rows[0]['fp32_ms']:.2f}x", f"{r['int8_dot_ms'] / rows[0]['int8_dot_ms']:.2f}x")
     console.print(table)
-    out = RESULTS / "gemm_bench.json"
-    out.write_text(json.dumps({"machine": machine(), "shape": [K, N], "rows": rows}, indent=2))
-    console.print(f"wrote {out}")
+    steps = decode_steps()
+    table = Table(title=f"A decode step's int8 matmuls (LM head in), packed op against dot products; read bandwidth "
+                        f"{bandwidth:.1f} GB/s, {args.threads} threads, {isa}")
+    for col in ("model", "rows", "weights GB", "packed ms", "dot ms", "packed GB/s (share)", "dot GB/s (share)",
+                "dot speedup"):
+        table.add_column(col)
+    for r in steps:
+        table.add_row(r["model"], str(r["rows"]), f"{r['weight_gb']:.2f}", f"{r['ms']['packed']:.1f}",
+                      f"{r['ms']['dot']:.1f}", f"{r['gb_s']['packed']:.1f} ({r['gb_s']['packed'] / bandwidth:.0%})",
+                      f"{r['gb_s']['dot']:.1f} ({r['gb_s']['dot'] / bandwidth:.0%})",
+                      f"[bold]{r['dot_speedup']:.2f}x[/]")
+    console.print(table)
+    write_results(args.out, {"machine": machine() | {"read_bandwidth_gbs": bandwidth}, "dot_products": DOT_NAME,
+                             "shape": [K, N],
+                             "rows": rows, "decode_steps": steps})
 
 
 if __name__ == "__main__":

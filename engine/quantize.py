@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from engine.model import CausalLM, Linear
-from kernels import int4_matmul, int8_matmul, quant_matmul
+from kernels import int4_matmul, int8_matmul, quant_matmul, quant_matmul_cpu
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,12 +58,16 @@ class QuantLinear(nn.Module):
     pays for a few rows, and a dense GEMM computes, which pays for many."""
 
     def __init__(self, mode: str, tensors: dict[str, torch.Tensor], bias: torch.Tensor | None, group: int,
-                 packed: bool = True, device: torch.device | str = "cpu", dequant_rows: int = 0):
+                 packed: bool = True, device: torch.device | str = "cpu", dequant_rows: int = 0,
+                 int8_dot_rows: int = 0):
         super().__init__()
         device = torch.device(device)
         self.mode, self.group = mode, group
         self.packed = packed and (device.type == "cpu" or (device.type == "cuda" and mode == "int4"
                                                             and _tinygemm_tiles(*tensors["w"].shape) > 0))
+        # From this many rows (below dequant_rows), integer dot products on int8 activations.
+        cpu_int8 = self.packed and mode == "int8" and device.type == "cpu"
+        self.int8_dot_rows = int8_dot_rows if cpu_int8 and int8_dot_matmul() is not None else 0
         # The CPU's packed int8 layout is the stored one; int4's packed layouts are not.
         self.dequant_rows = dequant_rows if not self.packed or mode == "int8" else 0
         self.register_buffer("bias", bias, persistent=False)
@@ -73,6 +77,9 @@ class QuantLinear(nn.Module):
         elif mode == "int8":
             self.register_buffer("w", tensors["w"].to(device), persistent=False)
             self.register_buffer("scales", tensors["scales"].to(device, torch.bfloat16), persistent=False)
+            # The packed op takes bf16 scales; the dot products apply float32 ones.
+            self.register_buffer("dot_scales", tensors["scales"].to(device) if self.int8_dot_rows else None,
+                                 persistent=False)
         else:
             q = unpack_int4(tensors["w"])
             if device.type == "cpu":
@@ -90,6 +97,8 @@ class QuantLinear(nn.Module):
         if 0 < self.dequant_rows <= x.shape[0]:
             y = (quant_matmul.int8_matmul(x, self.w, self.scales) if self.mode == "int8"
                  else quant_matmul.int4_matmul(x, self.w, self.scales, self.zeros, self.group))
+        elif 0 < self.int8_dot_rows <= x.shape[0]:
+            y = int8_dot_matmul()(x, self.w, self.dot_scales)
         elif not self.packed:
             y = (int8_matmul(x, self.w, self.scales) if self.mode == "int8"
                  else int4_matmul(x, self.w, self.scales, self.zeros, self.group))
@@ -156,6 +165,27 @@ def row_block() -> int:
 DEQUANT_ROWS = {"cpu": 64, "cuda": 512}
 
 
+@functools.cache
+def int8_dot_matmul():
+    """Integer dot products on this CPU: torch's `_int_mm` where it runs on oneDNN's VNNI
+    kernels; else the compiled AVX2 one where it builds; else None (torch's `_int_mm` without
+    VNNI ran at 4-6 GFLOP/s on an AVX2 host, 0.05-0.44x the packed op: benchmarks/gemm_bench.py)."""
+    if torch.cpu._is_vnni_supported():
+        return quant_matmul.int8_int8_matmul
+    return quant_matmul_cpu.int8_int8_matmul if quant_matmul_cpu.load() is not None else None
+
+
+def int8_dot_rows_default() -> int:
+    """From how many rows an int8 matmul on this CPU runs on integer dot products (ModelEntry.
+    int8_dot_rows left out), up to dequant_rows. Measured (benchmarks/gemm_bench.py, 2 threads;
+    benchmarks/cpu_decode_bench.py): on an AVX-512 VNNI Xeon `_int_mm` lost to the packed op at
+    one row (a decode step's matmuls 0.82-0.86x) and won from four (2.2-2.4x at eight); on an
+    AVX2 EPYC the compiled kernel decoded the 0.5B 1.23x faster at batch 1 and 1.43x at 8."""
+    if torch.cpu._is_vnni_supported():
+        return 4
+    return 1 if int8_dot_matmul() is not None else 0
+
+
 def quantize_tensors(model: CausalLM, mode: str, group: int) -> dict[str, torch.Tensor]:
     """Every decoder Linear (the LM head too) in the shared format, keyed by module name."""
     out = {}
@@ -172,10 +202,11 @@ def quantize_tensors(model: CausalLM, mode: str, group: int) -> dict[str, torch.
 
 
 def apply_quantization(model: CausalLM, mode: str, group: int = 128, cache: Path | None = None,
-                       dequant_rows: int = 0) -> CausalLM:
+                       dequant_rows: int = 0, int8_dot_rows: int = 0) -> CausalLM:
     """Swap the model's Linears for quantized ones (mode "int8" or "int4"); with `cache`,
     quantize once and reuse. `dequant_rows`: on the CPU, int8 matmuls over at least this many
-    rows dequantize (0: never)."""
+    rows dequantize (0: never). `int8_dot_rows`: on the CPU, int8 matmuls over at least this
+    many rows run on integer dot products (0: never)."""
     if cache is not None and cache.exists():
         # Copies, not views of the file: torch's int8 kernel segfaults on weights that are not
         # aligned as its own allocator aligns them.
@@ -193,6 +224,7 @@ def apply_quantization(model: CausalLM, mode: str, group: int = 128, cache: Path
             parent, _, child = name.rpartition(".")
             own = {k.removeprefix(name + "."): v for k, v in tensors.items() if k.startswith(name + ".")}
             bias = None if module.bias is None else module.bias.data
-            layer = QuantLinear(mode, own, bias, group, device=device, dequant_rows=dequant_rows)
+            layer = QuantLinear(mode, own, bias, group, device=device, dequant_rows=dequant_rows,
+                                int8_dot_rows=int8_dot_rows)
             setattr(model.get_submodule(parent) if parent else model, child, layer)
     return model

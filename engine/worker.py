@@ -12,7 +12,7 @@ from engine.config import EngineConfig, ModelConfig, ModelEntry, ThinkingConfig
 from engine.model import CausalLM, load_model
 from engine.model_runner import Device, ModelRunner
 from engine.prompter import Prompter
-from engine.quantize import DEQUANT_ROWS, QuantLinear, apply_quantization
+from engine.quantize import DEQUANT_ROWS, QuantLinear, apply_quantization, int8_dot_rows_default
 from engine.scheduler import Scheduler
 from engine.stop_checker import StopChecker
 from engine.tokenizer import Tokenizer
@@ -31,6 +31,7 @@ class Worker:
     thinking: ThinkingConfig
     stop: StopChecker
     dequant_rows: int = 0           # quantized matmuls over this many rows or more dequantize (0: never)
+    int8_dot_rows: int = 0          # int8 matmuls over this many rows or more run on integer dot products
 
     @cached_property
     def prompter(self) -> Prompter:
@@ -84,8 +85,9 @@ def load_workers(config: EngineConfig, progress: bool = True) -> dict[str, Worke
         scheduler = Scheduler(bm, stop, config.max_num_batched_tokens, config.max_num_seqs, config.max_wait_steps)
         runner = ModelRunner(model, cfg, blocks, config.block_size, kv_int8, stop.bans, device)
         runner.capture_graphs(config.max_num_seqs, scheduler.max_model_len)
-        dequant = next((m.dequant_rows for m in model.modules() if isinstance(m, QuantLinear)), 0)
-        workers[name] = Worker(name, cfg, model, tok, bm, scheduler, runner, thinking, stop, dequant)
+        quant = next((m for m in model.modules() if isinstance(m, QuantLinear)), None)
+        workers[name] = Worker(name, cfg, model, tok, bm, scheduler, runner, thinking, stop,
+                               quant.dequant_rows if quant else 0, quant.int8_dot_rows if quant else 0)
     return workers
 
 
@@ -101,5 +103,6 @@ def _load(entry: ModelEntry, progress: bool, device: Device) -> tuple[ModelConfi
     model = load_model(folder, cfg, linear_weights=entry.quant == "none", device=device.device, dtype=device.dtype)
     if entry.quant != "none":
         rows = DEQUANT_ROWS[device.device.type] if entry.dequant_rows is None else entry.dequant_rows
-        model = apply_quantization(model, entry.quant, entry.group_size, cache, rows)
+        dot = int8_dot_rows_default() if entry.int8_dot_rows is None else entry.int8_dot_rows
+        model = apply_quantization(model, entry.quant, entry.group_size, cache, rows, dot)
     return cfg, model, Tokenizer(folder)

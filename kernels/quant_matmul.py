@@ -23,6 +23,21 @@ def int8_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch
     return out
 
 
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x float [M, K] as int8 per row (symmetric, rounded to 1/254 of the row's largest value)
+    and the scales [M, 1]: llama.cpp's q8 activations."""
+    x_scale = x.abs().amax(1, keepdim=True).clamp(min=1e-8) / 127
+    return (x / x_scale).round_().to(torch.int8), x_scale
+
+
+def int8_int8_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Integer dot products, as llama.cpp decodes: x quantized per row (`quantize_rows`), its
+    products with the int8 weights w [N, K] summed in int32 (`torch._int_mm`), then both scales
+    applied. Not exact against int8_matmul: x loses bits."""
+    xq, x_scale = quantize_rows(x)
+    return torch._int_mm(xq, w.t()).to(x.dtype) * (x_scale * scales.to(x.dtype))
+
+
 def int4_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                 group_size: int) -> torch.Tensor:
     N = w.shape[0]

@@ -177,6 +177,21 @@ def test_int8_matmul_reference_matches_dense():
     torch.testing.assert_close(quant_matmul.int8_matmul(x, w, scales), x @ dense.T, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("M,K,N", [(1, 896, 1152), (3, 100, 37), (8, 1536, 64), (9, 64, 5)])
+def test_compiled_cpu_int8_kernel_equals_its_twin_exactly(M, K, N):
+    """kernels/quant_matmul_cpu.py (AVX2, built here) against torch's `_int_mm`: integer sums,
+    so equal to the bit, K past a multiple of 32 and row blocks of 8 included."""
+    from kernels import quant_matmul_cpu
+    if quant_matmul_cpu.load() is None:
+        pytest.skip("the CPU int8 kernel cannot be built here (no AVX2, C++ compiler or ninja)")
+    g = torch.Generator().manual_seed(M * K + N)
+    x = torch.randint(-127, 128, (M, K), dtype=torch.int8, generator=g)
+    w = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g)
+    assert torch.equal(quant_matmul_cpu.load().int8_mm(x, w), (x.long() @ w.long().T).int())
+    xf, scales = torch.randn(M, K, generator=g), torch.rand(N, generator=g)
+    assert torch.equal(quant_matmul_cpu.int8_int8_matmul(xf, w, scales), quant_matmul.int8_int8_matmul(xf, w, scales))
+
+
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_int4_matmul_reference_matches_dense(group):
     N, K = 24, 256

@@ -6,9 +6,12 @@ import torch
 from engine.config import EngineConfig, ModelEntry
 from engine.llm_engine import LLMEngine
 from engine.model import Linear
-from engine.quantize import QuantLinear, quantize_int4, quantize_int8, unpack_int4
+from engine.quantize import QuantLinear, int8_dot_matmul, quantize_int4, quantize_int8, unpack_int4
 from engine.sampling_params import SamplingParams
+from kernels.quant_matmul import int8_int8_matmul
 from tests.conftest import make_tiny_model, quantized
+
+NO_DOT = "no integer dot products on this CPU (no VNNI, and the AVX2 kernel cannot be built here)"
 
 
 def test_int8_round_trip_error_is_within_half_a_step():
@@ -29,13 +32,17 @@ def test_int4_round_trip_and_packing(group):
     assert ((deq - w).abs() <= step / 2 + 1e-5).all()
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["int8", "int8-dot", "int4"])
 def test_cpu_quant_linear_matches_dequantized_math(mode):
+    if mode == "int8-dot" and int8_dot_matmul() is None:
+        pytest.skip(NO_DOT)
     w, b, x = torch.randn(64, 128), torch.randn(64), torch.randn(5, 128)
-    tensors, deq = quantized(w, mode, 32)
-    got = QuantLinear(mode, tensors, b, 32)(x)
+    tensors, deq = quantized(w, mode.removesuffix("-dot"), 32)
+    layer = QuantLinear(mode.removesuffix("-dot"), tensors, b, 32, int8_dot_rows=int(mode == "int8-dot"))
+    assert layer.int8_dot_rows == (mode == "int8-dot")
+    got = layer(x)
     want = x @ deq.T + b
-    # bf16 activations and scales: about three significant digits.
+    # bf16 activations and scales, or int8 activations: about three significant digits.
     torch.testing.assert_close(got, want, atol=0.05 * want.abs().max().item(), rtol=0.02)
 
 
@@ -56,6 +63,35 @@ def test_int8_over_many_rows_multiplies_dequantized_in_float32():
     assert QuantLinear("int8", {"w": q, "scales": s}, b, 32, packed=False, dequant_rows=4).dequant_rows == 4
     q4, s4, z4 = quantize_int4(w[:64], 32)
     assert QuantLinear("int4", {"w": q4, "scales": s4, "zeros": z4}, b[:64], 32, dequant_rows=4).dequant_rows == 0
+
+
+def test_int8_runs_packed_then_on_dot_products_then_dequantized_as_rows_grow():
+    if int8_dot_matmul() is None:
+        pytest.skip(NO_DOT)
+    torch.manual_seed(0)
+    q, s = quantize_int8(torch.randn(64, 128))
+    layer = QuantLinear("int8", {"w": q, "scales": s}, None, 32, dequant_rows=6, int8_dot_rows=4)
+    x = torch.randn(6, 128)
+    torch.testing.assert_close(layer(x[:4]), int8_dot_matmul()(x[:4], q, s), rtol=0, atol=0)
+    packed = QuantLinear("int8", {"w": q, "scales": s}, None, 32)
+    torch.testing.assert_close(layer(x[:3]), packed(x[:3]), rtol=0, atol=0)
+    dequantized = QuantLinear("int8", {"w": q, "scales": s}, None, 32, dequant_rows=6)
+    torch.testing.assert_close(layer(x), dequantized(x), rtol=0, atol=0)
+
+
+def test_integer_dot_products_sum_the_rounded_activations_exactly():
+    """int8_int8_matmul: the int32 sums of the per-row rounded activations times the weights
+    are exact (against float64 math on the same rounding), and the result stays within the
+    activations' rounding of the dequantized float product."""
+    torch.manual_seed(0)
+    w, x = torch.randn(96, 256), torch.randn(7, 256) * torch.logspace(-2, 2, 7)[:, None]
+    q, s = quantize_int8(w)
+    got = int8_int8_matmul(x, q, s)
+    x_scale = x.abs().amax(1, keepdim=True) / 127
+    exact = ((x / x_scale).round().double() @ q.double().T) * x_scale.double() * s.double()
+    torch.testing.assert_close(got.double(), exact, rtol=1e-6, atol=0)
+    want = x @ (q.float() * s[:, None]).T
+    assert ((got - want).abs().amax(1) / want.abs().amax(1)).max() < 0.02
 
 
 def test_bad_quant_config_is_rejected():
@@ -92,10 +128,21 @@ def test_quantized_engine_stays_close_to_float(tmp_path, mode, monkeypatch):
             assert got.token_ids[0] == ref.token_ids[0]
             assert abs(got.logprobs[0] - ref.logprobs[0]) < 0.1
             assert e.stats()["m"]["dequant_rows"] == rows
+        if int8_dot_matmul() is None:
+            return
+        # Decode on integer dot products (int8 activations) instead of the packed op.
+        entry = ModelEntry(str(folder), quant="int8", group_size=32, int8_dot_rows=1)
+        e = LLMEngine(EngineConfig(models={"m": entry}, max_kv_blocks=64, block_size=4, memory_budget_gb=1.0),
+                      progress=False)
+        got = e.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+        assert got.token_ids[0] == ref.token_ids[0] and abs(got.logprobs[0] - ref.logprobs[0]) < 0.1
+        assert e.stats()["m"]["int8_dot_rows"] == 1
 
 
-@pytest.mark.parametrize("mode", ["float", "int8", "int4", "int8-unpacked", "int4-unpacked"])
+@pytest.mark.parametrize("mode", ["float", "int8", "int4", "int8-unpacked", "int4-unpacked", "int8-dot"])
 def test_rows_compute_those_outputs_of_the_layer(mode):
+    if mode == "int8-dot" and int8_dot_matmul() is None:
+        pytest.skip(NO_DOT)
     """A drafter's smaller head: the layer restricted to some outputs (whole row blocks, as
     torch's packed int4 layout needs: 32 rows under AVX2, 64 under AVX-512) gives exactly the
     full layer's values there."""
@@ -105,10 +152,11 @@ def test_rows_compute_those_outputs_of_the_layer(mode):
         layer = Linear(64, 256, bias=False)
         layer.weight_t = torch.nn.Parameter(w.t().contiguous(), requires_grad=False)
     else:
-        kind = mode.removesuffix("-unpacked")
+        kind = mode.removesuffix("-unpacked").removesuffix("-dot")
         tensors = dict(zip(("w", "scales"), quantize_int8(w))) if kind == "int8" else \
             dict(zip(("w", "scales", "zeros"), quantize_int4(w, 32)))
-        layer = QuantLinear(kind, tensors, None, 32, packed=not mode.endswith("unpacked"))
+        layer = QuantLinear(kind, tensors, None, 32, packed=not mode.endswith("unpacked"),
+                            int8_dot_rows=int(mode.endswith("dot")))
     b = max(layer.row_block, 32)
     ids = torch.cat([torch.arange(0, b), torch.arange(256 - b, 256)])
     torch.testing.assert_close(layer.rows(ids)(x), layer(x)[:, ids], rtol=0, atol=1e-5)
