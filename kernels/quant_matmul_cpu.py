@@ -104,7 +104,14 @@ def load():
     if not torch.cpu._is_avx2_supported():
         return None
     try:
+        import shutil
+
         from torch.utils.cpp_extension import load_inline
+        if shutil.which("ninja") is None:     # the pinned ninja package's binary, off PATH in a bare venv
+            import os
+
+            import ninja
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
         return load_inline("sluice_int8_mm", [SOURCE], functions=["int8_mm"], extra_cflags=["-O3", "-mavx2"])
     except Exception as e:          # no compiler, no ninja: torch's ops serve instead
         log.warning("the CPU int8 kernel could not be built (%s); int8 runs on torch's ops", e)
