@@ -67,7 +67,8 @@ class QuantLinear(nn.Module):
                                                             and _tinygemm_tiles(*tensors["w"].shape) > 0))
         # From this many rows (below dequant_rows), integer dot products on int8 activations.
         cpu_int8 = self.packed and mode == "int8" and device.type == "cpu"
-        self.int8_dot_rows = int8_dot_rows if cpu_int8 and int8_dot_matmul() is not None else 0
+        self.dot = int8_dot_matmul() if cpu_int8 else None
+        self.int8_dot_rows = int8_dot_rows if self.dot is not None else 0
         # The CPU's packed int8 layout is the stored one; int4's packed layouts are not.
         self.dequant_rows = dequant_rows if not self.packed or mode == "int8" else 0
         self.register_buffer("bias", bias, persistent=False)
@@ -98,7 +99,7 @@ class QuantLinear(nn.Module):
             y = (quant_matmul.int8_matmul(x, self.w, self.scales) if self.mode == "int8"
                  else quant_matmul.int4_matmul(x, self.w, self.scales, self.zeros, self.group))
         elif 0 < self.int8_dot_rows <= x.shape[0]:
-            y = int8_dot_matmul()(x, self.w, self.dot_scales)
+            y = self.dot(x, self.w, self.dot_scales)
         elif not self.packed:
             y = (int8_matmul(x, self.w, self.scales) if self.mode == "int8"
                  else int4_matmul(x, self.w, self.scales, self.zeros, self.group))
@@ -168,11 +169,14 @@ DEQUANT_ROWS = {"cpu": 64, "cuda": 512}
 @functools.cache
 def int8_dot_matmul():
     """Integer dot products on this CPU: torch's `_int_mm` where it runs on oneDNN's VNNI
-    kernels; else the compiled AVX2 one where it builds; else None (torch's `_int_mm` without
-    VNNI ran at 4-6 GFLOP/s on an AVX2 host, 0.05-0.44x the packed op: benchmarks/gemm_bench.py)."""
+    kernels; else the compiled AVX2 kernel where it builds; else None (torch's `_int_mm`
+    without VNNI was 0.05-0.44x the packed op on an AVX2 host, in a development run of
+    benchmarks/gemm_bench.py before it timed the AVX2 kernel instead)."""
     if torch.cpu._is_vnni_supported():
         return quant_matmul.int8_int8_matmul
-    return quant_matmul_cpu.int8_int8_matmul if quant_matmul_cpu.load() is not None else None
+    if quant_matmul_cpu.load() is None:
+        return None
+    return functools.partial(quant_matmul.int8_int8_matmul, sums=quant_matmul_cpu.int8_sums)
 
 
 def int8_dot_rows_default() -> int:

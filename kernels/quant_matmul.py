@@ -30,12 +30,18 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x / x_scale).round_().to(torch.int8), x_scale
 
 
-def int8_int8_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def int8_sums(xq: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """xq int8 [M, K] times w int8 [N, K], summed in int32: [M, N]."""
+    return torch._int_mm(xq, w.t())
+
+
+def int8_int8_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, sums=int8_sums) -> torch.Tensor:
     """Integer dot products, as llama.cpp decodes: x quantized per row (`quantize_rows`), its
-    products with the int8 weights w [N, K] summed in int32 (`torch._int_mm`), then both scales
-    applied. Not exact against int8_matmul: x loses bits."""
+    products with the int8 weights w [N, K] summed in int32 (`sums`: torch's `_int_mm`, or the
+    compiled AVX2 kernel of quant_matmul_cpu.py), then both scales applied. Not exact against
+    int8_matmul: x loses bits."""
     xq, x_scale = quantize_rows(x)
-    return torch._int_mm(xq, w.t()).to(x.dtype) * (x_scale * scales.to(x.dtype))
+    return sums(xq, w).to(x.dtype) * (x_scale * scales.to(x.dtype))
 
 
 def int4_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,

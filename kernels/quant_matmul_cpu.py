@@ -1,8 +1,8 @@
 """Integer dot products on the CPU, compiled: int8 activations times int8 weights summed in
 int32, for AVX2 hosts, where torch's own `_int_mm` has no fast kernel (4-6 GFLOP/s measured on
 an AVX2 EPYC, benchmarks/gemm_bench.py) and its packed int8 op converts every weight to float.
-The reference twin is `torch._int_mm` (kernels/quant_matmul.py, `int8_int8_matmul`): the sums
-are integers, so the two agree exactly.
+The reference twin is kernels/quant_matmul.py's `int8_sums` (`torch._int_mm`): the sums are
+integers, so the two agree exactly.
 
 Built once per host with torch's C++ extension loader (a C++ compiler and ninja; about a minute
 on 2 cores, cached under ~/.cache/torch_extensions); `load()` is None where that cannot be done,
@@ -118,9 +118,6 @@ def load():
         return None
 
 
-def int8_int8_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """kernels/quant_matmul.py's `int8_int8_matmul` (x float [M, K], w int8 [N, K], scales [N])
-    on the compiled integer sums."""
-    from kernels.quant_matmul import quantize_rows
-    xq, x_scale = quantize_rows(x)
-    return load().int8_mm(xq, w).to(x.dtype) * (x_scale * scales.to(x.dtype))
+def int8_sums(xq: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """kernels/quant_matmul.py's `int8_sums` on the compiled kernel (`load()` must not be None)."""
+    return load().int8_mm(xq, w)
