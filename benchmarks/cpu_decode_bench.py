@@ -4,9 +4,10 @@ llama.cpp is built once from the sources vendored in the pinned llama-cpp-python
 (downloaded with pip, `-DGGML_NATIVE=ON`, cached under $SLUICE_CACHE/llama.cpp/<version>/):
 `llama-bench` for one sequence (decode of 64 tokens, prefill of a 512-token prompt) and
 `llama-batched-bench` for 8 sequences decoding together. Sluice runs the same models from the
-model store at int8 (`int8`: torch's packed op on bf16 activations, prompts on dequantized
-float32 weights; `int8-dot`: integer dot products on int8 activations for every row count) and
-int4. The two engines take turns, median of 3, all on the same threads.
+model store at int8 and int4, each on torch's packed op on bf16 activations (`int8`, `int4`) and
+on integer dot products on int8 activations (`int8-dot`, `int4-dot`: ModelEntry.dot_rows = 1);
+prompts run on dequantized float32 weights wherever the stored format is kept (all but packed
+int4). The two engines take turns, median of 3, all on the same threads.
 
 For each it prints tokens/s, the GB/s that reading the weights once per step implies, that as a
 share of the read bandwidth measured in the same run, and Sluice's ratio to llama.cpp; it writes
@@ -130,7 +131,8 @@ def sluice_prefill(engine: LLMEngine, prompt: int, rng: random.Random) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
-    ap.add_argument("--quants", nargs="+", default=["int8", "int8-dot", "int4"], choices=["int8", "int8-dot", "int4"])
+    ap.add_argument("--quants", nargs="+", default=["int8", "int8-dot", "int4", "int4-dot"],
+                    choices=["int8", "int8-dot", "int4", "int4-dot"])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     ap.add_argument("--tokens", type=int, default=64, help="decoded per sequence")
     ap.add_argument("--prompt", type=int, default=512, help="prefill prompt tokens")
@@ -148,7 +150,7 @@ def main() -> None:
         gguf = cache_dir() / "gguf" / f"{name}.gguf"
         llama_bytes = gguf_read_bytes(gguf)
         for quant in args.quants:
-            entry = ModelEntry(str(folder), quant=quant.removesuffix("-dot"), int8_dot_rows=int(quant == "int8-dot"))
+            entry = ModelEntry(str(folder), quant=quant.removesuffix("-dot"), dot_rows=int(quant.endswith("-dot")))
             engine = LLMEngine(EngineConfig(models={"m": entry}, device="cpu",
                                             max_num_seqs=max(args.batches), num_threads=args.threads,
                                             memory_budget_gb=6.0), progress=False)

@@ -7,8 +7,10 @@ torch's `_int_mm` with VNNI, else the compiled AVX2 kernel (kernels/quant_matmul
 
 Two tables: one of Qwen2.5-Coder-1.5B's layers from decode's 1 row to prefill's 512 (what a
 batch of rows costs against one: batched decode and speculative verification pay it); and a
-whole decode step's int8 matmuls for both Qwen models (every layer shape times its count, the
-LM head included), packed against dot products, at 1 and 8 rows, with the GB/s of weights read.
+whole decode step's quantized matmuls for both Qwen models, int8 and int4 (the engine's
+QuantLinear layers, every one with its own weights as in the model, so they stream from memory
+as a real step's do; the LM head included), torch's packed op against dot products, at 1 and 8
+rows, with the GB/s of weights read.
 
     python benchmarks/gemm_bench.py [--threads 2] [--out benchmarks/results/gemm_bench.json]
 """
@@ -22,11 +24,11 @@ from common import RESULTS, machine, memory_bandwidth_gbs, timed, write_results
 from rich.console import Console
 from rich.table import Table
 
-from engine.quantize import int8_dot_matmul, quantize_int8
+from engine.quantize import QuantLinear, dot_matmul, quantize_int4, quantize_int8
 from kernels.quant_matmul import int8_int8_matmul
 
-DOT = int8_dot_matmul() or int8_int8_matmul
-DOT_NAME = "the AVX2 kernel" if DOT is not int8_int8_matmul else "_int_mm"
+DOT = dot_matmul("int8", 128) or int8_int8_matmul
+DOT_NAME = "_int_mm" if DOT is int8_int8_matmul else "the AVX2 kernel"
 
 console = Console(width=150)
 K, N = 1536, 8960            # the 1.5B's MLP up projection (one half of gate_up)
@@ -65,26 +67,36 @@ def step_shapes(hidden: int, inter: int, layers: int, heads: int, kv_heads: int,
             (hidden, 2 * inter, layers), (inter, hidden, layers), (hidden, VOCAB, 1)]
 
 
-def decode_steps(batches: tuple[int, ...] = (1, 8)) -> list[dict]:
-    """Each model's decode-step matmuls, packed against dot products, interleaved per shape."""
+def decode_steps(batches: tuple[int, ...] = (1, 8), repeats: int = 5) -> list[dict]:
+    """Each model's decode-step matmuls, int8 and int4, packed against dot products: best of
+    `repeats` whole steps, the two ways taking turns."""
     out = []
     for name, dims in MODELS.items():
-        shapes = step_shapes(*dims)
-        weights = []
-        for k, n, _ in shapes:
-            q, s = quantize_int8(torch.randn(n, k))
-            weights.append((q, s, s.to(torch.bfloat16)))
-        read = sum(k * n * count for k, n, count in shapes)             # int8: a byte a weight
-        for m in batches:
-            ms = {"packed": 0.0, "dot": 0.0}
-            for (k, n, count), (q, s, s_bf16) in zip(shapes, weights):
-                x = torch.randn(m, k)
-                ms["packed"] += count * best_ms(lambda: torch._weight_int8pack_mm(x.to(torch.bfloat16), q, s_bf16),
-                                                 7)
-                ms["dot"] += count * best_ms(lambda: DOT(x, q, s), 7)
-            out.append({"model": name, "rows": m, "weight_gb": read / 1e9, "ms": ms,
-                        "gb_s": {k: read / v / 1e6 for k, v in ms.items()}, "dot_speedup": ms["packed"] / ms["dot"]})
-            console.print(f"{name}, {m} rows: packed {ms['packed']:.1f} ms, dot products {ms['dot']:.1f} ms")
+        shapes = [(k, n) for k, n, count in step_shapes(*dims) for _ in range(count)]
+        for mode in ("int8", "int4"):
+            if dot_matmul(mode, 128) is None:
+                continue
+            torch.manual_seed(0)
+            layers: dict[str, list[QuantLinear]] = {"packed": [], "dot": []}
+            for k, n in shapes:
+                w = torch.randn(n, k) * 0.02
+                tensors = dict(zip(("w", "scales"), quantize_int8(w))) if mode == "int8" else \
+                    dict(zip(("w", "scales", "zeros"), quantize_int4(w, 128)))
+                layers["packed"].append(QuantLinear(mode, tensors, None, 128))
+                layers["dot"].append(QuantLinear(mode, tensors, None, 128, dot_rows=1))
+            # int4: half a byte a weight, and a float32 scale and zero per 128.
+            read = sum(k * n for k, n in shapes) * (1 if mode == "int8" else 0.5 + 8 / 128)
+            for m in batches:
+                xs = {k: torch.randn(m, k) for k, _ in shapes}
+                best = {way: float("inf") for way in layers}
+                for _ in range(repeats):
+                    for way, step in layers.items():
+                        best[way] = min(best[way], timed(lambda: [layer(xs[k]) for layer, (k, _) in zip(step, shapes)]))
+                ms = {way: 1e3 * t for way, t in best.items()}
+                out.append({"model": name, "weights": mode, "rows": m, "weight_gb": read / 1e9, "ms": ms,
+                            "gb_s": {k: read / v / 1e6 for k, v in ms.items()},
+                            "dot_speedup": ms["packed"] / ms["dot"]})
+                console.print(f"{name} {mode}, {m} rows: packed {ms['packed']:.1f} ms, dot products {ms['dot']:.1f} ms")
     return out
 
 
@@ -108,13 +120,13 @@ def main() -> None:
                       f"{r['fp32_ms'] / rows[0]['fp32_ms']:.2f}x", f"{r['int8_dot_ms'] / rows[0]['int8_dot_ms']:.2f}x")
     console.print(table)
     steps = decode_steps()
-    table = Table(title=f"A decode step's int8 matmuls (LM head in), packed op against dot products; read bandwidth "
-                        f"{bandwidth:.1f} GB/s, {args.threads} threads, {isa}")
-    for col in ("model", "rows", "weights GB", "packed ms", "dot ms", "packed GB/s (share)", "dot GB/s (share)",
-                "dot speedup"):
+    table = Table(title=f"A decode step's quantized matmuls (LM head in), packed op against dot products; read "
+                        f"bandwidth {bandwidth:.1f} GB/s, {args.threads} threads, {isa}")
+    for col in ("model", "weights", "rows", "weights GB", "packed ms", "dot ms", "packed GB/s (share)",
+                "dot GB/s (share)", "dot speedup"):
         table.add_column(col)
     for r in steps:
-        table.add_row(r["model"], str(r["rows"]), f"{r['weight_gb']:.2f}", f"{r['ms']['packed']:.1f}",
+        table.add_row(r["model"], r["weights"], str(r["rows"]), f"{r['weight_gb']:.2f}", f"{r['ms']['packed']:.1f}",
                       f"{r['ms']['dot']:.1f}", f"{r['gb_s']['packed']:.1f} ({r['gb_s']['packed'] / bandwidth:.0%})",
                       f"{r['gb_s']['dot']:.1f} ({r['gb_s']['dot'] / bandwidth:.0%})",
                       f"[bold]{r['dot_speedup']:.2f}x[/]")

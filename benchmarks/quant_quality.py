@@ -1,8 +1,9 @@
 """What weight quantization costs in quality: perplexity on a fixed SQuAD text and exact
 match / F1 on the same SQuAD questions answered from their gold paragraph, for each model at
-none, int8 and int4 (and with --kv, each KV cache dtype). `int8` runs torch's packed op
-(decode) and dequantized float32 (prompts); `int8-dot` integer dot products on int8
-activations for every row count (ModelEntry.int8_dot_rows = 1). Prints a table and writes
+none, int8 and int4 (and with --kv, each KV cache dtype). `int8` and `int4` decode on torch's
+packed ops, `int8-dot` and `int4-dot` on integer dot products on int8 activations
+(ModelEntry.dot_rows = 1); prompts run on dequantized float32 weights, but for packed int4.
+Prints a table and writes
 benchmarks/results/quant_quality.json.
 
 The data is read from $SLUICE_DATA or ../shared/data (never copied into the repository).
@@ -41,8 +42,8 @@ def squad(data_dir: Path, n: int, seed: int) -> tuple[list[str], list[tuple[str,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
-    ap.add_argument("--quants", nargs="+", default=["none", "int8", "int8-dot", "int4"],
-                    choices=["none", "int8", "int8-dot", "int4"])
+    ap.add_argument("--quants", nargs="+", default=["none", "int8", "int8-dot", "int4", "int4-dot"],
+                    choices=["none", "int8", "int8-dot", "int4", "int4-dot"])
     ap.add_argument("--kv", nargs="+", default=["float32"], choices=["float32", "int8"], help="KV cache dtypes")
     ap.add_argument("--questions", type=int, default=100, help="0: perplexity only")
     ap.add_argument("--ppl-tokens", type=int, default=2048)
@@ -53,7 +54,7 @@ def main() -> None:
     rows = []
     for model in args.models:
         for quant, kv in [(q, kv) for q in args.quants for kv in args.kv]:
-            entry = ModelEntry(model, quant=quant.removesuffix("-dot"), int8_dot_rows=int(quant == "int8-dot"))
+            entry = ModelEntry(model, quant=quant.removesuffix("-dot"), dot_rows=int(quant.endswith("-dot")))
             engine = LLMEngine(EngineConfig(models={"m": entry}, max_kv_blocks=2048,
                                             kv_cache_dtype=kv), progress=False)
             tok = engine.worker("m").tokenizer

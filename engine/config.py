@@ -46,11 +46,12 @@ class ModelEntry(msgspec.Struct, forbid_unknown_fields=True):
     # weights instead of on the quantized kernel (int8 on the CPU, int8 and float32 int4 on CUDA);
     # 0: the quantized kernel always; None: engine/quantize.py's DEQUANT_ROWS for the device.
     dequant_rows: int | None = None
-    # int8 on the CPU: a matmul over at least this many rows (and fewer than dequant_rows) runs
-    # on integer dot products, the activations quantized to int8 per row, instead of torch's
-    # packed op on bf16 activations; 0: never; None: engine/quantize.py's int8_dot_rows_default
-    # for the CPU (its ISA, and whether the AVX2 kernel builds).
-    int8_dot_rows: int | None = None
+    # On the CPU, a quantized matmul over at least this many rows (and fewer than dequant_rows)
+    # runs on integer dot products, the activations quantized to int8 per row, instead of torch's
+    # packed op on bf16 activations (int4 from one row whenever this is not 0: its packed layout
+    # is the alternative, chosen at load); 0: never; None: engine/quantize.py's dot_rows_default
+    # for the CPU (its ISA, and whether the compiled kernels build).
+    dot_rows: int | None = None
     thinking: ThinkingConfig = ThinkingConfig()
 
     def __post_init__(self) -> None:
@@ -60,9 +61,9 @@ class ModelEntry(msgspec.Struct, forbid_unknown_fields=True):
         if self.dequant_rows is not None and self.dequant_rows < 0:
             raise ValueError(f"model {self.source!r}: dequant_rows must be 0 (off), a row count or left out "
                              f"(the measured default), got {self.dequant_rows}")
-        if self.int8_dot_rows is not None and self.int8_dot_rows < 0:
-            raise ValueError(f"model {self.source!r}: int8_dot_rows must be 0 (off), a row count or left out "
-                             f"(the measured default), got {self.int8_dot_rows}")
+        if self.dot_rows is not None and self.dot_rows < 0:
+            raise ValueError(f"model {self.source!r}: dot_rows must be 0 (off), a row count or left out "
+                             f"(the measured default), got {self.dot_rows}")
         if self.group_size not in (32, 64, 128):
             raise ValueError(f"model {self.source!r}: group_size must be 32, 64 or 128, got {self.group_size}")
 

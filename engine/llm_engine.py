@@ -243,7 +243,7 @@ class LLMEngine:
                       "preemptions": w.scheduler.num_preemptions, "device": str(w.runner.device.device),
                       "cuda_graph_batch_sizes": w.runner.graphs.buckets if w.runner.graphs else [],
                       "kernel_fallbacks": sorted(kernels.FALLBACKS),
-                      "dequant_rows": w.dequant_rows, "int8_dot_rows": w.int8_dot_rows}
+                      "dequant_rows": w.dequant_rows, "dot_rows": w.dot_rows}
                for name, w in self.workers.items()}
         if self.speculator:
             spec = self.speculator

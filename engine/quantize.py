@@ -6,10 +6,12 @@ Formats (shared with the Triton kernels in kernels/):
         asymmetric per group: w ~= (q - zero) * scale.
 On CPU the matmuls run on torch's packed int8/int4 ops, which are fast only with bf16
 activations, so activations are cast to bf16 just around them; norms, attention and sampling
-stay in float32. Those ops compute rather than stream: their time grows with every row, so an
-int8 matmul over many rows (a prompt chunk) runs the kernels' float reference instead, on
-weights dequantized a slice at a time (`dequant_rows`). Elsewhere (CUDA) they run on the kernels package, from the
-stored format as is.
+stay in float32. Where integer dot products run (`dot_matmul`), a matmul over a few rows (decode)
+quantizes its activations to int8 instead and sums their products with the weights in int32, as
+llama.cpp does. Those ops compute rather than stream: their time grows with every row, so a
+matmul over many rows (a prompt chunk) runs the kernels' float reference instead, on weights
+dequantized a slice at a time (`dequant_rows`). Elsewhere (CUDA) they run on the kernels
+package, from the stored format as is.
 """
 from __future__ import annotations
 
@@ -52,35 +54,37 @@ class QuantLinear(nn.Module):
     `packed`: torch's packed op where the device has one, with bf16 activations around it:
     int8 and int4 on the CPU (int4 converted once here into its layout), int4 on CUDA (tinygemm,
     `_weight_int4pack_mm`, the kernel gpt-fast and torchao serve int4 with). Otherwise the
-    kernels package (the Triton kernels on CUDA) on the shared format as stored. From
+    kernels package (the Triton kernels on CUDA) on the shared format as stored. On the CPU, from
+    `dot_rows` rows on, integer dot products (int4 keeps its stored format for them, which the
+    packed op does not read, so it takes them from one row whenever `dot_rows` is not 0). From
     `dequant_rows` rows on (a prompt chunk), a layer that keeps the stored format multiplies
     densely over its dequantized weights instead: the quantized kernels stream weights, which
     pays for a few rows, and a dense GEMM computes, which pays for many."""
 
     def __init__(self, mode: str, tensors: dict[str, torch.Tensor], bias: torch.Tensor | None, group: int,
-                 packed: bool = True, device: torch.device | str = "cpu", dequant_rows: int = 0,
-                 int8_dot_rows: int = 0):
+                 packed: bool = True, device: torch.device | str = "cpu", dequant_rows: int = 0, dot_rows: int = 0):
         super().__init__()
         device = torch.device(device)
         self.mode, self.group = mode, group
-        self.packed = packed and (device.type == "cpu" or (device.type == "cuda" and mode == "int4"
-                                                            and _tinygemm_tiles(*tensors["w"].shape) > 0))
-        # From this many rows (below dequant_rows), integer dot products on int8 activations.
-        cpu_int8 = self.packed and mode == "int8" and device.type == "cpu"
-        self.dot = int8_dot_matmul() if cpu_int8 else None
-        self.int8_dot_rows = int8_dot_rows if self.dot is not None else 0
+        self.dot = dot_matmul(mode, group) if dot_rows and device.type == "cpu" else None
+        self.dot_rows = 0 if self.dot is None else dot_rows if mode == "int8" else 1
+        self.packed = packed and (mode == "int8" or self.dot is None) and (
+            device.type == "cpu" or (device.type == "cuda" and mode == "int4"
+                                     and _tinygemm_tiles(*tensors["w"].shape) > 0))
         # The CPU's packed int8 layout is the stored one; int4's packed layouts are not.
         self.dequant_rows = dequant_rows if not self.packed or mode == "int8" else 0
         self.register_buffer("bias", bias, persistent=False)
         if not self.packed:
             for name in ("w", "scales", "zeros")[:2 if mode == "int8" else 3]:
                 self.register_buffer(name, tensors[name].to(device), persistent=False)
+            if mode == "int4":     # what the dot products take off for the zeros
+                self.register_buffer("zero_scales", (self.zeros * self.scales).contiguous() if self.dot else None,
+                                     persistent=False)
         elif mode == "int8":
             self.register_buffer("w", tensors["w"].to(device), persistent=False)
             self.register_buffer("scales", tensors["scales"].to(device, torch.bfloat16), persistent=False)
             # The packed op takes bf16 scales; the dot products apply float32 ones.
-            self.register_buffer("dot_scales", tensors["scales"].to(device) if self.int8_dot_rows else None,
-                                 persistent=False)
+            self.register_buffer("dot_scales", tensors["scales"].to(device) if self.dot else None, persistent=False)
         else:
             q = unpack_int4(tensors["w"])
             if device.type == "cpu":
@@ -98,8 +102,9 @@ class QuantLinear(nn.Module):
         if 0 < self.dequant_rows <= x.shape[0]:
             y = (quant_matmul.int8_matmul(x, self.w, self.scales) if self.mode == "int8"
                  else quant_matmul.int4_matmul(x, self.w, self.scales, self.zeros, self.group))
-        elif 0 < self.int8_dot_rows <= x.shape[0]:
-            y = self.dot(x, self.w, self.dot_scales)
+        elif 0 < self.dot_rows <= x.shape[0]:
+            y = (self.dot(x, self.w, self.dot_scales if self.packed else self.scales) if self.mode == "int8"
+                 else self.dot(x, self.w, self.scales, self.zero_scales, self.group))
         elif not self.packed:
             y = (int8_matmul(x, self.w, self.scales) if self.mode == "int8"
                  else int4_matmul(x, self.w, self.scales, self.zeros, self.group))
@@ -167,27 +172,33 @@ DEQUANT_ROWS = {"cpu": 64, "cuda": 512}
 
 
 @functools.cache
-def int8_dot_matmul():
-    """Integer dot products on this CPU: torch's `_int_mm` where it runs on oneDNN's VNNI
-    kernels; else the compiled AVX2 kernel where it builds; else None (torch's `_int_mm`
+def dot_matmul(mode: str, group: int):
+    """Integer dot products on this CPU for `mode`'s weights, or None. int8: torch's `_int_mm`
+    where it runs on oneDNN's VNNI kernels, else the compiled AVX2 kernel (torch's `_int_mm`
     without VNNI was 0.05-0.44x the packed op on an AVX2 host, in a development run of
-    benchmarks/gemm_bench.py before it timed the AVX2 kernel instead)."""
-    if torch.cpu._is_vnni_supported():
+    benchmarks/gemm_bench.py before it timed the AVX2 kernel instead). int4: the compiled kernel
+    (groups of a multiple of 32) on hosts without AVX-512, where torch's packed int4 op has only
+    its AVX2 kernel: on an AVX-512 Xeon that op read a decode step's weights faster than ours
+    (ours 0.71-0.83x at 1 row, 0.75-0.90x at 8; gemm_bench-avx512-2t.json), on the AVX2 EPYC
+    slower (ours 1.63-1.84x at 1 row; gemm_bench.json)."""
+    if mode == "int8" and torch.cpu._is_vnni_supported():
         return quant_matmul.int8_int8_matmul
-    if quant_matmul_cpu.load() is None:
+    compiled = quant_matmul_cpu.load()
+    if compiled is None or (mode == "int4" and (group % 32 or torch.cpu._is_avx512_supported())):
         return None
-    return functools.partial(quant_matmul.int8_int8_matmul, sums=quant_matmul_cpu.int8_sums)
+    return compiled.int8_linear if mode == "int8" else compiled.int4_linear
 
 
-def int8_dot_rows_default() -> int:
+def dot_rows_default() -> int:
     """From how many rows an int8 matmul on this CPU runs on integer dot products (ModelEntry.
-    int8_dot_rows left out), up to dequant_rows. Measured (benchmarks/gemm_bench.py, 2 threads;
-    benchmarks/cpu_decode_bench.py): on an AVX-512 VNNI Xeon `_int_mm` lost to the packed op at
-    one row (a decode step's matmuls 0.82-0.86x) and won from four (2.2-2.4x at eight); on an
-    AVX2 EPYC the compiled kernel decoded the 0.5B 1.23x faster at batch 1 and 1.43x at 8."""
+    dot_rows left out), up to dequant_rows; int4 runs on them from one row whenever this is not
+    0 (and `dot_matmul` has a kernel for it). Measured (benchmarks/gemm_bench.py, 2 threads, a
+    decode step's matmuls): on an AVX-512 VNNI Xeon `_int_mm` matched the packed op at one row
+    (1.00-1.03x) and won at eight (2.05-2.38x); on an AVX2 EPYC the compiled kernel won from one
+    (1.88-2.09x, 3.42-3.49x at eight)."""
     if torch.cpu._is_vnni_supported():
         return 4
-    return 1 if int8_dot_matmul() is not None else 0
+    return 1 if quant_matmul_cpu.load() is not None else 0
 
 
 def quantize_tensors(model: CausalLM, mode: str, group: int) -> dict[str, torch.Tensor]:
@@ -206,11 +217,11 @@ def quantize_tensors(model: CausalLM, mode: str, group: int) -> dict[str, torch.
 
 
 def apply_quantization(model: CausalLM, mode: str, group: int = 128, cache: Path | None = None,
-                       dequant_rows: int = 0, int8_dot_rows: int = 0) -> CausalLM:
+                       dequant_rows: int = 0, dot_rows: int = 0) -> CausalLM:
     """Swap the model's Linears for quantized ones (mode "int8" or "int4"); with `cache`,
     quantize once and reuse. `dequant_rows`: on the CPU, int8 matmuls over at least this many
-    rows dequantize (0: never). `int8_dot_rows`: on the CPU, int8 matmuls over at least this
-    many rows run on integer dot products (0: never)."""
+    rows dequantize (0: never). `dot_rows`: on the CPU, matmuls over at least this many rows
+    run on integer dot products (0: never; int4 from one row when not 0)."""
     if cache is not None and cache.exists():
         # Copies, not views of the file: torch's int8 kernel segfaults on weights that are not
         # aligned as its own allocator aligns them.
@@ -229,6 +240,6 @@ def apply_quantization(model: CausalLM, mode: str, group: int = 128, cache: Path
             own = {k.removeprefix(name + "."): v for k, v in tensors.items() if k.startswith(name + ".")}
             bias = None if module.bias is None else module.bias.data
             layer = QuantLinear(mode, own, bias, group, device=device, dequant_rows=dequant_rows,
-                                int8_dot_rows=int8_dot_rows)
+                                dot_rows=dot_rows)
             setattr(model.get_submodule(parent) if parent else model, child, layer)
     return model

@@ -12,7 +12,7 @@ from engine.config import EngineConfig, ModelConfig, ModelEntry, ThinkingConfig
 from engine.model import CausalLM, load_model
 from engine.model_runner import Device, ModelRunner
 from engine.prompter import Prompter
-from engine.quantize import DEQUANT_ROWS, QuantLinear, apply_quantization, int8_dot_rows_default
+from engine.quantize import DEQUANT_ROWS, QuantLinear, apply_quantization, dot_rows_default
 from engine.scheduler import Scheduler
 from engine.stop_checker import StopChecker
 from engine.tokenizer import Tokenizer
@@ -31,7 +31,7 @@ class Worker:
     thinking: ThinkingConfig
     stop: StopChecker
     dequant_rows: int = 0           # quantized matmuls over this many rows or more dequantize (0: never)
-    int8_dot_rows: int = 0          # int8 matmuls over this many rows or more run on integer dot products
+    dot_rows: int = 0               # quantized matmuls over this many rows or more run on integer dot products
 
     @cached_property
     def prompter(self) -> Prompter:
@@ -51,8 +51,10 @@ def weight_bytes(model: CausalLM, per_token: bool = False) -> int:
     a decode step reads, which leaves out the embedding table (one row of it is read)."""
     total = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     if per_token:
+        # int4 on dot products reads its zeros as zero * scale (zero_scales).
+        unread = [m.zeros for m in model.modules() if getattr(m, "zero_scales", None) is not None]
         total -= sum(t.numel() * t.element_size() for t in [*model.embed_tokens.parameters(),
-                                                            *model.rotary.buffers()])
+                                                            *model.rotary.buffers(), *unread])
     return total
 
 
@@ -87,7 +89,7 @@ def load_workers(config: EngineConfig, progress: bool = True) -> dict[str, Worke
         runner.capture_graphs(config.max_num_seqs, scheduler.max_model_len)
         quant = next((m for m in model.modules() if isinstance(m, QuantLinear)), None)
         workers[name] = Worker(name, cfg, model, tok, bm, scheduler, runner, thinking, stop,
-                               quant.dequant_rows if quant else 0, quant.int8_dot_rows if quant else 0)
+                               quant.dequant_rows if quant else 0, quant.dot_rows if quant else 0)
     return workers
 
 
@@ -103,6 +105,6 @@ def _load(entry: ModelEntry, progress: bool, device: Device) -> tuple[ModelConfi
     model = load_model(folder, cfg, linear_weights=entry.quant == "none", device=device.device, dtype=device.dtype)
     if entry.quant != "none":
         rows = DEQUANT_ROWS[device.device.type] if entry.dequant_rows is None else entry.dequant_rows
-        dot = int8_dot_rows_default() if entry.int8_dot_rows is None else entry.int8_dot_rows
+        dot = dot_rows_default() if entry.dot_rows is None else entry.dot_rows
         model = apply_quantization(model, entry.quant, entry.group_size, cache, rows, dot)
     return cfg, model, Tokenizer(folder)

@@ -171,11 +171,11 @@ class GatewayMetrics:
                       lambda: {(m, s["device"]): 1 for m, s in engine_stats().items()}))
         r.add(Sampled("sluice_engine_cuda_graphs", "decode batch sizes captured as CUDA graphs", ("model",),
                       lambda: {(m,): len(s["cuda_graph_batch_sizes"]) for m, s in engine_stats().items()}))
-        r.add(Sampled("sluice_engine_dequant_rows", "rows from which int8 matmuls dequantize to float32 on the CPU "
+        r.add(Sampled("sluice_engine_dequant_rows", "rows from which quantized matmuls dequantize to float32 "
                       "(0: never)", ("model",), lambda: {(m,): s["dequant_rows"] for m, s in engine_stats().items()}))
-        r.add(Sampled("sluice_engine_int8_dot_rows", "rows from which int8 matmuls run on integer dot products on "
+        r.add(Sampled("sluice_engine_dot_rows", "rows from which quantized matmuls run on integer dot products on "
                       "the CPU (0: never)", ("model",),
-                      lambda: {(m,): s["int8_dot_rows"] for m, s in engine_stats().items()}))
+                      lambda: {(m,): s["dot_rows"] for m, s in engine_stats().items()}))
         r.add(Sampled("sluice_kernel_fallback", "1 for each kernel running its PyTorch twin after failing to launch",
                       ("model", "kernel"),
                       lambda: {(m, k): 1 for m, s in engine_stats().items() for k in s["kernel_fallbacks"]}))

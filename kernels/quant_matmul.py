@@ -1,4 +1,5 @@
-"""Weight-only quantized matmuls, plain PyTorch: the reference twins of quant_matmul_triton.py.
+"""Weight-only quantized matmuls, plain PyTorch: the reference twins of quant_matmul_triton.py
+and quant_matmul_cpu.py.
 
 Formats (engine/quantize.py produces them):
   int8: w int8 [N, K], scales float32 [N]; symmetric per output channel: w ~= q * scale.
@@ -9,18 +10,24 @@ Both compute x [M, K] @ w.T -> [M, N] in x's dtype.
 import torch
 
 
-def int8_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    # On the CPU about a million weights (4 MB in float32) dequantized at a time, so each slice
-    # is still in cache when the matmul reads it (the path for many rows, engine/quantize.py); a
-    # GPU has no such cache to fit and pays per launch instead, so it takes the whole weight.
-    n, k = w.shape
+def _dense(x: torch.Tensor, n: int, k: int, weights) -> torch.Tensor:
+    """x @ w.T over w's rows dequantized a slice at a time (`weights(r0, r1)`: rows r0..r1 in
+    x's dtype). On the CPU about a million weights (4 MB in float32) at a time, so each slice is
+    still in cache when the matmul reads it (the path for many rows, engine/quantize.py); a GPU
+    has no such cache to fit and pays per launch instead, so it takes the whole weight."""
     out = x.new_empty(x.shape[0], n)
-    step = n if w.is_cuda else max(1, (1 << 20) // k)
+    step = n if x.is_cuda else max(1, (1 << 20) // k)
+    for r in range(0, n, step):
+        out[:, r:r + step] = x @ weights(r, min(n, r + step)).T
+    return out
+
+
+def int8_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     # The scale applies per output, after the sum: the weights convert exactly (int8 in bf16 or
     # float32), and a pass over them is saved.
-    for r in range(0, n, step):
-        out[:, r:r + step] = (x @ w[r:r + step].to(x.dtype).T) * scales[r:r + step].to(x.dtype)
-    return out
+    n, k = w.shape
+    out = _dense(x, n, k, lambda r0, r1: w[r0:r1].to(x.dtype))
+    return out.mul_(scales.to(x.dtype))
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,23 +37,34 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x / x_scale).round_().to(torch.int8), x_scale
 
 
-def int8_sums(xq: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """xq int8 [M, K] times w int8 [N, K], summed in int32: [M, N]."""
-    return torch._int_mm(xq, w.t())
-
-
-def int8_int8_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, sums=int8_sums) -> torch.Tensor:
+def int8_int8_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """Integer dot products, as llama.cpp decodes: x quantized per row (`quantize_rows`), its
-    products with the int8 weights w [N, K] summed in int32 (`sums`: torch's `_int_mm`, or the
-    compiled AVX2 kernel of quant_matmul_cpu.py), then both scales applied. Not exact against
-    int8_matmul: x loses bits."""
+    products with the int8 weights w [N, K] summed in int32 (torch's `_int_mm`), then both scales
+    applied. Not exact against int8_matmul: x loses bits. The twin of quant_matmul_cpu's
+    `int8_linear`."""
     xq, x_scale = quantize_rows(x)
-    return sums(xq, w).to(x.dtype) * (x_scale * scales.to(x.dtype))
+    return torch._int_mm(xq, w.t()).to(x.dtype) * (x_scale * scales.to(x.dtype))
+
+
+def int4_int8_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                     group_size: int) -> torch.Tensor:
+    """Integer dot products against int4 weights (llama.cpp's q4 x q8): x quantized per row, per
+    group the integer sum of its products with the weights' 0..15 values, times the group's scale,
+    less zero * scale times the group's sum of x, all times x's scale. The twin of
+    quant_matmul_cpu's `int4_linear` (which sums the groups in float32, in another order)."""
+    xq, x_scale = quantize_rows(x)
+    (M, K), N = x.shape, w.shape[0]
+    q = torch.stack((w & 0xF, w >> 4), dim=-1).view(N, K // group_size, group_size).double()
+    xg = xq.view(M, K // group_size, group_size).double()
+    sums = torch.einsum("mgk,ngk->mng", xg, q)                    # integers: exact in float64
+    y = (sums * scales.double() - (zeros * scales).double() * xg.sum(-1)[:, None]).sum(-1)
+    return (y * x_scale.double()).to(x.dtype)
 
 
 def int4_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                 group_size: int) -> torch.Tensor:
-    N = w.shape[0]
-    q = torch.stack((w & 0xF, w >> 4), dim=-1).view(N, -1).float()   # [N, K], k in order
-    deq = (q - zeros.repeat_interleave(group_size, 1)) * scales.repeat_interleave(group_size, 1)
-    return x @ deq.to(x.dtype).T
+    def weights(r0: int, r1: int) -> torch.Tensor:
+        q = torch.stack((w[r0:r1] & 0xF, w[r0:r1] >> 4), dim=-1).view(r1 - r0, -1).float()   # k in order
+        deq = (q - zeros[r0:r1].repeat_interleave(group_size, 1)) * scales[r0:r1].repeat_interleave(group_size, 1)
+        return deq.to(x.dtype)
+    return _dense(x, w.shape[0], 2 * w.shape[1], weights)

@@ -1,8 +1,13 @@
-"""Integer dot products on the CPU, compiled: int8 activations times int8 weights summed in
-int32, for AVX2 hosts, where torch's own `_int_mm` has no fast kernel (4-6 GFLOP/s measured on
-an AVX2 EPYC, benchmarks/gemm_bench.py) and its packed int8 op converts every weight to float.
-The reference twin is kernels/quant_matmul.py's `int8_sums` (`torch._int_mm`): the sums are
-integers, so the two agree exactly.
+"""Integer dot products on the CPU, compiled for AVX2 hosts, where torch's own `_int_mm` has no
+fast kernel (4-6 GFLOP/s measured on an AVX2 EPYC, benchmarks/gemm_bench.py) and its packed
+int8/int4 ops convert every weight to float.
+
+Each function takes float32 activations and returns float32 outputs: the activations are
+quantized per row inside (one call per layer, where the Python twin makes eleven operator calls),
+summed in int32 against the weights, and scaled. The reference twins are kernels/quant_matmul.py's
+`int8_int8_matmul` (equal to the bit: the same rounding, integer sums, the same float products in
+the same order) and `int4_int8_matmul` (the same integer sums per group; the groups' float sum
+runs in another order).
 
 Built once per host with torch's C++ extension loader (a C++ compiler and ninja; about a minute
 on 2 cores, cached under ~/.cache/torch_extensions); `load()` is None where that cannot be done,
@@ -21,6 +26,7 @@ SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <cmath>
 
 static inline int32_t hsum(__m256i v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -29,69 +35,170 @@ static inline int32_t hsum(__m256i v) {
     return _mm_cvtsi128_si32(s);
 }
 
-// Rows m0 .. m0 + MB of x against outputs n0 .. n1, NB outputs at a time sharing each load of
-// x: MB and NB constants, so the MB * NB accumulators stay in registers. Products by maddubs as
-// llama.cpp does on AVX2: |w| the unsigned operand, x carrying w's sign; |x|, |w| <= 127 keep
-// each pair's sum inside int16.
-template <int MB, int NB>
-static void rows(const int8_t* X, const int8_t* W, int32_t* O, int64_t m0, int64_t n0, int64_t n1,
-                 int64_t K, int64_t N) {
-    const int64_t K32 = K / 32 * 32;
-    const __m256i ones = _mm256_set1_epi16(1);
-    int64_t n = n0;
-    for (; n + NB <= n1; n += NB) {
-        __m256i acc[MB][NB];
-        for (int i = 0; i < MB; ++i)
-            for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_setzero_si256();
-        for (int64_t k = 0; k < K32; k += 32) {
-            __m256i wv[NB], wa[NB];
-            for (int j = 0; j < NB; ++j) {
-                wv[j] = _mm256_loadu_si256((const __m256i*)(W + (n + j) * K + k));
-                wa[j] = _mm256_sign_epi8(wv[j], wv[j]);
-            }
-            for (int i = 0; i < MB; ++i) {
-                const __m256i xv = _mm256_loadu_si256((const __m256i*)(X + (m0 + i) * K + k));
-                for (int j = 0; j < NB; ++j) {
-                    const __m256i p = _mm256_maddubs_epi16(wa[j], _mm256_sign_epi8(xv, wv[j]));
-                    acc[i][j] = _mm256_add_epi32(acc[i][j], _mm256_madd_epi16(p, ones));
-                }
-            }
-        }
-        for (int i = 0; i < MB; ++i)
-            for (int j = 0; j < NB; ++j) {
-                int32_t s = hsum(acc[i][j]);
-                for (int64_t k = K32; k < K; ++k) s += int32_t(X[(m0 + i) * K + k]) * int32_t(W[(n + j) * K + k]);
-                O[(m0 + i) * N + n + j] = s;
-            }
-    }
-    if (n < n1) rows<MB, 1>(X, W, O, m0, n, n1, K, N);
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
 }
 
-// x [M, K] int8 times w [N, K] int8 (each output's weights contiguous, read once per 8 rows of
-// x) -> [M, N] int32.
-torch::Tensor int8_mm(torch::Tensor x, torch::Tensor w) {
-    TORCH_CHECK(x.scalar_type() == torch::kInt8 && w.scalar_type() == torch::kInt8, "int8_mm takes int8");
-    TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "int8_mm: x [M, K], w [N, K]");
-    x = x.contiguous();
-    w = w.contiguous();
-    const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-    auto out = torch::empty({M, N}, x.options().dtype(torch::kInt32));
-    const int8_t* X = x.data_ptr<int8_t>();
-    const int8_t* W = w.data_ptr<int8_t>();
-    int32_t* O = out.data_ptr<int32_t>();
-    at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-        for (int64_t m0 = 0; m0 < M; m0 += 8) {
-            switch (std::min<int64_t>(8, M - m0)) {
-                case 1: rows<1, 1>(X, W, O, m0, n0, n1, K, N); break;
-                case 2: rows<2, 1>(X, W, O, m0, n0, n1, K, N); break;
-                case 3: rows<3, 1>(X, W, O, m0, n0, n1, K, N); break;
-                case 4: rows<4, 1>(X, W, O, m0, n0, n1, K, N); break;
-                case 5: rows<5, 1>(X, W, O, m0, n0, n1, K, N); break;
-                case 6: rows<6, 1>(X, W, O, m0, n0, n1, K, N); break;
-                case 7: rows<7, 1>(X, W, O, m0, n0, n1, K, N); break;
-                default: rows<8, 1>(X, W, O, m0, n0, n1, K, N);
+// kernels/quant_matmul.py's quantize_rows to the bit: scale = max(|x|max, 1e-8) / 127 in float32,
+// q = x / scale rounded half to even. `interleaved`: each 32 values stored as their 16 even then
+// 16 odd ones, the order a 16-byte load of int4 weights unpacks in (low nibbles, high nibbles).
+static void quantize_rows(const float* x, int64_t M, int64_t K, bool interleaved, int8_t* q, float* scales) {
+    for (int64_t m = 0; m < M; ++m) {
+        const float* r = x + m * K;
+        float amax = 0.f;
+        for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(r[k]));
+        const float s = std::max(amax, 1e-8f) / 127.f;
+        scales[m] = s;
+        int8_t* o = q + m * K;
+        for (int64_t k = 0; k < K; ++k) {
+            const int64_t at = interleaved ? (k & ~31) + (k & 1) * 16 + (k & 31) / 2 : k;
+            o[at] = (int8_t)std::nearbyint(r[k] / s);
+        }
+    }
+}
+
+// int8: rows m0 .. m0 + MB of x against outputs n0 .. n1, each output's weights read once for
+// the MB rows. Products by maddubs as llama.cpp does on AVX2: |w| the unsigned operand, x
+// carrying w's sign; |x|, |w| <= 127 keep each pair's sum inside int16.
+template <int MB>
+static void rows8(const int8_t* X, const float* XS, const int8_t* W, const float* WS, float* O,
+                  int64_t m0, int64_t n0, int64_t n1, int64_t K, int64_t N) {
+    const int64_t K32 = K / 32 * 32;
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t n = n0; n < n1; ++n) {
+        const int8_t* w = W + n * K;
+        __m256i acc[MB];
+        for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_si256();
+        for (int64_t k = 0; k < K32; k += 32) {
+            const __m256i wv = _mm256_loadu_si256((const __m256i*)(w + k));
+            const __m256i wa = _mm256_sign_epi8(wv, wv);
+            for (int i = 0; i < MB; ++i) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i*)(X + (m0 + i) * K + k));
+                const __m256i p = _mm256_maddubs_epi16(wa, _mm256_sign_epi8(xv, wv));
+                acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(p, ones));
             }
         }
+        for (int i = 0; i < MB; ++i) {
+            int32_t s = hsum(acc[i]);
+            for (int64_t k = K32; k < K; ++k) s += int32_t(X[(m0 + i) * K + k]) * int32_t(w[k]);
+            O[(m0 + i) * N + n] = float(s) * (XS[m0 + i] * WS[n]);
+        }
+    }
+}
+
+// int4 (engine/quantize.py's format: two per byte, the even k low; per group w = (q - zero) * scale):
+// per group the int32 sum of q times x (q is unsigned: maddubs takes it as is), scaled by the
+// group's scale in float; the zeros come off once per output as zero * scale times the group's
+// sum of x.
+template <int MB>
+static void rows4(const int8_t* X, const float* XS, const int32_t* XG, const uint8_t* W, const float* S,
+                  const float* ZS, float* O, int64_t m0, int64_t n0, int64_t n1, int64_t K, int64_t N,
+                  int64_t group) {
+    const int64_t G = K / group;
+    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
+    for (int64_t n = n0; n < n1; ++n) {
+        const uint8_t* w = W + n * (K / 2);
+        __m256 acc[MB];
+        for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < G; ++g) {
+            __m256i part[MB];
+            for (int i = 0; i < MB; ++i) part[i] = _mm256_setzero_si256();
+            for (int64_t k = g * group; k < (g + 1) * group; k += 32) {
+                const __m128i packed = _mm_loadu_si128((const __m128i*)(w + k / 2));
+                const __m256i q = _mm256_and_si256(low, _mm256_inserti128_si256(
+                    _mm256_castsi128_si256(packed), _mm_srli_epi16(packed, 4), 1));
+                for (int i = 0; i < MB; ++i) {
+                    const __m256i xv = _mm256_loadu_si256((const __m256i*)(X + (m0 + i) * K + k));
+                    part[i] = _mm256_add_epi32(part[i], _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), ones));
+                }
+            }
+            const __m256 s = _mm256_set1_ps(S[n * G + g]);
+            for (int i = 0; i < MB; ++i) acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(_mm256_cvtepi32_ps(part[i]), s));
+        }
+        for (int i = 0; i < MB; ++i) {
+            float zero = 0.f;
+            for (int64_t g = 0; g < G; ++g) zero += ZS[n * G + g] * float(XG[(m0 + i) * G + g]);
+            O[(m0 + i) * N + n] = (hsum(acc[i]) - zero) * XS[m0 + i];
+        }
+    }
+}
+
+// f(integral_constant<b>) for a row block of b <= MB rows: each size its own instance, so the
+// accumulators stay in registers.
+template <int MB, typename F>
+static void block(int64_t b, F&& f) {
+    if constexpr (MB > 1) {
+        if (b < MB) return block<MB - 1>(b, f);
+    }
+    f(std::integral_constant<int, MB>{});
+}
+
+static void check(const torch::Tensor& x, const torch::Tensor& w, int64_t K, const char* name) {
+    TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 2 && x.size(1) == K, name, ": x float32 [M, K]");
+    TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), name, ": w contiguous [N, ...]");
+}
+
+// x float32 [M, K] times int8 w [N, K] with scales [N] -> float32 [M, N].
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scales) {
+    const int64_t K = w.size(1), N = w.size(0);
+    check(x, w, K, "int8_linear");
+    TORCH_CHECK(w.scalar_type() == torch::kInt8 && scales.scalar_type() == torch::kFloat && scales.numel() == N,
+                "int8_linear: w int8 [N, K], scales float32 [N]");
+    x = x.contiguous();
+    scales = scales.contiguous();
+    const int64_t M = x.size(0);
+    auto xq = torch::empty({M, K}, x.options().dtype(torch::kInt8));
+    auto xs = torch::empty({M}, x.options());
+    auto out = torch::empty({M, N}, x.options());
+    quantize_rows(x.data_ptr<float>(), M, K, false, xq.data_ptr<int8_t>(), xs.data_ptr<float>());
+    const int8_t* X = xq.data_ptr<int8_t>();
+    const float *XS = xs.data_ptr<float>(), *WS = scales.data_ptr<float>();
+    const int8_t* W = w.data_ptr<int8_t>();
+    float* O = out.data_ptr<float>();
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+        for (int64_t m0 = 0; m0 < M; m0 += 8)
+            block<8>(std::min<int64_t>(8, M - m0), [&](auto mb) {
+                rows8<decltype(mb)::value>(X, XS, W, WS, O, m0, n0, n1, K, N);
+            });
+    });
+    return out;
+}
+
+// x float32 [M, K] times int4 w uint8 [N, K / 2] with scales and zero * scale [N, K / group]
+// -> float32 [M, N]; group a multiple of 32.
+torch::Tensor int4_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scales, torch::Tensor zero_scales,
+                          int64_t group) {
+    const int64_t K = w.size(1) * 2, N = w.size(0);
+    check(x, w, K, "int4_linear");
+    TORCH_CHECK(group % 32 == 0 && K % group == 0, "int4_linear: the group must be a multiple of 32 dividing K");
+    TORCH_CHECK(w.scalar_type() == torch::kUInt8 && scales.scalar_type() == torch::kFloat &&
+                zero_scales.scalar_type() == torch::kFloat && scales.numel() == N * (K / group) &&
+                zero_scales.numel() == N * (K / group),
+                "int4_linear: w uint8 [N, K / 2], scales and zero_scales float32 [N, K / group]");
+    x = x.contiguous();
+    scales = scales.contiguous();
+    zero_scales = zero_scales.contiguous();
+    const int64_t M = x.size(0), G = K / group;
+    auto xq = torch::empty({M, K}, x.options().dtype(torch::kInt8));
+    auto xs = torch::empty({M}, x.options());
+    auto xg = torch::zeros({M, G}, x.options().dtype(torch::kInt));
+    auto out = torch::empty({M, N}, x.options());
+    quantize_rows(x.data_ptr<float>(), M, K, true, xq.data_ptr<int8_t>(), xs.data_ptr<float>());
+    const int8_t* X = xq.data_ptr<int8_t>();
+    int32_t* XG = xg.data_ptr<int32_t>();
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t k = 0; k < K; ++k) XG[m * G + k / group] += X[m * K + k];
+    const float *XS = xs.data_ptr<float>(), *S = scales.data_ptr<float>(), *ZS = zero_scales.data_ptr<float>();
+    const uint8_t* W = w.data_ptr<uint8_t>();
+    float* O = out.data_ptr<float>();
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+        for (int64_t m0 = 0; m0 < M; m0 += 4)
+            block<4>(std::min<int64_t>(4, M - m0), [&](auto mb) {
+                rows4<decltype(mb)::value>(X, XS, XG, W, S, ZS, O, m0, n0, n1, K, N, group);
+            });
     });
     return out;
 }
@@ -100,7 +207,7 @@ torch::Tensor int8_mm(torch::Tensor x, torch::Tensor w) {
 
 @functools.cache
 def load():
-    """The compiled module (its `int8_mm`), or None where it cannot be built here."""
+    """The compiled module (`int8_linear`, `int4_linear`), or None where it cannot be built here."""
     if not torch.cpu._is_avx2_supported():
         return None
     try:
@@ -112,12 +219,9 @@ def load():
 
             import ninja
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-        return load_inline("sluice_int8_mm", [SOURCE], functions=["int8_mm"], extra_cflags=["-O3", "-mavx2"])
+        # at::parallel_for is OpenMP inlined into this module: without -fopenmp it runs on one thread.
+        return load_inline("sluice_quant_linear", [SOURCE], functions=["int8_linear", "int4_linear"],
+                           extra_cflags=["-O3", "-mavx2", "-fopenmp"], extra_ldflags=["-fopenmp"])
     except Exception as e:          # no compiler, no ninja: torch's ops serve instead
-        log.warning("the CPU int8 kernel could not be built (%s); int8 runs on torch's ops", e)
+        log.warning("the CPU integer kernels could not be built (%s); int8 and int4 run on torch's ops", e)
         return None
-
-
-def int8_sums(xq: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """kernels/quant_matmul.py's `int8_sums` on the compiled kernel (`load()` must not be None)."""
-    return load().int8_mm(xq, w)

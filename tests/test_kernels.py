@@ -177,20 +177,28 @@ def test_int8_matmul_reference_matches_dense():
     torch.testing.assert_close(quant_matmul.int8_matmul(x, w, scales), x @ dense.T, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("M,K,N", [(1, 896, 1152), (3, 100, 37), (8, 1536, 64), (9, 64, 5)])
-def test_compiled_cpu_int8_kernel_equals_its_twin_exactly(M, K, N):
-    """kernels/quant_matmul_cpu.py (AVX2, built here) against torch's `_int_mm`: integer sums,
-    so equal to the bit, K past a multiple of 32 and row blocks of 8 included."""
+@pytest.mark.parametrize("M,K,N", [(1, 896, 1152), (3, 100, 37), (8, 1536, 64), (9, 64, 5), (13, 256, 40)])
+def test_compiled_cpu_integer_kernels_equal_their_twins(M, K, N):
+    """kernels/quant_matmul_cpu.py (AVX2, built here) against its PyTorch twins: int8 equal to the
+    bit (K past a multiple of 32, row blocks of 1 to 8 included); int4 the same integer sums per
+    group, summed over groups in float32 in another order."""
     from kernels import quant_matmul_cpu
     if quant_matmul_cpu.load() is None:
-        pytest.skip("the CPU int8 kernel cannot be built here (no AVX2, C++ compiler or ninja)")
+        pytest.skip("the CPU integer kernels cannot be built here (no AVX2, C++ compiler or ninja)")
     g = torch.Generator().manual_seed(M * K + N)
-    x = torch.randint(-127, 128, (M, K), dtype=torch.int8, generator=g)
+    x = torch.randn(M, K, generator=g) * torch.logspace(-3, 2, M)[:, None]
     w = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g)
-    assert torch.equal(quant_matmul_cpu.load().int8_mm(x, w), (x.long() @ w.long().T).int())
-    xf, scales = torch.randn(M, K, generator=g), torch.rand(N, generator=g)
-    compiled = quant_matmul.int8_int8_matmul(xf, w, scales, sums=quant_matmul_cpu.int8_sums)
-    assert torch.equal(compiled, quant_matmul.int8_int8_matmul(xf, w, scales))
+    scales = torch.rand(N, generator=g)
+    got = quant_matmul_cpu.load().int8_linear(x, w, scales)
+    assert torch.equal(got, quant_matmul.int8_int8_matmul(x, w, scales))
+    for group in (32, 64, 128):
+        if K % group:
+            continue
+        q = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=g)
+        s, z = torch.rand(N, K // group, generator=g), torch.rand(N, K // group, generator=g) * 15
+        got = quant_matmul_cpu.load().int4_linear(x, q, s, (z * s).contiguous(), group)
+        want = quant_matmul.int4_int8_matmul(x, q, s, z, group)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().amax(1, keepdim=True).max().item())
 
 
 @pytest.mark.parametrize("group", [32, 64, 128])

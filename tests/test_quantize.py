@@ -6,12 +6,12 @@ import torch
 from engine.config import EngineConfig, ModelEntry
 from engine.llm_engine import LLMEngine
 from engine.model import Linear
-from engine.quantize import QuantLinear, int8_dot_matmul, quantize_int4, quantize_int8, unpack_int4
+from engine.quantize import QuantLinear, dot_matmul, quantize_int4, quantize_int8, unpack_int4
 from engine.sampling_params import SamplingParams
-from kernels.quant_matmul import int8_int8_matmul
+from kernels.quant_matmul import int4_int8_matmul, int4_matmul, int8_int8_matmul
 from tests.conftest import make_tiny_model, quantized
 
-NO_DOT = "no integer dot products on this CPU (no VNNI, and the AVX2 kernel cannot be built here)"
+NO_DOT = "no integer dot products on this CPU (no VNNI, and the AVX2 kernels cannot be built here)"
 
 
 def test_int8_round_trip_error_is_within_half_a_step():
@@ -32,14 +32,15 @@ def test_int4_round_trip_and_packing(group):
     assert ((deq - w).abs() <= step / 2 + 1e-5).all()
 
 
-@pytest.mark.parametrize("mode", ["int8", "int8-dot", "int4"])
+@pytest.mark.parametrize("mode", ["int8", "int8-dot", "int4", "int4-dot"])
 def test_cpu_quant_linear_matches_dequantized_math(mode):
-    if mode == "int8-dot" and int8_dot_matmul() is None:
+    kind, dot = mode.removesuffix("-dot"), mode.endswith("-dot")
+    if dot and dot_matmul(kind, 32) is None:
         pytest.skip(NO_DOT)
     w, b, x = torch.randn(64, 128), torch.randn(64), torch.randn(5, 128)
-    tensors, deq = quantized(w, mode.removesuffix("-dot"), 32)
-    layer = QuantLinear(mode.removesuffix("-dot"), tensors, b, 32, int8_dot_rows=int(mode == "int8-dot"))
-    assert layer.int8_dot_rows == (mode == "int8-dot")
+    tensors, deq = quantized(w, kind, 32)
+    layer = QuantLinear(kind, tensors, b, 32, dot_rows=int(dot))
+    assert layer.dot_rows == dot
     got = layer(x)
     want = x @ deq.T + b
     # bf16 activations and scales, or int8 activations: about three significant digits.
@@ -59,24 +60,42 @@ def test_int8_over_many_rows_multiplies_dequantized_in_float32():
         x = torch.randn(rows, 512)
         err = (layer(x) - (x @ deq.T + b)).abs().max().item() / (x @ deq.T).abs().max().item()
         assert err < tol if rows >= 4 else tol < err < 0.02
-    # Only the CPU's packed int4 layout has no stored format left to dequantize.
+    # Only the CPU's packed int4 layout has no stored format left to dequantize; int4 on dot
+    # products keeps it.
     assert QuantLinear("int8", {"w": q, "scales": s}, b, 32, packed=False, dequant_rows=4).dequant_rows == 4
     q4, s4, z4 = quantize_int4(w[:64], 32)
     assert QuantLinear("int4", {"w": q4, "scales": s4, "zeros": z4}, b[:64], 32, dequant_rows=4).dequant_rows == 0
+    if dot_matmul("int4", 32) is not None:
+        layer = QuantLinear("int4", {"w": q4, "scales": s4, "zeros": z4}, b[:64], 32, dequant_rows=4, dot_rows=4)
+        assert (layer.dequant_rows, layer.dot_rows, layer.packed) == (4, 1, False)
 
 
 def test_int8_runs_packed_then_on_dot_products_then_dequantized_as_rows_grow():
-    if int8_dot_matmul() is None:
+    if dot_matmul("int8", 32) is None:
         pytest.skip(NO_DOT)
     torch.manual_seed(0)
     q, s = quantize_int8(torch.randn(64, 128))
-    layer = QuantLinear("int8", {"w": q, "scales": s}, None, 32, dequant_rows=6, int8_dot_rows=4)
+    layer = QuantLinear("int8", {"w": q, "scales": s}, None, 32, dequant_rows=6, dot_rows=4)
     x = torch.randn(6, 128)
-    torch.testing.assert_close(layer(x[:4]), int8_dot_matmul()(x[:4], q, s), rtol=0, atol=0)
+    torch.testing.assert_close(layer(x[:4]), int8_int8_matmul(x[:4], q, s), rtol=0, atol=0)
     packed = QuantLinear("int8", {"w": q, "scales": s}, None, 32)
     torch.testing.assert_close(layer(x[:3]), packed(x[:3]), rtol=0, atol=0)
     dequantized = QuantLinear("int8", {"w": q, "scales": s}, None, 32, dequant_rows=6)
     torch.testing.assert_close(layer(x), dequantized(x), rtol=0, atol=0)
+
+
+def test_int4_runs_on_dot_products_then_dequantized_as_rows_grow():
+    """int4 on dot products keeps the stored format: below dequant_rows its twin's integer sums
+    (the groups summed in float32 in another order), from there the float32 reference exactly."""
+    if dot_matmul("int4", 32) is None:
+        pytest.skip(NO_DOT)
+    torch.manual_seed(0)
+    q, s, z = quantize_int4(torch.randn(96, 256), 32)
+    b = torch.randn(96)
+    layer = QuantLinear("int4", {"w": q, "scales": s, "zeros": z}, b, 32, dequant_rows=6, dot_rows=1)
+    x = torch.randn(6, 256)
+    torch.testing.assert_close(layer(x[:5]), int4_int8_matmul(x[:5], q, s, z, 32) + b, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer(x), int4_matmul(x, q, s, z, 32) + b, rtol=0, atol=0)
 
 
 def test_integer_dot_products_sum_the_rounded_activations_exactly():
@@ -109,8 +128,8 @@ def test_quantized_engine_stays_close_to_float(tmp_path, mode, monkeypatch):
     folder = make_tiny_model(tmp_path / "m", "qwen2", seed=3)
     prompt = torch.randint(0, 127, (40,)).tolist()
 
-    def engine(quant, dequant_rows=None):
-        entry = ModelEntry(str(folder), quant=quant, group_size=32, dequant_rows=dequant_rows)
+    def engine(quant, dequant_rows=None, dot_rows=None):
+        entry = ModelEntry(str(folder), quant=quant, group_size=32, dequant_rows=dequant_rows, dot_rows=dot_rows)
         return LLMEngine(EngineConfig(models={"m": entry}, max_kv_blocks=64, block_size=4, memory_budget_gb=1.0),
                          progress=False)
 
@@ -128,20 +147,22 @@ def test_quantized_engine_stays_close_to_float(tmp_path, mode, monkeypatch):
             assert got.token_ids[0] == ref.token_ids[0]
             assert abs(got.logprobs[0] - ref.logprobs[0]) < 0.1
             assert e.stats()["m"]["dequant_rows"] == rows
-        if int8_dot_matmul() is None:
-            return
-        # Decode on integer dot products (int8 activations) instead of the packed op.
-        entry = ModelEntry(str(folder), quant="int8", group_size=32, int8_dot_rows=1)
-        e = LLMEngine(EngineConfig(models={"m": entry}, max_kv_blocks=64, block_size=4, memory_budget_gb=1.0),
-                      progress=False)
-        got = e.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0]
-        assert got.token_ids[0] == ref.token_ids[0] and abs(got.logprobs[0] - ref.logprobs[0]) < 0.1
-        assert e.stats()["m"]["int8_dot_rows"] == 1
+    if dot_matmul(mode, 32) is None:
+        return
+    # Every matmul on integer dot products (int8 activations), against the same weights in
+    # float32: the float model for int8; for int4, whose own rounding moves this random model's
+    # first token, its weights dequantized (every row count dequantizes).
+    base = ref if mode == "int8" else engine(mode, dequant_rows=1, dot_rows=0).generate(
+        [prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    e = engine(mode, dequant_rows=0, dot_rows=1)
+    got = e.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    assert got.token_ids[0] == base.token_ids[0] and abs(got.logprobs[0] - base.logprobs[0]) < 0.1
+    assert e.stats()["m"]["dot_rows"] == 1
 
 
-@pytest.mark.parametrize("mode", ["float", "int8", "int4", "int8-unpacked", "int4-unpacked", "int8-dot"])
+@pytest.mark.parametrize("mode", ["float", "int8", "int4", "int8-unpacked", "int4-unpacked", "int8-dot", "int4-dot"])
 def test_rows_compute_those_outputs_of_the_layer(mode):
-    if mode == "int8-dot" and int8_dot_matmul() is None:
+    if mode.endswith("-dot") and dot_matmul(mode.removesuffix("-dot"), 32) is None:
         pytest.skip(NO_DOT)
     """A drafter's smaller head: the layer restricted to some outputs (whole row blocks, as
     torch's packed int4 layout needs: 32 rows under AVX2, 64 under AVX-512) gives exactly the
@@ -156,7 +177,7 @@ def test_rows_compute_those_outputs_of_the_layer(mode):
         tensors = dict(zip(("w", "scales"), quantize_int8(w))) if kind == "int8" else \
             dict(zip(("w", "scales", "zeros"), quantize_int4(w, 32)))
         layer = QuantLinear(kind, tensors, None, 32, packed=not mode.endswith("unpacked"),
-                            int8_dot_rows=int(mode.endswith("dot")))
+                            dot_rows=int(mode.endswith("dot")))
     b = max(layer.row_block, 32)
     ids = torch.cat([torch.arange(0, b), torch.arange(256 - b, 256)])
     torch.testing.assert_close(layer.rows(ids)(x), layer(x)[:, ids], rtol=0, atol=1e-5)
