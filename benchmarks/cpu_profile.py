@@ -27,7 +27,8 @@ from models.store import resolve
 
 console = Console(width=150)
 # Operator names by the part of the step they belong to, first match wins.
-PARTS = [("weight matmuls", r"_weight_int[48]pack_mm|aten::(mm|addmm|bmm|matmul|linear)$"),
+PARTS = [("weight matmuls",
+          r"_weight_int[48]pack_mm|sluice::int[48]_linear|aten::(_int_mm|mm|addmm|bmm|matmul|linear)$"),
          ("attention", r"scaled_dot_product|_flash_attention|index_select|aten::view_as|aten::where"),
          ("norms", r"rms_norm|rsqrt|pow|mean"),
          ("rotary", r"aten::(cat|chunk|neg)$"),

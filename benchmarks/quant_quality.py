@@ -70,6 +70,7 @@ def main() -> None:
                 f = 100 * sum(f1(a, g) for a, (_, _, g) in zip(answers, questions)) / len(questions)
             rows.append({"model": model, "quant": quant, "kv": kv, "perplexity": ppl, "exact_match": em, "f1": f})
             console.print(rows[-1])
+            write(args, rows)                 # after each row: a run cut short keeps what it measured
             del engine
     table = Table(title=f"Quantization quality: perplexity on {args.ppl_tokens} SQuAD tokens; "
                         f"EM/F1 on {args.questions} SQuAD questions with their gold paragraph")
@@ -81,10 +82,13 @@ def main() -> None:
             if questions else ["-"] * 3
         table.add_row(r["model"], r["quant"], r["kv"], f"{r['perplexity']:.3f}", *scores)
     console.print(table)
+    console.print(f"wrote {args.out}")
+
+
+def write(args: argparse.Namespace, rows: list[dict]) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"questions": args.questions, "ppl_tokens": args.ppl_tokens, "rows": rows},
                                    indent=2))
-    console.print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -34,5 +34,7 @@ def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torc
                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Rotary on q [T, heads, head_dim] and k [T, kv_heads, head_dim], the rotated k and v
     written into their slots as attention.store_kv does; returns the rotated q."""
-    store_kv(apply_rotary(k, cos, sin), v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-    return apply_rotary(q, cos, sin)
+    # q and k rotated as one tensor: half the operator calls, which is most of their cost at decode.
+    q, k = apply_rotary(torch.cat((q, k), 1), cos, sin).split([q.shape[1], k.shape[1]], 1)
+    store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    return q
