@@ -60,7 +60,8 @@ def make_site(root: Path, kv_blocks: int) -> tuple[EngineConfig, Path, Path]:
     engine = EngineConfig(models={"small": ModelEntry(str(small))}, block_size=16, max_kv_blocks=kv_blocks,
                           memory_budget_gb=1.0, num_threads=1)
     (root / "tenants").mkdir()
-    (root / "tenants" / "alpha.toml").write_text(tenant_toml(KEYS["alpha"], context=WORDS + 60, allowed=("small",)))
+    (root / "tenants" / "alpha.toml").write_text(tenant_toml(KEYS["alpha"], context=WORDS + 60, output=96,
+                                                                 allowed=("small",)))
     store = CollectionStore(root / "data" / "collections", Embedder(device="cpu"))
     store.collection("alpha", "topics").ingest([Document(id=f"topic{t}", title="", text=" ".join(
         topic_words(t)[i % 20] for i in range(WORDS))) for t in range(TOPICS)])
@@ -129,10 +130,10 @@ def test_the_affine_router_makes_half_again_as_many_cache_hits_as_round_robin(cl
 CLIENTS, LOAD_S, KILL_AT_S = 8, 12.0, 4.0
 
 
-def ask_in_turn(i: int, n: int) -> dict:
+def ask_in_turn(i: int, n: int, tokens: int = 32) -> dict:
     topic = (i + n) % TOPICS
     return {"question": " ".join(topic_words(topic)[(i + n + j) % 20] for j in range(4)), "collection": "topics",
-            "max_output_tokens": 32}
+            "max_output_tokens": tokens}
 
 
 def ledger_ids(config: ServerConfig) -> list[str]:
@@ -190,7 +191,8 @@ def test_a_killed_replica_loses_no_answered_row_and_fails_only_what_it_held(clus
                 n = 0
                 while time.monotonic() < start + LOAD_S:
                     began = time.monotonic()
-                    r = await client.post("/v1/ask", headers=auth("alpha"), json=ask_in_turn(i, n))
+                    # Long answers: a request outlives the moment between seeing the victim busy and the kill.
+                    r = await client.post("/v1/ask", headers=auth("alpha"), json=ask_in_turn(i, n, tokens=96))
                     results.append((began, time.monotonic(), r.status_code, r.json(),
                                     r.headers.get("x-sluice-replica")))
                     n += 1
@@ -216,7 +218,8 @@ def test_a_killed_replica_loses_no_answered_row_and_fails_only_what_it_held(clus
 
     killed = asyncio.run(load())
     failed = [(began, ended, body) for began, ended, status, body, _ in results if status != 200]
-    assert failed, "the kill failed no request: it came between requests"
+    assert failed, ("the kill failed no request", victim, killed,
+                    [(round(b - killed, 2), round(e - killed, 2), s, r) for b, e, s, _, r in results if b < killed < e])
     for began, ended, body in failed:        # only requests in flight at the kill, each saying why
         assert began < killed < ended and body["error"]["code"] == "replica_failed", (began, ended, killed, body)
         assert "died" in body["error"]["message"]
