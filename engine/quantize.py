@@ -25,6 +25,7 @@ from torch import nn
 
 from engine.model import CausalLM, Linear
 from kernels import int4_matmul, int8_matmul, quant_matmul, quant_matmul_cpu
+from kernels.quant_matmul import unpack_int4
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,10 +43,6 @@ def quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tens
     zeros = -lo / scales                         # in quantized units: w = (q - zero) * scale
     q = (g / scales[..., None] + zeros[..., None]).round().clamp(0, 15).to(torch.uint8).view(N, K)
     return q[:, 0::2] | (q[:, 1::2] << 4), scales, zeros
-
-
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    return torch.stack([packed & 0xF, packed >> 4], -1).flatten(1)
 
 
 class QuantLinear(nn.Module):
@@ -219,8 +216,8 @@ def quantize_tensors(model: CausalLM, mode: str, group: int) -> dict[str, torch.
 def apply_quantization(model: CausalLM, mode: str, group: int = 128, cache: Path | None = None,
                        dequant_rows: int = 0, dot_rows: int = 0) -> CausalLM:
     """Swap the model's Linears for quantized ones (mode "int8" or "int4"); with `cache`,
-    quantize once and reuse. `dequant_rows`: on the CPU, int8 matmuls over at least this many
-    rows dequantize (0: never). `dot_rows`: on the CPU, matmuls over at least this many rows
+    quantize once and reuse. `dequant_rows`: matmuls over at least this many rows on a stored
+    format dequantize (0: never). `dot_rows`: on the CPU, matmuls over at least this many rows
     run on integer dot products (0: never; int4 from one row when not 0)."""
     if cache is not None and cache.exists():
         # Copies, not views of the file: torch's int8 kernel segfaults on weights that are not

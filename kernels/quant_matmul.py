@@ -30,6 +30,11 @@ def int8_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch
     return out.mul_(scales.to(x.dtype))
 
 
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """w uint8 [N, K // 2] -> its values 0..15 [N, K], k in order."""
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(1)
+
+
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x float [M, K] as int8 per row (symmetric, rounded to 1/254 of the row's largest value)
     and the scales [M, 1]: llama.cpp's q8 activations."""
@@ -54,7 +59,7 @@ def int4_int8_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, zer
     quant_matmul_cpu's `int4_linear` (which sums the groups in float32, in another order)."""
     xq, x_scale = quantize_rows(x)
     (M, K), N = x.shape, w.shape[0]
-    q = torch.stack((w & 0xF, w >> 4), dim=-1).view(N, K // group_size, group_size).double()
+    q = unpack_int4(w).view(N, K // group_size, group_size).double()
     xg = xq.view(M, K // group_size, group_size).double()
     sums = torch.einsum("mgk,ngk->mng", xg, q)                    # integers: exact in float64
     y = (sums * scales.double() - (zeros * scales).double() * xg.sum(-1)[:, None]).sum(-1)
@@ -64,7 +69,7 @@ def int4_int8_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, zer
 def int4_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                 group_size: int) -> torch.Tensor:
     def weights(r0: int, r1: int) -> torch.Tensor:
-        q = torch.stack((w[r0:r1] & 0xF, w[r0:r1] >> 4), dim=-1).view(r1 - r0, -1).float()   # k in order
+        q = unpack_int4(w[r0:r1]).float()
         deq = (q - zeros[r0:r1].repeat_interleave(group_size, 1)) * scales[r0:r1].repeat_interleave(group_size, 1)
         return deq.to(x.dtype)
     return _dense(x, w.shape[0], 2 * w.shape[1], weights)
