@@ -7,7 +7,9 @@ llama.cpp is built once from the sources vendored in the pinned llama-cpp-python
 model store at int8 and int4, each on torch's packed op on bf16 activations (`int8`, `int4`) and
 on integer dot products on int8 activations (`int8-dot`, `int4-dot`: ModelEntry.dot_rows = 1);
 prompts run on dequantized float32 weights wherever the stored format is kept (all but packed
-int4). The two engines take turns, median of 3, all on the same threads.
+int4). `--cpu-kernels off on` runs each also with a layer's other kernels on their PyTorch twins
+(EngineConfig.cpu_kernels off, the compiled ones of kernels/layer_cpu.py on). The two engines
+take turns, median of 3, all on the same threads.
 
 For each it prints tokens/s, the GB/s that reading the weights once per step implies, that as a
 share of the read bandwidth measured in the same run, and Sluice's ratio to llama.cpp; it writes
@@ -133,6 +135,7 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
     ap.add_argument("--quants", nargs="+", default=["int8", "int8-dot", "int4", "int4-dot"],
                     choices=["int8", "int8-dot", "int4", "int4-dot"])
+    ap.add_argument("--cpu-kernels", nargs="+", default=["on"], choices=["on", "off"])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     ap.add_argument("--tokens", type=int, default=64, help="decoded per sequence")
     ap.add_argument("--prompt", type=int, default=512, help="prefill prompt tokens")
@@ -149,11 +152,11 @@ def main() -> None:
         folder = resolve(name, progress=False)
         gguf = cache_dir() / "gguf" / f"{name}.gguf"
         llama_bytes = gguf_read_bytes(gguf)
-        for quant in args.quants:
+        for quant, compiled in [(q, c) for q in args.quants for c in args.cpu_kernels]:
             entry = ModelEntry(str(folder), quant=quant.removesuffix("-dot"), dot_rows=int(quant.endswith("-dot")))
             engine = LLMEngine(EngineConfig(models={"m": entry}, device="cpu",
                                             max_num_seqs=max(args.batches), num_threads=args.threads,
-                                            memory_budget_gb=6.0), progress=False)
+                                            memory_budget_gb=6.0, cpu_kernels=compiled == "on"), progress=False)
             sluice_bytes = weight_bytes(engine.worker("m").model, per_token=True)
             sluice_decode(engine, 1, 4, rng)                        # warm-up
             for what, batch in [("decode", b) for b in args.batches] + [("prefill", 1)]:
@@ -169,24 +172,26 @@ def main() -> None:
                 # Decode reads the weights once per step, whatever the batch.
                 gb_s = {"sluice": sluice_bytes, "llama.cpp": llama_bytes}
                 gb_s = {k: gb_s[k] * tok_s[k] / batch / 1e9 for k in tok_s} if what == "decode" else {}
-                rows.append({"model": name, "sluice_weights": quant, "llama_cpp_weights": "gguf as stored",
+                rows.append({"model": name, "sluice_weights": quant, "cpu_kernels": compiled,
+                             "llama_cpp_weights": "gguf as stored",
                              "what": what, "batch": batch, "tokens": args.tokens if what == "decode" else args.prompt,
                              "tok_s": tok_s, "runs": runs, "gb_s": gb_s,
                              "bandwidth_share": {k: v / bandwidth for k, v in gb_s.items()},
                              "ratio": tok_s["sluice"] / tok_s["llama.cpp"]})
-                console.print(f"{name} {quant} {what} batch {batch}: Sluice {tok_s['sluice']:.1f} tok/s, "
+                console.print(f"{name} {quant} (layer kernels {compiled}) {what} batch {batch}: "
+                              f"Sluice {tok_s['sluice']:.1f} tok/s, "
                               f"llama.cpp {tok_s['llama.cpp']:.1f} ({rows[-1]['ratio']:.2f}x)")
             del engine
     table = Table(title=f"CPU decode and prefill, Sluice against llama.cpp (read bandwidth {bandwidth:.1f} GB/s, "
                         f"{args.threads} threads, {machine()['isa']})")
-    for col in ("model", "Sluice weights", "what", "batch", "Sluice tok/s", "GB/s (share)", "llama.cpp tok/s",
-                "GB/s (share)", "ratio"):
+    for col in ("model", "Sluice weights", "layer kernels", "what", "batch", "Sluice tok/s", "GB/s (share)",
+                "llama.cpp tok/s", "GB/s (share)", "ratio"):
         table.add_column(col)
     for r in rows:
         share = {k: f"{r['gb_s'][k]:.1f} ({r['bandwidth_share'][k]:.0%})" if r["gb_s"] else "" for k in r["tok_s"]}
-        table.add_row(r["model"], r["sluice_weights"], r["what"], str(r["batch"]), f"{r['tok_s']['sluice']:.1f}",
-                      share["sluice"], f"{r['tok_s']['llama.cpp']:.1f}", share["llama.cpp"],
-                      f"[bold]{r['ratio']:.2f}x[/]")
+        table.add_row(r["model"], r["sluice_weights"], r["cpu_kernels"], r["what"], str(r["batch"]),
+                      f"{r['tok_s']['sluice']:.1f}", share["sluice"], f"{r['tok_s']['llama.cpp']:.1f}",
+                      share["llama.cpp"], f"[bold]{r['ratio']:.2f}x[/]")
     console.print(table)
     write_results(args.out, {"machine": machine() | {"read_bandwidth_gbs": bandwidth,
                                                      "llama_cpp_python": LLAMA_CPP_PYTHON},

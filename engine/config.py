@@ -121,6 +121,10 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
     gpu_memory_utilization: float = 0.9
     # Decode-only steps replay CUDA graphs captured at start-up per padded batch size; False: eager.
     cuda_graphs: bool = True
+    # On the CPU in float32, a layer's norms, rotary, SiLU product and decode attention run as
+    # compiled kernels (kernels/layer_cpu.py: one call each instead of a dozen small operators);
+    # False: their PyTorch twins. Process-wide.
+    cpu_kernels: bool = True
 
     def __post_init__(self) -> None:
         if not self.models:

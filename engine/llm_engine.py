@@ -243,6 +243,7 @@ class LLMEngine:
                       "preemptions": w.scheduler.num_preemptions, "device": str(w.runner.device.device),
                       "cuda_graph_batch_sizes": w.runner.graphs.buckets if w.runner.graphs else [],
                       "kernel_fallbacks": sorted(kernels.FALLBACKS),
+                      "cpu_kernels": w.runner.device.device.type == "cpu" and kernels.cpu_kernels(),
                       "dequant_rows": w.dequant_rows, "dot_rows": w.dot_rows}
                for name, w in self.workers.items()}
         if self.speculator:

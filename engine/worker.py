@@ -7,6 +7,7 @@ from functools import cached_property
 
 import torch
 
+import kernels
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig, ModelEntry, ThinkingConfig
 from engine.model import CausalLM, load_model
@@ -62,6 +63,7 @@ def load_workers(config: EngineConfig, progress: bool = True) -> dict[str, Worke
     """Every model of the config, through the model store, onto the configured device; what the
     weights leave of the memory budget becomes KV blocks, split between the models by kv_share."""
     device = Device.resolve(config)
+    kernels.use_cpu_kernels(config.cpu_kernels and device.device.type == "cpu" and device.dtype == torch.float32)
     budget = device.memory_budget(config)       # before the weights: on CUDA, free memory now
     loaded = {name: _load(entry, progress, device) for name, entry in config.models.items()}
     weights = sum(weight_bytes(model) for _, model, _ in loaded.values())

@@ -1,8 +1,9 @@
 """Kernels the engine calls. Each has a plain-PyTorch reference twin with the same signature;
 these dispatchers run the Triton kernel when the first argument is a CUDA tensor and Triton is
-installed, and the reference otherwise (a twin that fails to launch falls back to the
-reference, once, logged). Triton is imported only on the first CUDA call, so
-`import kernels` and everything on CPU work without it."""
+installed (a twin that fails to launch falls back to the reference, once, logged), the compiled
+CPU kernel of layer_cpu.py for a float32 CPU tensor once the engine has turned them on
+(`use_cpu_kernels`), and the reference otherwise. Triton is imported only on the first CUDA
+call, so `import kernels` and everything on CPU work without it."""
 import functools
 import importlib
 import importlib.util
@@ -11,13 +12,27 @@ from typing import Callable
 
 import torch
 
-from kernels import activation, attention, norm_rope, quant_matmul
+from kernels import activation, attention, layer_cpu, norm_rope, quant_matmul
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 # Kernels whose Triton twin failed to launch here (say, more shared memory than the GPU has):
 # they run their reference from then on. Read by the engine's metrics.
 FALLBACKS: set[str] = set()
 log = logging.getLogger(__name__)
+# layer_cpu's operators while the engine runs them (use_cpu_kernels), else None.
+_cpu_ops = None
+
+
+def use_cpu_kernels(on: bool) -> bool:
+    """Run layer_cpu's compiled kernels for float32 CPU tensors (building them on the first
+    call, about a minute) or not; whether they run. Process-wide: every model on the CPU."""
+    global _cpu_ops
+    _cpu_ops = layer_cpu.load() if on else None
+    return _cpu_ops is not None
+
+
+def cpu_kernels() -> bool:
+    return _cpu_ops is not None
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -31,9 +46,11 @@ def _launch_errors() -> tuple[type[Exception], ...]:
 
 
 def _dispatch(reference: Callable) -> Callable:
-    """The reference, or its Triton twin of the same name in `<module>_triton`; a twin that
-    cannot launch is logged once and replaced by the reference, so no request fails for it."""
+    """The reference, or its Triton twin of the same name in `<module>_triton` on CUDA, or its
+    compiled CPU twin; a Triton twin that cannot launch is logged once and replaced by the
+    reference, so no request fails for it."""
     name = reference.__name__
+    compiled = name in layer_cpu.KERNELS
 
     @functools.cache
     def twin() -> Callable:
@@ -41,15 +58,17 @@ def _dispatch(reference: Callable) -> Callable:
 
     @functools.wraps(reference)
     def call(*args, **kwargs):
-        if name in FALLBACKS or not _use_triton(args[0]):
-            return reference(*args, **kwargs)
-        try:
-            return twin()(*args, **kwargs)
-        except _launch_errors() as e:
-            FALLBACKS.add(name)
-            log.warning("kernel %s cannot launch on %s (%s); its reference twin runs from now on",
-                        name, args[0].device, e)
-            return reference(*args, **kwargs)
+        x = args[0]
+        if name not in FALLBACKS and _use_triton(x):
+            try:
+                return twin()(*args, **kwargs)
+            except _launch_errors() as e:
+                FALLBACKS.add(name)
+                log.warning("kernel %s cannot launch on %s (%s); its reference twin runs from now on",
+                            name, x.device, e)
+        elif compiled and _cpu_ops is not None and x.dtype == torch.float32 and x.device.type == "cpu":
+            return getattr(_cpu_ops, name)(*args, **kwargs)
+        return reference(*args, **kwargs)
     return call
 
 

@@ -9,18 +9,16 @@ summed in int32 against the weights, and scaled. The reference twins are kernels
 the same order) and `int4_int8_matmul` (the same integer sums per group; the groups' float sum
 runs in another order).
 
-Built once per host with torch's C++ extension loader (a C++ compiler and ninja; about a minute
-on 2 cores, cached under ~/.cache/torch_extensions); `load()` is None where that cannot be done,
-and the engine then keeps torch's ops.
+Built once per host (kernels/cpu_build.py); `load()` is None where that cannot be done, and the
+engine then keeps torch's ops.
 """
 from __future__ import annotations
 
 import functools
-import logging
 
 import torch
 
-log = logging.getLogger(__name__)
+from kernels.cpu_build import build
 
 SOURCE = r"""
 #include <torch/extension.h>
@@ -200,9 +198,7 @@ torch::Tensor int4_linear(const torch::Tensor& x_, const torch::Tensor& w, const
     return out;
 }
 
-// Operators of torch's dispatcher (torch.ops.sluice.*): a few microseconds a call, and seen by
-// the profiler under their names.
-TORCH_LIBRARY(sluice, m) {
+TORCH_LIBRARY_FRAGMENT(sluice, m) {
     m.def("int8_linear(Tensor x, Tensor w, Tensor scales) -> Tensor");
     m.def("int4_linear(Tensor x, Tensor w, Tensor scales, Tensor zero_scales, int group) -> Tensor");
 }
@@ -218,21 +214,5 @@ TORCH_LIBRARY_IMPL(sluice, CPU, m) {
 def load():
     """The compiled operators (torch.ops.sluice: `int8_linear`, `int4_linear`), or None where they
     cannot be built here."""
-    if not torch.cpu._is_avx2_supported():
-        return None
-    try:
-        import shutil
-
-        from torch.utils.cpp_extension import load_inline
-        if shutil.which("ninja") is None:     # the pinned ninja package's binary, off PATH in a bare venv
-            import os
-
-            import ninja
-            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-        # at::parallel_for is OpenMP inlined into this module: without -fopenmp it runs on one thread.
-        load_inline("sluice_quant_linear", [SOURCE], is_python_module=False,
-                    extra_cflags=["-O3", "-mavx2", "-fopenmp"], extra_ldflags=["-fopenmp"])
-        return torch.ops.sluice
-    except Exception as e:          # no compiler, no ninja: torch's ops serve instead
-        log.warning("the CPU integer kernels could not be built (%s); int8 and int4 run on torch's ops", e)
-        return None
+    ok = build("sluice_quant_linear", SOURCE, "int8 and int4 run on torch's ops")
+    return torch.ops.sluice if ok else None

@@ -353,6 +353,97 @@ def test_triton_add_rms_norm(with_residual):
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
+# ---- the compiled CPU kernels (kernels/layer_cpu.py) against their twins ----
+
+def cpu_ops():
+    from kernels import layer_cpu
+    if layer_cpu.load() is None:
+        pytest.skip("the compiled CPU kernels cannot be built here (no AVX2, C++ compiler or ninja)")
+    return layer_cpu.load()
+
+
+@pytest.mark.parametrize("quant", [False, True])
+@pytest.mark.parametrize("heads,kv_heads", DECODE_HEADS)
+def test_compiled_cpu_paged_decode_attention(heads, kv_heads, quant, monkeypatch):
+    # Tables padded past the longest sequence, as a captured graph's are: padding is never read.
+    args, scales = decode_case(SPLIT_LENS, heads, kv_heads, quant, table_width=32)
+    want = attention.paged_decode_attention(*args, **scales)
+    fill_empty_with_nan(monkeypatch)
+    torch.testing.assert_close(cpu_ops().paged_decode_attention(*args, **scales), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("quant", [False, True])
+@pytest.mark.parametrize("heads,kv_heads", HEADS)
+def test_compiled_cpu_rotary_and_cache_write_equal_their_twin(heads, kv_heads, quant):
+    """To the bit: the rotated q, and the cache (and int8 scales) after the write, from q, k, v
+    strided out of a fused projection as the engine makes them."""
+    g = torch.Generator().manual_seed(heads)
+    T, blocks = 7, 4
+    qkv = torch.randn(T, (heads + 2 * kv_heads) * HEAD_DIM, generator=g)
+    q, k, v = qkv.split([heads * HEAD_DIM, kv_heads * HEAD_DIM, kv_heads * HEAD_DIM], -1)
+    q, k, v = q.view(T, heads, HEAD_DIM), k.view(T, kv_heads, HEAD_DIM), v.view(T, kv_heads, HEAD_DIM)
+    k[0, 0, :3] = torch.tensor([127, 2.5, -2.5]) / 64           # int8 rounding ties after rotary at position 0
+    freqs = torch.outer(torch.tensor([0, 1, 5, 9, 100, 3000, 17]).float(),
+                        1 / 10000 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM))
+    cos, sin = freqs.cos().unsqueeze(1), freqs.sin().unsqueeze(1)
+    slots = torch.randperm(blocks * PAGE, generator=g)[:T]
+
+    def caches():
+        shape, dtype = (blocks, PAGE, kv_heads, HEAD_DIM), torch.int8 if quant else torch.float32
+        scale = (lambda: torch.zeros(shape[:3])) if quant else (lambda: None)
+        return torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype), scale(), scale()
+    want_cache, got_cache = caches(), caches()
+    want = norm_rope.rotary_store_kv(q, k, v, cos, sin, *want_cache[:2], slots, *want_cache[2:])
+    got = cpu_ops().rotary_store_kv(q, k, v, cos, sin, *got_cache[:2], slots, *got_cache[2:])
+    assert torch.equal(got, want)
+    assert all(torch.equal(a, b) for a, b in zip(got_cache, want_cache) if a is not None)
+
+
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("shape", [(1, 896), (5, 96), (3, 4, HEAD_DIM)])    # a row; a tail past 8; q-norm's heads
+def test_compiled_cpu_add_rms_norm(shape, with_residual):
+    x, res, w = torch.randn(shape), torch.randn(shape), torch.randn(shape[-1])
+    res = res if with_residual else None
+    (got, got_h), (want, want_h) = cpu_ops().add_rms_norm(x, res, w, 1e-6), norm_rope.add_rms_norm(x, res, w, 1e-6)
+    assert torch.equal(got_h, want_h)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(1, 2 * 4864), (5, 2 * 37), (2, 3, 2 * 16)])
+def test_compiled_cpu_silu_and_mul(shape):
+    from kernels import activation
+    x = torch.randn(shape) * 4
+    x.view(-1)[:4] = torch.tensor([-100.0, 100.0, 88.0, -90.0])     # exp's range ends
+    torch.testing.assert_close(cpu_ops().silu_and_mul(x), activation.silu_and_mul(x), rtol=1e-5, atol=1e-6)
+
+
+def test_compiled_cpu_kernels_take_the_references_arguments():
+    from kernels import layer_cpu
+    ops = cpu_ops()
+    for name in layer_cpu.KERNELS:
+        reference = inspect.unwrap(getattr(kernels, name))
+        schema = getattr(ops, name).default._schema
+        assert [a.name for a in schema.arguments] == list(inspect.signature(reference).parameters)
+
+
+def test_dispatcher_runs_the_compiled_cpu_kernels_when_turned_on_for_float32(monkeypatch):
+    from kernels import activation
+    cpu_ops()
+    x, calls = torch.randn(3, 2 * HEAD_DIM), []
+
+    def silu_and_mul(t):            # the twin, counting its calls
+        calls.append(t.dtype)
+        return activation.silu_and_mul(t)
+    dispatched = kernels._dispatch(silu_and_mul)
+    monkeypatch.setattr(kernels, "_cpu_ops", None)
+    assert kernels.use_cpu_kernels(True) and kernels.cpu_kernels()
+    dispatched(x), dispatched(x.bfloat16())
+    assert calls == [torch.bfloat16]            # float32 ran the compiled kernel, bf16 the twin
+    assert not kernels.use_cpu_kernels(False)
+    dispatched(x)
+    assert calls == [torch.bfloat16, torch.float32]
+
+
 # What the attention wrappers launch for Qwen2.5-1.5B's attention (12 heads over 2 KV heads of
 # 128, the engine's widest) in float32, the widest dtype (shared memory grows with the tiles'
 # bytes; an int8 cache and bf16 take less), compiled for a GPU without one, as Triton's

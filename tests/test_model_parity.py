@@ -1,9 +1,11 @@
 """Sluice's logits against transformers' for tiny random Llama, Qwen2 and Qwen3 models:
-prefill, decode, chunked prefill across block boundaries, and prefix-cache hits."""
+prefill, decode, chunked prefill across block boundaries, and prefix-cache hits; each on the
+kernels' PyTorch twins and on the compiled CPU kernels."""
 import pytest
 import torch
 import transformers
 
+import kernels
 from engine.block_manager import BlockManager
 from engine.config import ModelConfig
 from engine.model import load_model
@@ -44,6 +46,13 @@ class Harness:
             seq.num_computed_tokens += n
             self.bm.register_computed(seq)
         return out
+
+
+@pytest.fixture(autouse=True, params=["twins", "compiled"])
+def cpu_kernels(request, monkeypatch):
+    monkeypatch.setattr(kernels, "_cpu_ops", None)
+    if request.param == "compiled" and not kernels.use_cpu_kernels(True):
+        pytest.skip("the compiled CPU kernels cannot be built here (no AVX2, C++ compiler or ninja)")
 
 
 @pytest.fixture(scope="module")

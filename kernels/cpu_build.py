@@ -1,0 +1,35 @@
+"""Building the compiled CPU kernels (quant_matmul_cpu.py, layer_cpu.py): torch's C++ extension
+loader, once per host (a C++ compiler and ninja; about a minute on 2 cores, cached under
+~/.cache/torch_extensions). Their operators register in torch's dispatcher as torch.ops.sluice.*:
+a few microseconds a call, and seen by the profiler under their names."""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def build(name: str, source: str, what: str) -> bool:
+    """Compile and load `source` as the extension `name` for AVX2 and FMA; False (logged, naming
+    `what` falls back) where this host cannot."""
+    if not torch.cpu._is_avx2_supported():
+        return False
+    try:
+        from torch.utils.cpp_extension import load_inline
+        if shutil.which("ninja") is None:     # the pinned ninja package's binary, off PATH in a bare venv
+            import ninja
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        # at::parallel_for is OpenMP inlined into the module: without -fopenmp it runs on one
+        # thread. No contraction: where a kernel is equal to its twin to the bit, a * b - c * d
+        # must round as PyTorch's separate operators do (the kernels' FMAs are written out).
+        load_inline(name, [source], is_python_module=False,
+                    extra_cflags=["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"])
+        return True
+    except Exception as e:          # no compiler, no ninja: the PyTorch twins serve instead
+        log.warning("the compiled CPU kernels %s could not be built (%s); %s", name, e, what)
+        return False
