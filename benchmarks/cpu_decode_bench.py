@@ -62,18 +62,18 @@ def llama_cpp() -> Path:
                           "so nothing was measured")
             sys.exit(2)
     root.mkdir(parents=True, exist_ok=True)
-    sdist = root / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
-    if not sdist.is_file():
-        run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-             f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(root)], "downloading the llama-cpp-python sdist")
     src = root / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
-    if not src.is_dir():
+    if not src.is_dir():        # sources already there (a machine without the package index) skip the sdist
+        sdist = root / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
+        if not sdist.is_file():
+            run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                 f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(root)], "downloading the llama-cpp-python sdist")
         with tarfile.open(sdist) as tar:
             tar.extractall(root, filter="data")
     build = root / "build"
     run(["cmake", "-S", str(src), "-B", str(build), "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
-         "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"],
-        "configuring llama.cpp")
+         "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+         "-DLLAMA_BUILD_SERVER=OFF"], "configuring llama.cpp")
     run(["cmake", "--build", str(build), "--target", *TOOLS, "-j", str(os.cpu_count() or 2)], "building llama.cpp")
     return bin_dir
 
@@ -132,7 +132,8 @@ def sluice_prefill(engine: LLMEngine, prompt: int, rng: random.Random) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", nargs="+", default=["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
+    ap.add_argument("--models", nargs="+", default=["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"],
+                    help="model store names, or .gguf files (benchmarks/random_gguf.py makes one of a model's shapes)")
     ap.add_argument("--quants", nargs="+", default=["int8", "int8-dot", "int4", "int4-dot"],
                     choices=["int8", "int8-dot", "int4", "int4-dot"])
     ap.add_argument("--cpu-kernels", nargs="+", default=["on"], choices=["on", "off"])
@@ -148,9 +149,10 @@ def main() -> None:
     bandwidth = memory_bandwidth_gbs()
     console.print(f"read bandwidth {bandwidth:.1f} GB/s, {args.threads} threads, ISA {machine()['isa']}")
     rows, rng = [], random.Random(0)
-    for name in args.models:
-        folder = resolve(name, progress=False)
-        gguf = cache_dir() / "gguf" / f"{name}.gguf"
+    for model in args.models:
+        folder = resolve(model, progress=False)
+        gguf = Path(model) if model.endswith(".gguf") else cache_dir() / "gguf" / f"{model}.gguf"
+        name = gguf.stem
         llama_bytes = gguf_read_bytes(gguf)
         for quant, compiled in [(q, c) for q in args.quants for c in args.cpu_kernels]:
             entry = ModelEntry(str(folder), quant=quant.removesuffix("-dot"), dot_rows=int(quant.endswith("-dot")))

@@ -29,9 +29,10 @@ console = Console(width=150)
 # Operator names by the part of the step they belong to, first match wins.
 PARTS = [("weight matmuls",
           r"_weight_int[48]pack_mm|sluice::int[48]_linear|aten::(_int_mm|mm|addmm|bmm|matmul|linear)$"),
-         ("attention", r"scaled_dot_product|_flash_attention|index_select|aten::view_as|aten::where"),
+         ("attention", r"scaled_dot_product|_flash_attention|paged_decode_attention|index_select|aten::view_as|"
+                       r"aten::where"),
          ("norms", r"rms_norm|rsqrt|pow|mean"),
-         ("rotary", r"aten::(cat|chunk|neg)$"),
+         ("rotary", r"aten::(cat|chunk|neg)$|rotary_store_kv"),
          ("activation", r"silu"),
          ("sampling", r"log_softmax|argmax|amax|gather|topk|sort|multinomial"),
          ("elementwise, copies, views", r".")]

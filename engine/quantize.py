@@ -177,13 +177,13 @@ def dot_matmul(mode: str, group: int):
     (groups of a multiple of 32) on hosts without AVX-512, where torch's packed int4 op has only
     its AVX2 kernel: on an AVX-512 Xeon that op read a decode step's weights faster than ours
     (ours 0.71-0.83x at 1 row, 0.75-0.90x at 8; gemm_bench-avx512-2t.json), on the AVX2 EPYC
-    slower (ours 1.63-1.84x at 1 row; gemm_bench.json)."""
+    slower (ours 1.86-2.03x at 1 row; gemm_bench.json)."""
     if mode == "int8" and torch.cpu._is_vnni_supported():
         return quant_matmul.int8_int8_matmul
-    compiled = quant_matmul_cpu.load()
-    if compiled is None or (mode == "int4" and (group % 32 or torch.cpu._is_avx512_supported())):
+    if mode == "int4" and (group % 32 or torch.cpu._is_avx512_supported()):
         return None
-    return compiled.int8_linear if mode == "int8" else compiled.int4_linear
+    compiled = quant_matmul_cpu.load()
+    return None if compiled is None else compiled.int8_linear if mode == "int8" else compiled.int4_linear
 
 
 def dot_rows_default() -> int:
@@ -192,7 +192,7 @@ def dot_rows_default() -> int:
     0 (and `dot_matmul` has a kernel for it). Measured (benchmarks/gemm_bench.py, 2 threads, a
     decode step's matmuls): on an AVX-512 VNNI Xeon `_int_mm` matched the packed op at one row
     (1.00-1.03x) and won at eight (2.05-2.38x); on an AVX2 EPYC the compiled kernel won from one
-    (1.88-2.09x, 3.42-3.49x at eight)."""
+    (1.72-2.04x, 2.36-2.75x at eight)."""
     if torch.cpu._is_vnni_supported():
         return 4
     return 1 if quant_matmul_cpu.load() is not None else 0

@@ -41,9 +41,10 @@ static inline float hsum(__m256 v) {
 }
 
 // kernels/quant_matmul.py's quantize_rows to the bit: scale = max(|x|max, 1e-8) / 127 in float32,
-// q = x / scale rounded half to even. `interleaved`: each 32 values stored as their 16 even then
-// 16 odd ones, the order a 16-byte load of int4 weights unpacks in (low nibbles, high nibbles).
-static void quantize_rows(const float* x, int64_t M, int64_t K, bool interleaved, int8_t* q, float* scales) {
+// q = x / scale rounded half to even. `interleaved` (32 or 64; 0: in order): each that many
+// values stored as their even then their odd ones, the order a load of int4 weights unpacks in
+// (low nibbles, high nibbles).
+static void quantize_rows(const float* x, int64_t M, int64_t K, int interleaved, int8_t* q, float* scales) {
     for (int64_t m = 0; m < M; ++m) {
         const float* r = x + m * K;
         float amax = 0.f;
@@ -52,7 +53,7 @@ static void quantize_rows(const float* x, int64_t M, int64_t K, bool interleaved
         scales[m] = s;
         int8_t* o = q + m * K;
         for (int64_t k = 0; k < K; ++k) {
-            const int64_t at = interleaved ? (k & ~31) + (k & 1) * 16 + (k & 31) / 2 : k;
+            const int64_t b = interleaved, at = b ? k / b * b + (k & 1) * (b / 2) + (k % b) / 2 : k;
             o[at] = (int8_t)std::nearbyint(r[k] / s);
         }
     }
@@ -104,13 +105,31 @@ static void rows4(const int8_t* X, const float* XS, const int32_t* XG, const uin
         for (int64_t g = 0; g < G; ++g) {
             __m256i part[MB];
             for (int i = 0; i < MB; ++i) part[i] = _mm256_setzero_si256();
-            for (int64_t k = g * group; k < (g + 1) * group; k += 32) {
-                const __m128i packed = _mm_loadu_si128((const __m128i*)(w + k / 2));
-                const __m256i q = _mm256_and_si256(low, _mm256_inserti128_si256(
-                    _mm256_castsi128_si256(packed), _mm_srli_epi16(packed, 4), 1));
-                for (int i = 0; i < MB; ++i) {
-                    const __m256i xv = _mm256_loadu_si256((const __m256i*)(X + (m0 + i) * K + k));
-                    part[i] = _mm256_add_epi32(part[i], _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), ones));
+            if (group % 64 == 0) {
+                // 64 weights from one 32-byte load, no shuffle: the low nibbles are the evens and
+                // the high the odds, as the activations are stored. The two products' int16 sums
+                // add without overflow (|each| <= 2 * 15 * 127).
+                for (int64_t k = g * group; k < (g + 1) * group; k += 64) {
+                    const __m256i packed = _mm256_loadu_si256((const __m256i*)(w + k / 2));
+                    const __m256i qe = _mm256_and_si256(low, packed);
+                    const __m256i qo = _mm256_and_si256(low, _mm256_srli_epi16(packed, 4));
+                    for (int i = 0; i < MB; ++i) {
+                        const int8_t* xk = X + (m0 + i) * K + k;
+                        const __m256i p = _mm256_add_epi16(
+                            _mm256_maddubs_epi16(qe, _mm256_loadu_si256((const __m256i*)xk)),
+                            _mm256_maddubs_epi16(qo, _mm256_loadu_si256((const __m256i*)(xk + 32))));
+                        part[i] = _mm256_add_epi32(part[i], _mm256_madd_epi16(p, ones));
+                    }
+                }
+            } else {
+                for (int64_t k = g * group; k < (g + 1) * group; k += 32) {
+                    const __m128i packed = _mm_loadu_si128((const __m128i*)(w + k / 2));
+                    const __m256i q = _mm256_and_si256(low, _mm256_inserti128_si256(
+                        _mm256_castsi128_si256(packed), _mm_srli_epi16(packed, 4), 1));
+                    for (int i = 0; i < MB; ++i) {
+                        const __m256i xv = _mm256_loadu_si256((const __m256i*)(X + (m0 + i) * K + k));
+                        part[i] = _mm256_add_epi32(part[i], _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), ones));
+                    }
                 }
             }
             const __m256 s = _mm256_set1_ps(S[n * G + g]);
@@ -150,7 +169,7 @@ torch::Tensor int8_linear(const torch::Tensor& x_, const torch::Tensor& w, const
     auto xq = torch::empty({M, K}, x.options().dtype(torch::kInt8));
     auto xs = torch::empty({M}, x.options());
     auto out = torch::empty({M, N}, x.options());
-    quantize_rows(x.data_ptr<float>(), M, K, false, xq.data_ptr<int8_t>(), xs.data_ptr<float>());
+    quantize_rows(x.data_ptr<float>(), M, K, 0, xq.data_ptr<int8_t>(), xs.data_ptr<float>());
     const int8_t* X = xq.data_ptr<int8_t>();
     const float *XS = xs.data_ptr<float>(), *WS = scales.data_ptr<float>();
     const int8_t* W = w.data_ptr<int8_t>();
@@ -181,7 +200,7 @@ torch::Tensor int4_linear(const torch::Tensor& x_, const torch::Tensor& w, const
     auto xs = torch::empty({M}, x.options());
     auto xg = torch::zeros({M, G}, x.options().dtype(torch::kInt));
     auto out = torch::empty({M, N}, x.options());
-    quantize_rows(x.data_ptr<float>(), M, K, true, xq.data_ptr<int8_t>(), xs.data_ptr<float>());
+    quantize_rows(x.data_ptr<float>(), M, K, group % 64 ? 32 : 64, xq.data_ptr<int8_t>(), xs.data_ptr<float>());
     const int8_t* X = xq.data_ptr<int8_t>();
     int32_t* XG = xg.data_ptr<int32_t>();
     for (int64_t m = 0; m < M; ++m)
