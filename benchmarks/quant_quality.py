@@ -3,8 +3,9 @@ match / F1 on the same SQuAD questions answered from their gold paragraph, for e
 none, int8 and int4 (and with --kv, each KV cache dtype). `int8` and `int4` decode on torch's
 packed ops, `int8-dot` and `int4-dot` on integer dot products on int8 activations
 (ModelEntry.dot_rows = 1); prompts run on dequantized float32 weights, but for packed int4.
-Prints a table and writes
-benchmarks/results/quant_quality.json.
+`--cpu-kernels off on` answers each also with a layer's other kernels on their PyTorch twins
+and compiled (EngineConfig.cpu_kernels), and counts the answers that differ between the two.
+Prints a table and writes benchmarks/results/quant_quality.json.
 
 The data is read from $SLUICE_DATA or ../shared/data (never copied into the repository).
 """
@@ -45,22 +46,23 @@ def main() -> None:
     ap.add_argument("--quants", nargs="+", default=["none", "int8", "int8-dot", "int4", "int4-dot"],
                     choices=["none", "int8", "int8-dot", "int4", "int4-dot"])
     ap.add_argument("--kv", nargs="+", default=["float32"], choices=["float32", "int8"], help="KV cache dtypes")
+    ap.add_argument("--cpu-kernels", nargs="+", default=["on"], choices=["on", "off"])
     ap.add_argument("--questions", type=int, default=100, help="0: perplexity only")
     ap.add_argument("--ppl-tokens", type=int, default=2048)
     ap.add_argument("--data", type=Path, default=Path(os.environ.get("SLUICE_DATA", ROOT.parent / "shared" / "data")))
     ap.add_argument("--out", type=Path, default=RESULTS / "quant_quality.json")
     args = ap.parse_args()
     contexts, questions = squad(args.data, args.questions, seed=0)
-    rows = []
+    rows, answered = [], {}
     for model in args.models:
-        for quant, kv in [(q, kv) for q in args.quants for kv in args.kv]:
+        for quant, kv, compiled in [(q, kv, c) for q in args.quants for kv in args.kv for c in args.cpu_kernels]:
             entry = ModelEntry(model, quant=quant.removesuffix("-dot"), dot_rows=int(quant.endswith("-dot")))
-            engine = LLMEngine(EngineConfig(models={"m": entry}, max_kv_blocks=2048,
-                                            kv_cache_dtype=kv), progress=False)
+            engine = LLMEngine(EngineConfig(models={"m": entry}, max_kv_blocks=2048, kv_cache_dtype=kv,
+                                            cpu_kernels=compiled == "on"), progress=False)
             tok = engine.worker("m").tokenizer
             text_ids = tok.encode("\n\n".join(contexts[:40]))[:args.ppl_tokens]
             ppl = math.exp(-sum(lp := engine.score(text_ids)) / len(lp))
-            em = f = None
+            em = f = differ = None
             if questions:
                 prompts = [tok.apply_chat_template(build_prompt(q, [Chunk("gold", 0, ctx)], QA_INSTRUCTIONS).messages)
                            for ctx, q, _ in questions]
@@ -68,19 +70,23 @@ def main() -> None:
                 answers = [c.text.strip() for c in outs]
                 em = 100 * sum(exact_match(a, g) for a, (_, _, g) in zip(answers, questions)) / len(questions)
                 f = 100 * sum(f1(a, g) for a, (_, _, g) in zip(answers, questions)) / len(questions)
-            rows.append({"model": model, "quant": quant, "kv": kv, "perplexity": ppl, "exact_match": em, "f1": f})
+                other = answered.setdefault((model, quant, kv), answers)
+                differ = sum(a != b for a, b in zip(answers, other))
+            rows.append({"model": model, "quant": quant, "kv": kv, "cpu_kernels": compiled, "perplexity": ppl,
+                         "exact_match": em, "f1": f, "answers_differing_from_the_first_kernels_row": differ})
             console.print(rows[-1])
             write(args, rows)                 # after each row: a run cut short keeps what it measured
             del engine
     table = Table(title=f"Quantization quality: perplexity on {args.ppl_tokens} SQuAD tokens; "
                         f"EM/F1 on {args.questions} SQuAD questions with their gold paragraph")
-    for col in ("model", "quant", "kv", "perplexity", "EM", "F1", "EM vs the model's first row"):
+    for col in ("model", "quant", "kv", "layer kernels", "perplexity", "EM", "F1", "EM vs the model's first row",
+                "answers differing (kernels)"):
         table.add_column(col)
     for r in rows:
         base = next(x for x in rows if x["model"] == r["model"])
-        scores = [f"{r['exact_match']:.1f}", f"{r['f1']:.1f}", f"{r['exact_match'] - base['exact_match']:+.1f}"] \
-            if questions else ["-"] * 3
-        table.add_row(r["model"], r["quant"], r["kv"], f"{r['perplexity']:.3f}", *scores)
+        scores = [f"{r['exact_match']:.1f}", f"{r['f1']:.1f}", f"{r['exact_match'] - base['exact_match']:+.1f}",
+                  str(r["answers_differing_from_the_first_kernels_row"])] if questions else ["-"] * 4
+        table.add_row(r["model"], r["quant"], r["kv"], r["cpu_kernels"], f"{r['perplexity']:.3f}", *scores)
     console.print(table)
     console.print(f"wrote {args.out}")
 
