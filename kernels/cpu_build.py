@@ -11,10 +11,24 @@ import shutil
 import torch
 
 log = logging.getLogger(__name__)
+# What every source starts with: the includes, and a float32 vector's horizontal sum.
+PRELUDE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <cmath>
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+"""
 
 
 def build(name: str, source: str, what: str) -> bool:
-    """Compile and load `source` as the extension `name` for AVX2 and FMA; False (logged, naming
+    """Compile and load PRELUDE + `source` as the extension `name` for AVX2 and FMA; False (logged, naming
     `what` falls back) where this host cannot."""
     if not torch.cpu._is_avx2_supported():
         return False
@@ -26,7 +40,7 @@ def build(name: str, source: str, what: str) -> bool:
         # at::parallel_for is OpenMP inlined into the module: without -fopenmp it runs on one
         # thread. No contraction: where a kernel is equal to its twin to the bit, a * b - c * d
         # must round as PyTorch's separate operators do (the kernels' FMAs are written out).
-        load_inline(name, [source], is_python_module=False,
+        load_inline(name, [PRELUDE + source], is_python_module=False,
                     extra_cflags=["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"],
                     extra_ldflags=["-fopenmp"])
         return True
