@@ -6,13 +6,17 @@
 # a model's GGUF header from benchmarks/random_gguf.py), it
 #   1. writes the model's GGUF with random weights of its real shapes (benchmarks/random_gguf.py),
 #   2. builds llama.cpp there (-DGGML_NATIVE=ON: that host's ISA) while Sluice's CPU kernels build,
-#   3. runs benchmarks/cpu_decode_bench.py on that GGUF, same run, turn about, on THREADS threads.
+#   3. runs benchmarks/cpu_decode_bench.py on that GGUF, same run, turn about, on THREADS threads,
+#      at QUANTS with the layer kernels CPU_KERNELS (both by default; one device call holds the
+#      1.5B at one of each).
 # Results go to benchmarks/results/cpu_decode_bench-<isa>-<model>.json (and $OUT when set).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 MODEL=${MODEL:-qwen2.5-coder-0.5b}
 THREADS=${THREADS:-2}
+QUANTS=${QUANTS:-int8-dot int4}
+CPU_KERNELS=${CPU_KERNELS:-off on}
 export PYTHONUNBUFFERED=1 SLUICE_CACHE=${SLUICE_CACHE:-/tmp/sluice-cache}
 $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/sluice-site .whl/*.whl
 export PYTHONPATH=/tmp/sluice-site:$PWD PATH=/tmp/sluice-site/bin:$PATH
@@ -31,6 +35,6 @@ echo "builds took $((SECONDS - start)) s"
 
 isa=$($PY -c "import torch; print('avx512' if torch.cpu._is_avx512_supported() else 'avx2')")
 out=benchmarks/results/cpu_decode_bench-$isa-$MODEL.json
-$PY benchmarks/cpu_decode_bench.py --models "$gguf" --quants int8-dot int4 --cpu-kernels off on \
+$PY benchmarks/cpu_decode_bench.py --models "$gguf" --quants $QUANTS --cpu-kernels $CPU_KERNELS \
     --threads "$THREADS" --out "$out"
 if [ -n "${OUT:-}" ]; then cp "$out" "$OUT/"; fi

@@ -2,9 +2,12 @@
 match / F1 on the same SQuAD questions answered from their gold paragraph, for each model at
 none, int8 and int4 (and with --kv, each KV cache dtype). `int8` and `int4` decode on torch's
 packed ops, `int8-dot` and `int4-dot` on integer dot products on int8 activations
-(ModelEntry.dot_rows = 1); prompts run on dequantized float32 weights, but for packed int4.
-`--cpu-kernels off on` answers each also with a layer's other kernels on their PyTorch twins
-and compiled (EngineConfig.cpu_kernels), and counts the answers that differ between the two.
+(ModelEntry.dot_rows = 1); prompts run where the engine's default puts them (on the integer
+kernels where the compiled AVX2 ones serve, else on dequantized float32 weights, but for packed
+int4). `--cpu-kernels off on` answers each also with a layer's other kernels on their PyTorch
+twins and compiled (EngineConfig.cpu_kernels), `--prompts default dequantized` with the prompts
+on the default path and on dequantized weights (ModelEntry.dequant_rows), and each counts the
+answers that differ from the first of its rows.
 Prints a table and writes benchmarks/results/quant_quality.json.
 
 The data is read from $SLUICE_DATA or ../shared/data (never copied into the repository).
@@ -24,6 +27,7 @@ from rich.table import Table
 
 from engine.config import EngineConfig, ModelEntry
 from engine.llm_engine import LLMEngine
+from engine.quantize import DEQUANT_ROWS
 from engine.sampling_params import SamplingParams
 from evals.metrics import exact_match, f1
 from retrieval import Chunk, build_prompt
@@ -47,6 +51,7 @@ def main() -> None:
                     choices=["none", "int8", "int8-dot", "int4", "int4-dot"])
     ap.add_argument("--kv", nargs="+", default=["float32"], choices=["float32", "int8"], help="KV cache dtypes")
     ap.add_argument("--cpu-kernels", nargs="+", default=["on"], choices=["on", "off"])
+    ap.add_argument("--prompts", nargs="+", default=["default"], choices=["default", "dequantized"])
     ap.add_argument("--questions", type=int, default=100, help="0: perplexity only")
     ap.add_argument("--ppl-tokens", type=int, default=2048)
     ap.add_argument("--data", type=Path, default=Path(os.environ.get("SLUICE_DATA", ROOT.parent / "shared" / "data")))
@@ -55,8 +60,10 @@ def main() -> None:
     contexts, questions = squad(args.data, args.questions, seed=0)
     rows, answered = [], {}
     for model in args.models:
-        for quant, kv, compiled in [(q, kv, c) for q in args.quants for kv in args.kv for c in args.cpu_kernels]:
-            entry = ModelEntry(model, quant=quant.removesuffix("-dot"), dot_rows=int(quant.endswith("-dot")))
+        for quant, kv, compiled, path in [(q, kv, c, p) for q in args.quants for kv in args.kv
+                                          for c in args.cpu_kernels for p in args.prompts]:
+            entry = ModelEntry(model, quant=quant.removesuffix("-dot"), dot_rows=int(quant.endswith("-dot")),
+                               dequant_rows=DEQUANT_ROWS["cpu"] if path == "dequantized" else None)
             engine = LLMEngine(EngineConfig(models={"m": entry}, max_kv_blocks=2048, kv_cache_dtype=kv,
                                             cpu_kernels=compiled == "on"), progress=False)
             tok = engine.worker("m").tokenizer
@@ -72,21 +79,23 @@ def main() -> None:
                 f = 100 * sum(f1(a, g) for a, (_, _, g) in zip(answers, questions)) / len(questions)
                 other = answered.setdefault((model, quant, kv), answers)
                 differ = sum(a != b for a, b in zip(answers, other))
-            rows.append({"model": model, "quant": quant, "kv": kv, "cpu_kernels": compiled, "perplexity": ppl,
+            rows.append({"model": model, "quant": quant, "kv": kv, "cpu_kernels": compiled, "prompts": path,
+                         "dequant_rows": engine.worker("m").dequant_rows, "perplexity": ppl,
                          "exact_match": em, "f1": f, "answers_differing_from_the_first_kernels_row": differ})
             console.print(rows[-1])
             write(args, rows)                 # after each row: a run cut short keeps what it measured
             del engine
     table = Table(title=f"Quantization quality: perplexity on {args.ppl_tokens} SQuAD tokens; "
                         f"EM/F1 on {args.questions} SQuAD questions with their gold paragraph")
-    for col in ("model", "quant", "kv", "layer kernels", "perplexity", "EM", "F1", "EM vs the model's first row",
-                "answers differing (kernels)"):
+    for col in ("model", "quant", "kv", "layer kernels", "prompts", "perplexity", "EM", "F1",
+                "EM vs the model's first row", "answers differing"):
         table.add_column(col)
     for r in rows:
         base = next(x for x in rows if x["model"] == r["model"])
         scores = [f"{r['exact_match']:.1f}", f"{r['f1']:.1f}", f"{r['exact_match'] - base['exact_match']:+.1f}",
                   str(r["answers_differing_from_the_first_kernels_row"])] if questions else ["-"] * 4
-        table.add_row(r["model"], r["quant"], r["kv"], r["cpu_kernels"], f"{r['perplexity']:.3f}", *scores)
+        table.add_row(r["model"], r["quant"], r["kv"], r["cpu_kernels"], r["prompts"], f"{r['perplexity']:.3f}",
+                      *scores)
     console.print(table)
     console.print(f"wrote {args.out}")
 

@@ -44,7 +44,8 @@ class ModelEntry(msgspec.Struct, forbid_unknown_fields=True):
     group_size: int = 128         # int4 group along the input dimension: 32, 64 or 128
     # A step of at least this many tokens (a prompt chunk) multiplies densely over dequantized
     # weights instead of on the quantized kernel (int8 on the CPU, int8 and float32 int4 on CUDA);
-    # 0: the quantized kernel always; None: engine/quantize.py's DEQUANT_ROWS for the device.
+    # 0: the quantized kernel always; None: engine/quantize.py's dequant_rows_default (DEQUANT_ROWS
+    # for the device, 0 where the compiled AVX2 integer kernels serve).
     dequant_rows: int | None = None
     # On the CPU, a quantized matmul over at least this many rows (and fewer than dequant_rows)
     # runs on integer dot products, the activations quantized to int8 per row, instead of torch's

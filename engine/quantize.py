@@ -21,9 +21,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-from torch import nn
 
-from engine.model import CausalLM, Linear
+from engine.model import CausalLM, Linear, Module
 from kernels import int4_matmul, int8_matmul, quant_matmul, quant_matmul_cpu
 from kernels.quant_matmul import unpack_int4
 
@@ -45,7 +44,7 @@ def quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tens
     return q[:, 0::2] | (q[:, 1::2] << 4), scales, zeros
 
 
-class QuantLinear(nn.Module):
+class QuantLinear(Module):
     """A Linear whose weight is int8 or int4; built from the shared format above.
 
     `packed`: torch's packed op where the device has one, with bf16 activations around it:
@@ -96,25 +95,28 @@ class QuantLinear(nn.Module):
             self.register_buffer("scales_and_zeros", packed_sz.to(device, torch.bfloat16), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if 0 < self.dequant_rows <= x.shape[0]:
-            y = (quant_matmul.int8_matmul(x, self.w, self.scales) if self.mode == "int8"
-                 else quant_matmul.int4_matmul(x, self.w, self.scales, self.zeros, self.group))
-        elif 0 < self.dot_rows <= x.shape[0]:
-            y = (self.dot(x, self.w, self.dot_scales if self.packed else self.scales) if self.mode == "int8"
-                 else self.dot(x, self.w, self.scales, self.zero_scales, self.group))
+        # Buffers read from _buffers: nn.Module's attribute fallback costs about a microsecond a
+        # lookup, and a 1.5B decode step makes some 500 of them here.
+        b, rows = self._buffers, x.shape[0]
+        if 0 < self.dequant_rows <= rows:
+            y = (quant_matmul.int8_matmul(x, b["w"], b["scales"]) if self.mode == "int8"
+                 else quant_matmul.int4_matmul(x, b["w"], b["scales"], b["zeros"], self.group))
+        elif 0 < self.dot_rows <= rows:
+            y = (self.dot(x, b["w"], b["dot_scales" if self.packed else "scales"]) if self.mode == "int8"
+                 else self.dot(x, b["w"], b["scales"], b["zero_scales"], self.group))
         elif not self.packed:
-            y = (int8_matmul(x, self.w, self.scales) if self.mode == "int8"
-                 else int4_matmul(x, self.w, self.scales, self.zeros, self.group))
+            y = (int8_matmul(x, b["w"], b["scales"]) if self.mode == "int8"
+                 else int4_matmul(x, b["w"], b["scales"], b["zeros"], self.group))
         else:
             xb = x.to(torch.bfloat16)
             if self.mode == "int8":
-                y = torch._weight_int8pack_mm(xb, self.w, self.scales)
+                y = torch._weight_int8pack_mm(xb, b["w"], b["scales"])
             elif x.is_cuda:
-                y = torch._weight_int4pack_mm(xb, self.w, self.group, self.scales_and_zeros)
+                y = torch._weight_int4pack_mm(xb, b["w"], self.group, b["scales_and_zeros"])
             else:
-                y = torch._weight_int4pack_mm_for_cpu(xb, self.w, self.group, self.scales_and_zeros)
+                y = torch._weight_int4pack_mm_for_cpu(xb, b["w"], self.group, b["scales_and_zeros"])
             y = y.to(x.dtype)
-        return y if self.bias is None else y + self.bias
+        return y if b["bias"] is None else y + b["bias"]
 
     @property
     def row_block(self) -> int:
@@ -168,6 +170,15 @@ def row_block() -> int:
 DEQUANT_ROWS = {"cpu": 64, "cuda": 512}
 
 
+def dequant_rows_default(device: str, mode: str, group: int, dot_rows: int) -> int:
+    """DEQUANT_ROWS for the device, except where a prompt's matmuls run on the compiled AVX2
+    integer kernels (`dot_rows` not 0): there the kernels stay faster than dequantized float32 at
+    every row count (cache-tiled, benchmarks/prefill_bench.py), and nothing dequantizes."""
+    if device == "cpu" and dot_rows and dot_matmul(mode, group) not in (None, quant_matmul.int8_int8_matmul):
+        return 0
+    return DEQUANT_ROWS[device]
+
+
 @functools.cache
 def dot_matmul(mode: str, group: int):
     """Integer dot products on this CPU for `mode`'s weights, or None. int8: torch's `_int_mm`
@@ -183,7 +194,7 @@ def dot_matmul(mode: str, group: int):
     if mode == "int4" and (group % 32 or torch.cpu._is_avx512_supported()):
         return None
     compiled = quant_matmul_cpu.load()
-    return None if compiled is None else compiled.int8_linear if mode == "int8" else compiled.int4_linear
+    return None if compiled is None else (compiled.int8_linear if mode == "int8" else compiled.int4_linear).default
 
 
 def dot_rows_default() -> int:

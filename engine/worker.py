@@ -13,7 +13,7 @@ from engine.config import EngineConfig, ModelConfig, ModelEntry, ThinkingConfig
 from engine.model import CausalLM, load_model
 from engine.model_runner import Device, ModelRunner
 from engine.prompter import Prompter
-from engine.quantize import DEQUANT_ROWS, QuantLinear, apply_quantization, dot_rows_default
+from engine.quantize import QuantLinear, apply_quantization, dequant_rows_default, dot_rows_default
 from engine.scheduler import Scheduler
 from engine.stop_checker import StopChecker
 from engine.tokenizer import Tokenizer
@@ -106,7 +106,8 @@ def _load(entry: ModelEntry, progress: bool, device: Device) -> tuple[ModelConfi
     # A quantized model never reads its float linear weights.
     model = load_model(folder, cfg, linear_weights=entry.quant == "none", device=device.device, dtype=device.dtype)
     if entry.quant != "none":
-        rows = DEQUANT_ROWS[device.device.type] if entry.dequant_rows is None else entry.dequant_rows
         dot = dot_rows_default() if entry.dot_rows is None else entry.dot_rows
+        rows = (dequant_rows_default(device.device.type, entry.quant, entry.group_size, dot)
+                if entry.dequant_rows is None else entry.dequant_rows)
         model = apply_quantization(model, entry.quant, entry.group_size, cache, rows, dot)
     return cfg, model, Tokenizer(folder)

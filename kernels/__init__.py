@@ -19,15 +19,17 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 # they run their reference from then on. Read by the engine's metrics.
 FALLBACKS: set[str] = set()
 log = logging.getLogger(__name__)
-# layer_cpu's operators while the engine runs them (use_cpu_kernels), else None.
-_cpu_ops = None
+# layer_cpu's operators by name while the engine runs them (use_cpu_kernels), else None; each
+# resolved once (torch.ops' attribute lookup costs microseconds a call).
+_cpu_ops: dict[str, Callable] | None = None
 
 
 def use_cpu_kernels(on: bool) -> bool:
     """Run layer_cpu's compiled kernels for float32 CPU tensors (building them on the first
     call, about a minute) or not; whether they run. Process-wide: every model on the CPU."""
     global _cpu_ops
-    _cpu_ops = layer_cpu.load() if on else None
+    ops = layer_cpu.load() if on else None
+    _cpu_ops = None if ops is None else {name: getattr(ops, name).default for name in layer_cpu.KERNELS}
     return _cpu_ops is not None
 
 
@@ -66,8 +68,8 @@ def _dispatch(reference: Callable) -> Callable:
                 FALLBACKS.add(name)
                 log.warning("kernel %s cannot launch on %s (%s); its reference twin runs from now on",
                             name, x.device, e)
-        elif compiled and _cpu_ops is not None and x.dtype == torch.float32 and x.device.type == "cpu":
-            return getattr(_cpu_ops, name)(*args, **kwargs)
+        elif compiled and _cpu_ops is not None and x.is_cpu and x.dtype == torch.float32:
+            return _cpu_ops[name](*args, **kwargs)
         return reference(*args, **kwargs)
     return call
 

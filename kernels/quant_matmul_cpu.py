@@ -30,20 +30,51 @@ static inline int32_t hsum(__m256i v) {
 }
 
 // kernels/quant_matmul.py's quantize_rows to the bit: scale = max(|x|max, 1e-8) / 127 in float32,
-// q = x / scale rounded half to even. `interleaved` (32 or 64; 0: in order): each that many
-// values stored as their even then their odd ones, the order a load of int4 weights unpacks in
-// (low nibbles, high nibbles).
+// q = x / scale rounded half to even (the same division and rounding, 32 values at a time: the
+// scalar loop with its index arithmetic cost more than a decode step's int4 matmul over 8,960
+// inputs). `interleaved` (32 or 64; 0: in order): each that many values stored as their even
+// then their odd ones, the order a load of int4 weights unpacks in (low nibbles, high nibbles).
+static inline __m256i round_to_int32(const float* r, __m256 s) {
+    return _mm256_cvtps_epi32(_mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(r), s),
+                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
 static void quantize_rows(const float* x, int64_t M, int64_t K, int interleaved, int8_t* q, float* scales) {
+    const int64_t K32 = K / 32 * 32;
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int64_t m = 0; m < M; ++m) {
         const float* r = x + m * K;
+        __m256 vmax = _mm256_setzero_ps();
+        for (int64_t k = 0; k + 8 <= K; k += 8)
+            vmax = _mm256_max_ps(vmax, _mm256_and_ps(magnitude, _mm256_loadu_ps(r + k)));
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, vmax);
         float amax = 0.f;
-        for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(r[k]));
+        for (float v : lanes) amax = std::max(amax, v);
+        for (int64_t k = K / 8 * 8; k < K; ++k) amax = std::max(amax, std::fabs(r[k]));
         const float s = std::max(amax, 1e-8f) / 127.f;
         scales[m] = s;
+        const __m256 vs = _mm256_set1_ps(s);
         int8_t* o = q + m * K;
-        for (int64_t k = 0; k < K; ++k) {
-            const int64_t b = interleaved, at = b ? k / b * b + (k & 1) * (b / 2) + (k % b) / 2 : k;
-            o[at] = (int8_t)std::nearbyint(r[k] / s);
+        for (int64_t k = 0; k < K32; k += 32) {
+            // int32 -> int16 -> int8 packs work per 128-bit lane; the permute puts the values back
+            // in order (|q| <= 127: nothing saturates).
+            const __m256i ab = _mm256_packs_epi32(round_to_int32(r + k, vs), round_to_int32(r + k + 8, vs));
+            const __m256i cd = _mm256_packs_epi32(round_to_int32(r + k + 16, vs), round_to_int32(r + k + 24, vs));
+            _mm256_storeu_si256((__m256i*)(o + k),
+                                _mm256_permutevar8x32_epi32(_mm256_packs_epi16(ab, cd), order));
+        }
+        for (int64_t k = K32; k < K; ++k) o[k] = (int8_t)std::nearbyint(r[k] / s);
+        if (interleaved) {
+            int8_t in_order[64];
+            for (int64_t k = 0; k < K; k += interleaved) {
+                std::memcpy(in_order, o + k, interleaved);
+                for (int j = 0; j < interleaved / 2; ++j) {
+                    o[k + j] = in_order[2 * j];
+                    o[k + interleaved / 2 + j] = in_order[2 * j + 1];
+                }
+            }
         }
     }
 }
@@ -142,6 +173,13 @@ static void block(int64_t b, F&& f) {
     f(std::integral_constant<int, MB>{});
 }
 
+// How many outputs' weights (`row_bytes` each) a tile holds so that they stay in L2 while every
+// block of rows passes over them: a prompt's rows then read the weights from memory once, not
+// once per block. One tile for a decode step's few rows, as before.
+static int64_t outputs_in_cache(int64_t row_bytes) {
+    return std::max<int64_t>(1, (128 << 10) / row_bytes);
+}
+
 static void check(const torch::Tensor& x, const torch::Tensor& w, int64_t K, const char* name) {
     TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 2 && x.size(1) == K, name, ": x float32 [M, K]");
     TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), name, ": w contiguous [N, ...]");
@@ -163,11 +201,13 @@ torch::Tensor int8_linear(const torch::Tensor& x_, const torch::Tensor& w, const
     const float *XS = xs.data_ptr<float>(), *WS = scales.data_ptr<float>();
     const int8_t* W = w.data_ptr<int8_t>();
     float* O = out.data_ptr<float>();
+    const int64_t tile = outputs_in_cache(K);
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-        for (int64_t m0 = 0; m0 < M; m0 += 8)
-            block<8>(std::min<int64_t>(8, M - m0), [&](auto mb) {
-                rows8<decltype(mb)::value>(X, XS, W, WS, O, m0, n0, n1, K, N);
-            });
+        for (int64_t t0 = n0; t0 < n1; t0 += tile)
+            for (int64_t m0 = 0; m0 < M; m0 += 8)
+                block<8>(std::min<int64_t>(8, M - m0), [&](auto mb) {
+                    rows8<decltype(mb)::value>(X, XS, W, WS, O, m0, t0, std::min(t0 + tile, n1), K, N);
+                });
     });
     return out;
 }
@@ -193,15 +233,19 @@ torch::Tensor int4_linear(const torch::Tensor& x_, const torch::Tensor& w, const
     const int8_t* X = xq.data_ptr<int8_t>();
     int32_t* XG = xg.data_ptr<int32_t>();
     for (int64_t m = 0; m < M; ++m)
-        for (int64_t k = 0; k < K; ++k) XG[m * G + k / group] += X[m * K + k];
+        for (int64_t g = 0; g < G; ++g)
+            for (int64_t k = g * group; k < (g + 1) * group; ++k) XG[m * G + g] += X[m * K + k];
     const float *XS = xs.data_ptr<float>(), *S = scales.data_ptr<float>(), *ZS = zero_scales.data_ptr<float>();
     const uint8_t* W = w.data_ptr<uint8_t>();
     float* O = out.data_ptr<float>();
+    const int64_t tile = outputs_in_cache(K / 2);
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-        for (int64_t m0 = 0; m0 < M; m0 += 4)
-            block<4>(std::min<int64_t>(4, M - m0), [&](auto mb) {
-                rows4<decltype(mb)::value>(X, XS, XG, W, S, ZS, O, m0, n0, n1, K, N, group);
-            });
+        for (int64_t t0 = n0; t0 < n1; t0 += tile)
+            for (int64_t m0 = 0; m0 < M; m0 += 4)
+                block<4>(std::min<int64_t>(4, M - m0), [&](auto mb) {
+                    rows4<decltype(mb)::value>(X, XS, XG, W, S, ZS, O, m0, t0, std::min(t0 + tile, n1), K, N,
+                                               group);
+                });
     });
     return out;
 }

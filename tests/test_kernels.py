@@ -177,10 +177,12 @@ def test_int8_matmul_reference_matches_dense():
     torch.testing.assert_close(quant_matmul.int8_matmul(x, w, scales), x @ dense.T, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("M,K,N", [(1, 896, 1152), (3, 100, 37), (8, 1536, 64), (9, 64, 5), (13, 256, 40)])
+@pytest.mark.parametrize("M,K,N", [(1, 896, 1152), (3, 100, 37), (8, 1536, 64), (9, 64, 5), (13, 256, 40),
+                                   (70, 2048, 300)])
 def test_compiled_cpu_integer_kernels_equal_their_twins(M, K, N):
     """kernels/quant_matmul_cpu.py (AVX2, built here) against its PyTorch twins: int8 equal to the
-    bit (K past a multiple of 32, row blocks of 1 to 8 included); int4 the same integer sums per
+    bit (K past a multiple of 32, row blocks of 1 to 8 included, a prompt's rows over several
+    cache tiles of outputs); int4 the same integer sums per
     group, summed over groups in float32 in another order."""
     from kernels import quant_matmul_cpu
     if quant_matmul_cpu.load() is None:

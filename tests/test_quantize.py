@@ -6,7 +6,15 @@ import torch
 from engine.config import EngineConfig, ModelEntry
 from engine.llm_engine import LLMEngine
 from engine.model import Linear
-from engine.quantize import QuantLinear, dot_matmul, quantize_int4, quantize_int8, unpack_int4
+from engine.quantize import (
+    DEQUANT_ROWS,
+    QuantLinear,
+    dequant_rows_default,
+    dot_matmul,
+    quantize_int4,
+    quantize_int8,
+    unpack_int4,
+)
 from engine.sampling_params import SamplingParams
 from kernels.quant_matmul import int4_int8_matmul, int4_matmul, int8_int8_matmul
 from tests.conftest import make_tiny_model, quantized
@@ -96,6 +104,17 @@ def test_int4_runs_on_dot_products_then_dequantized_as_rows_grow():
     x = torch.randn(6, 256)
     torch.testing.assert_close(layer(x[:5]), int4_int8_matmul(x[:5], q, s, z, 32) + b, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(layer(x), int4_matmul(x, q, s, z, 32) + b, rtol=0, atol=0)
+
+
+def test_prompts_dequantize_unless_the_compiled_integer_kernels_serve_them():
+    """The default dequant_rows: 0 (the integer kernels at every row) only where a prompt's matmuls
+    would run on the compiled AVX2 kernels; with dot products off, under VNNI's `_int_mm` and on
+    CUDA the measured DEQUANT_ROWS."""
+    assert dequant_rows_default("cuda", "int8", 128, 0) == DEQUANT_ROWS["cuda"]
+    for mode in ("int8", "int4"):
+        assert dequant_rows_default("cpu", mode, 128, 0) == DEQUANT_ROWS["cpu"]
+        compiled = dot_matmul(mode, 128) not in (None, int8_int8_matmul)
+        assert dequant_rows_default("cpu", mode, 128, 1) == (0 if compiled else DEQUANT_ROWS["cpu"])
 
 
 def test_integer_dot_products_sum_the_rounded_activations_exactly():
