@@ -113,7 +113,7 @@ static void rows8(const int8_t* X, const float* XS, const int8_t* W, const float
 // group's scale in float; the zeros come off once per output as zero * scale times the group's
 // sum of x.
 template <int MB>
-static void rows4(const int8_t* X, const float* XS, const int32_t* XG, const uint8_t* W, const float* S,
+static void rows4(const int8_t* X, const float* XS, const float* XG, const uint8_t* W, const float* S,
                   const float* ZS, float* O, int64_t m0, int64_t n0, int64_t n1, int64_t K, int64_t N,
                   int64_t group) {
     const int64_t G = K / group;
@@ -156,8 +156,15 @@ static void rows4(const int8_t* X, const float* XS, const int32_t* XG, const uin
             for (int i = 0; i < MB; ++i) acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(_mm256_cvtepi32_ps(part[i]), s));
         }
         for (int i = 0; i < MB; ++i) {
-            float zero = 0.f;
-            for (int64_t g = 0; g < G; ++g) zero += ZS[n * G + g] * float(XG[(m0 + i) * G + g]);
+            // The zeros' dot product eight groups at a time: one after another, each add waiting
+            // on the last, it cost a third of the down projection's time at one row.
+            const float *zs = ZS + n * G, *xg = XG + (m0 + i) * G;
+            __m256 z8 = _mm256_setzero_ps();
+            int64_t g = 0;
+            for (; g + 8 <= G; g += 8)
+                z8 = _mm256_add_ps(z8, _mm256_mul_ps(_mm256_loadu_ps(zs + g), _mm256_loadu_ps(xg + g)));
+            float zero = hsum(z8);
+            for (; g < G; ++g) zero += zs[g] * xg[g];
             O[(m0 + i) * N + n] = (hsum(acc[i]) - zero) * XS[m0 + i];
         }
     }
@@ -227,14 +234,17 @@ torch::Tensor int4_linear(const torch::Tensor& x_, const torch::Tensor& w, const
     const int64_t M = x.size(0), G = K / group;
     auto xq = torch::empty({M, K}, x.options().dtype(torch::kInt8));
     auto xs = torch::empty({M}, x.options());
-    auto xg = torch::zeros({M, G}, x.options().dtype(torch::kInt));
+    auto xg = torch::empty({M, G}, x.options());
     auto out = torch::empty({M, N}, x.options());
     quantize_rows(x.data_ptr<float>(), M, K, group % 64 ? 32 : 64, xq.data_ptr<int8_t>(), xs.data_ptr<float>());
     const int8_t* X = xq.data_ptr<int8_t>();
-    int32_t* XG = xg.data_ptr<int32_t>();
+    float* XG = xg.data_ptr<float>();      // each group's integer sum of x, exact in float32
     for (int64_t m = 0; m < M; ++m)
-        for (int64_t g = 0; g < G; ++g)
-            for (int64_t k = g * group; k < (g + 1) * group; ++k) XG[m * G + g] += X[m * K + k];
+        for (int64_t g = 0; g < G; ++g) {
+            int32_t sum = 0;
+            for (int64_t k = g * group; k < (g + 1) * group; ++k) sum += X[m * K + k];
+            XG[m * G + g] = float(sum);
+        }
     const float *XS = xs.data_ptr<float>(), *S = scales.data_ptr<float>(), *ZS = zero_scales.data_ptr<float>();
     const uint8_t* W = w.data_ptr<uint8_t>();
     float* O = out.data_ptr<float>();
