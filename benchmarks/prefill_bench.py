@@ -72,7 +72,8 @@ def main() -> None:
             on, off = (statistics.median(times[r]) for r in engines)
             a, b = (outs[r] for r in engines)
             rows.append({"model": MODELS[name], "quant": quant, "prompt_tokens": len(prompt),
-                         "default_dequant_rows": dequant_rows_default("cpu", quant, 128, dot_rows_default()),
+                         "default_dequant_rows": dequant_rows_default("cpu", quant, ModelEntry(MODELS[name]).group_size,
+                                                                     dot_rows_default()),
                          "ttft_dequant_s": on, "ttft_quantized_s": off, "speedup": off / on,
                          "prefill_tok_s_dequant": len(prompt) / on, "prefill_tok_s_quantized": len(prompt) / off,
                          "same_answer": a.token_ids == b.token_ids,

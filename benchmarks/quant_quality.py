@@ -81,7 +81,7 @@ def main() -> None:
                 differ = sum(a != b for a, b in zip(answers, other))
             rows.append({"model": model, "quant": quant, "kv": kv, "cpu_kernels": compiled, "prompts": path,
                          "dequant_rows": engine.worker("m").dequant_rows, "perplexity": ppl,
-                         "exact_match": em, "f1": f, "answers_differing_from_the_first_kernels_row": differ})
+                         "exact_match": em, "f1": f, "answers_differing_from_the_first_row": differ})
             console.print(rows[-1])
             write(args, rows)                 # after each row: a run cut short keeps what it measured
             del engine
@@ -93,7 +93,7 @@ def main() -> None:
     for r in rows:
         base = next(x for x in rows if x["model"] == r["model"])
         scores = [f"{r['exact_match']:.1f}", f"{r['f1']:.1f}", f"{r['exact_match'] - base['exact_match']:+.1f}",
-                  str(r["answers_differing_from_the_first_kernels_row"])] if questions else ["-"] * 4
+                  str(r["answers_differing_from_the_first_row"])] if questions else ["-"] * 4
         table.add_row(r["model"], r["quant"], r["kv"], r["cpu_kernels"], r["prompts"], f"{r['perplexity']:.3f}",
                       *scores)
     console.print(table)

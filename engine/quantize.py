@@ -95,8 +95,8 @@ class QuantLinear(Module):
             self.register_buffer("scales_and_zeros", packed_sz.to(device, torch.bfloat16), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Buffers read from _buffers: nn.Module's attribute fallback costs about a microsecond a
-        # lookup, and a 1.5B decode step makes some 500 of them here.
+        # Buffers read from _buffers: nn.Module's attribute fallback costs microseconds a lookup,
+        # and a 1.5B decode step makes some 500 of them here.
         b, rows = self._buffers, x.shape[0]
         if 0 < self.dequant_rows <= rows:
             y = (quant_matmul.int8_matmul(x, b["w"], b["scales"]) if self.mode == "int8"

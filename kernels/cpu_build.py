@@ -11,7 +11,7 @@ import shutil
 import torch
 
 log = logging.getLogger(__name__)
-# What every source starts with: the includes, and a float32 vector's horizontal sum.
+# What every source starts with: the includes, and a float32 vector's horizontal sum and max.
 PRELUDE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -22,6 +22,13 @@ static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline float hmax(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
 """

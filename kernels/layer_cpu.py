@@ -22,13 +22,6 @@ from kernels.cpu_build import build
 SOURCE = r"""
 #include <vector>
 
-static inline float hmax(__m256 v) {
-    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_max_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 // exp by Cephes' expf: x = n ln2 + r, exp(r) by a degree-6 polynomial, 2^n by the exponent
 // bits; within about 2 ulp of expf over [-87, 88], 0 below.
 static inline __m256 exp8(__m256 x) {

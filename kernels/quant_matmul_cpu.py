@@ -30,10 +30,10 @@ static inline int32_t hsum(__m256i v) {
 }
 
 // kernels/quant_matmul.py's quantize_rows to the bit: scale = max(|x|max, 1e-8) / 127 in float32,
-// q = x / scale rounded half to even (the same division and rounding, 32 values at a time: the
-// scalar loop with its index arithmetic cost more than a decode step's int4 matmul over 8,960
-// inputs). `interleaved` (32 or 64; 0: in order): each that many values stored as their even
-// then their odd ones, the order a load of int4 weights unpacks in (low nibbles, high nibbles).
+// q = x / scale rounded half to even (the same division and rounding, 32 values at a time, and no
+// index division per value: it runs once per matmul on one thread). `interleaved` (32 or 64; 0:
+// in order): each that many values stored as their even then their odd ones, the order a load
+// of int4 weights unpacks in (low nibbles, high nibbles).
 static inline __m256i round_to_int32(const float* r, __m256 s) {
     return _mm256_cvtps_epi32(_mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(r), s),
                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
@@ -48,10 +48,7 @@ static void quantize_rows(const float* x, int64_t M, int64_t K, int interleaved,
         __m256 vmax = _mm256_setzero_ps();
         for (int64_t k = 0; k + 8 <= K; k += 8)
             vmax = _mm256_max_ps(vmax, _mm256_and_ps(magnitude, _mm256_loadu_ps(r + k)));
-        alignas(32) float lanes[8];
-        _mm256_store_ps(lanes, vmax);
-        float amax = 0.f;
-        for (float v : lanes) amax = std::max(amax, v);
+        float amax = hmax(vmax);
         for (int64_t k = K / 8 * 8; k < K; ++k) amax = std::max(amax, std::fabs(r[k]));
         const float s = std::max(amax, 1e-8f) / 127.f;
         scales[m] = s;
@@ -156,8 +153,8 @@ static void rows4(const int8_t* X, const float* XS, const float* XG, const uint8
             for (int i = 0; i < MB; ++i) acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(_mm256_cvtepi32_ps(part[i]), s));
         }
         for (int i = 0; i < MB; ++i) {
-            // The zeros' dot product eight groups at a time: one after another, each add waiting
-            // on the last, it cost a third of the down projection's time at one row.
+            // The zeros' dot product eight groups at a time rather than as a chain of scalar adds,
+            // each waiting on the last (G of them per output: 70 for a 8,960-input layer).
             const float *zs = ZS + n * G, *xg = XG + (m0 + i) * G;
             __m256 z8 = _mm256_setzero_ps();
             int64_t g = 0;
