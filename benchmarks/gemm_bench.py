@@ -1,9 +1,9 @@
 """The matmul under every quantized Linear on this CPU, three ways: the float32 GEMM on the
 transposed weight (the engine's float path), torch's packed int8 op with bf16 activations, and
-integer dot products (activations quantized to int8 per row, as llama.cpp's q8 activations,
-int32 sums; that quantization is in the time) on what the engine uses for them on this CPU:
-torch's `_int_mm` with VNNI, else the compiled AVX2 kernel (kernels/quant_matmul_cpu.py), else
-`_int_mm` anyway.
+integer dot products (activations quantized to int8, as llama.cpp's q8 activations, int32
+sums; that quantization is in the time) on what the engine uses for them on this CPU: torch's
+`_int_mm` with VNNI (a scale per row), else the compiled AVX2 kernel (kernels/quant_matmul_cpu.py,
+a scale per 128 activations), else `_int_mm` anyway.
 
 Two tables: one of Qwen2.5-Coder-1.5B's layers from decode's 1 row to prefill's 512 (what a
 batch of rows costs against one: batched decode and speculative verification pay it); and a
@@ -25,13 +25,14 @@ from rich.console import Console
 from rich.table import Table
 
 from engine.quantize import QuantLinear, dot_matmul, quantize_int4, quantize_int8
-from kernels.quant_matmul import int8_int8_matmul
+from kernels.quant_matmul import act_block, int8_int8_matmul
 
 DOT = dot_matmul("int8", 128) or int8_int8_matmul
 DOT_NAME = "_int_mm" if DOT is int8_int8_matmul else "the AVX2 kernel"
 
 console = Console(width=150)
 K, N = 1536, 8960            # the 1.5B's MLP up projection (one half of gate_up)
+BLOCK = 0 if DOT is int8_int8_matmul else act_block(K)     # as QuantLinear picks it
 ROWS = (1, 2, 4, 8, 16, 128, 512)
 VOCAB = 151936
 # (hidden, intermediate, layers, q heads, kv heads, head dim) of the served models.
@@ -54,7 +55,7 @@ def layer_rows() -> list[dict]:
         repeats = 5 if m > 100 else 30
         fp32 = best_ms(lambda: x @ w_t, repeats)
         packed = best_ms(lambda: torch._weight_int8pack_mm(x.to(torch.bfloat16), q, scales_bf16).float(), repeats)
-        dot = best_ms(lambda: DOT(x, q, scales), repeats)
+        dot = best_ms(lambda: DOT(x, q, scales, BLOCK), repeats)
         rows.append({"rows": m, "fp32_ms": fp32, "int8_ms": packed, "int8_dot_ms": dot,
                      "fp32_gflops": 2 * m * K * N / fp32 / 1e6, "int8_gflops": 2 * m * K * N / packed / 1e6,
                      "int8_dot_gflops": 2 * m * K * N / dot / 1e6})

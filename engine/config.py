@@ -48,7 +48,7 @@ class ModelEntry(msgspec.Struct, forbid_unknown_fields=True):
     # for the device, 0 where the compiled AVX2 integer kernels serve).
     dequant_rows: int | None = None
     # On the CPU, a quantized matmul over at least this many rows (and fewer than dequant_rows)
-    # runs on integer dot products, the activations quantized to int8 per row, instead of torch's
+    # runs on integer dot products, the activations quantized to int8, instead of torch's
     # packed op on bf16 activations (int4 from one row whenever this is not 0: its packed layout
     # is the alternative, chosen at load); 0: never; None: engine/quantize.py's dot_rows_default
     # for the CPU (its ISA, and whether the compiled kernels build).

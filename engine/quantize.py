@@ -62,7 +62,13 @@ class QuantLinear(Module):
         super().__init__()
         device = torch.device(device)
         self.mode, self.group = mode, group
-        self.dot = dot_matmul(mode, group) if dot_rows and device.type == "cpu" else None
+        dot = dot_matmul(mode, group) if dot_rows and device.type == "cpu" else None
+        # How many activations share an int8 scale: int4's group; on the compiled int8 kernel a
+        # block of the input (no dot products where it takes none), on `_int_mm` a whole row
+        # (one int32 GEMM takes one scale per row).
+        self.block = group if mode == "int4" else 0 if dot is quant_matmul.int8_int8_matmul else \
+            quant_matmul.act_block(tensors["w"].shape[1])
+        self.dot = dot if dot is quant_matmul.int8_int8_matmul or self.block else None
         self.dot_rows = 0 if self.dot is None else dot_rows if mode == "int8" else 1
         self.packed = packed and (mode == "int8" or self.dot is None) and (
             device.type == "cpu" or (device.type == "cuda" and mode == "int4"
@@ -102,7 +108,7 @@ class QuantLinear(Module):
             y = (quant_matmul.int8_matmul(x, b["w"], b["scales"]) if self.mode == "int8"
                  else quant_matmul.int4_matmul(x, b["w"], b["scales"], b["zeros"], self.group))
         elif 0 < self.dot_rows <= rows:
-            y = (self.dot(x, b["w"], b["dot_scales" if self.packed else "scales"]) if self.mode == "int8"
+            y = (self.dot(x, b["w"], b["dot_scales" if self.packed else "scales"], self.block) if self.mode == "int8"
                  else self.dot(x, b["w"], b["scales"], b["zero_scales"], self.group))
         elif not self.packed:
             y = (int8_matmul(x, b["w"], b["scales"]) if self.mode == "int8"

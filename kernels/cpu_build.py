@@ -4,6 +4,7 @@ loader, once per host (a C++ compiler and ninja; about a minute on 2 cores, cach
 a few microseconds a call, and seen by the profiler under their names."""
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -47,7 +48,11 @@ def build(name: str, source: str, what: str) -> bool:
         # at::parallel_for is OpenMP inlined into the module: without -fopenmp it runs on one
         # thread. No contraction: where a kernel is equal to its twin to the bit, a * b - c * d
         # must round as PyTorch's separate operators do (the kernels' FMAs are written out).
-        load_inline(name, [PRELUDE + source], is_python_module=False,
+        # Named by the source's hash: processes of two versions of Sluice on one host (a server
+        # kept running through an upgrade) would otherwise rebuild one build folder in turn, and
+        # one could load the other's operators.
+        code = PRELUDE + source
+        load_inline(f"{name}_{hashlib.sha256(code.encode()).hexdigest()[:12]}", [code], is_python_module=False,
                     extra_cflags=["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"],
                     extra_ldflags=["-fopenmp"])
         return True

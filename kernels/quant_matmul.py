@@ -35,35 +35,58 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(1)
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x float [M, K] as int8 per row (symmetric, rounded to 1/254 of the row's largest value)
-    and the scales [M, 1]: llama.cpp's q8 activations."""
-    x_scale = x.abs().amax(1, keepdim=True).clamp(min=1e-8) / 127
-    return (x / x_scale).round_().to(torch.int8), x_scale
+def act_block(k: int) -> int:
+    """How many activations share an int8 scale on the compiled integer kernels (int8 weights;
+    int4 ones take their group): 128, or 64 or 32 where k takes no 128; 0 where k takes no 32.
+    One scale per row lets an outlier (a few of Qwen2.5's intermediate activations stand far
+    above the rest) round the rest of its row away: on SQuAD text a whole-row scale gave the down
+    projections 3.5x (0.5B) and 4.5x (1.5B) the error of 128-value blocks
+    (benchmarks/act_quant_error.py)."""
+    return next((b for b in (128, 64, 32) if k % b == 0), 0)
 
 
-def int8_int8_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Integer dot products, as llama.cpp decodes: x quantized per row (`quantize_rows`), its
-    products with the int8 weights w [N, K] summed in int32 (torch's `_int_mm`), then both scales
-    applied. Not exact against int8_matmul: x loses bits. The twin of quant_matmul_cpu's
-    `int8_linear`."""
-    xq, x_scale = quantize_rows(x)
-    return torch._int_mm(xq, w.t()).to(x.dtype) * (x_scale * scales.to(x.dtype))
+def quantize_rows(x: torch.Tensor, block: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """x float [M, K] as int8, symmetric per block of `block` values of each row (0: the whole
+    row), rounded to 1/254 of the block's largest value, and the scales [M, K // block] ([M, 1]):
+    llama.cpp's q8 activations."""
+    m, k = x.shape
+    blocks = x.view(m, -1, block or k)
+    scale = blocks.abs().amax(-1, keepdim=True).clamp(min=1e-8) / 127
+    return (blocks / scale).round_().to(torch.int8).view(m, k), scale.view(m, -1)
+
+
+def _block_sums(xq: torch.Tensor, q: torch.Tensor, block: int) -> torch.Tensor:
+    """[M, N, K // block]: each block's integer sum of xq [M, K] times q [N, K] (exact in float64)."""
+    (m, k), n = xq.shape, q.shape[0]
+    return torch.einsum("mgk,ngk->mng", xq.view(m, k // block, block).double(), q.view(n, k // block, block).double())
+
+
+def int8_int8_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, block: int = 0) -> torch.Tensor:
+    """Integer dot products, as llama.cpp decodes: x quantized to int8 (`quantize_rows`), its
+    products with the int8 weights w [N, K] summed in int32, then the scales applied. `block` 0:
+    one scale per row, so one int32 GEMM (torch's `_int_mm`) serves; else per block of x, the
+    twin of quant_matmul_cpu's `int8_linear` (which sums the blocks in float32, in another
+    order). Not exact against int8_matmul: x loses bits."""
+    xq, x_scale = quantize_rows(x, block)
+    if not block:
+        return torch._int_mm(xq, w.t()).to(x.dtype) * (x_scale * scales.to(x.dtype))
+    y = (_block_sums(xq, w, block) * x_scale.double()[:, None, :]).sum(-1)
+    return (y * scales.double()).to(x.dtype)
 
 
 def int4_int8_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                      group_size: int) -> torch.Tensor:
-    """Integer dot products against int4 weights (llama.cpp's q4 x q8): x quantized per row, per
-    group the integer sum of its products with the weights' 0..15 values, times the group's scale,
-    less zero * scale times the group's sum of x, all times x's scale. The twin of
-    quant_matmul_cpu's `int4_linear` (which sums the groups in float32, in another order)."""
-    xq, x_scale = quantize_rows(x)
-    (M, K), N = x.shape, w.shape[0]
-    q = unpack_int4(w).view(N, K // group_size, group_size).double()
-    xg = xq.view(M, K // group_size, group_size).double()
-    sums = torch.einsum("mgk,ngk->mng", xg, q)                    # integers: exact in float64
-    y = (sums * scales.double() - (zeros * scales).double() * xg.sum(-1)[:, None]).sum(-1)
-    return (y * x_scale.double()).to(x.dtype)
+    """Integer dot products against int4 weights (llama.cpp's q4 x q8): x quantized per group of
+    the weights, per group the integer sum of its products with the weights' 0..15 values times
+    the group's scale, less zero * scale times the group's sum of x, each times x's scale for the
+    group. The twin of quant_matmul_cpu's `int4_linear` (which sums the groups in float32, in
+    another order)."""
+    xq, x_scale = quantize_rows(x, group_size)
+    m, k = x.shape
+    sums = _block_sums(xq, unpack_int4(w), group_size)
+    x_sums = xq.view(m, k // group_size, group_size).double().sum(-1)[:, None]
+    y = (sums * scales.double() - (zeros * scales).double() * x_sums) * x_scale.double()[:, None, :]
+    return y.sum(-1).to(x.dtype)
 
 
 def int4_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,

@@ -3,11 +3,11 @@ fast kernel (4-6 GFLOP/s measured on an AVX2 EPYC, benchmarks/gemm_bench.py) and
 int8/int4 ops convert every weight to float.
 
 Each function takes float32 activations and returns float32 outputs: the activations are
-quantized per row inside (one call per layer, where the Python twin makes eleven operator calls),
-summed in int32 against the weights, and scaled. The reference twins are kernels/quant_matmul.py's
-`int8_int8_matmul` (equal to the bit: the same rounding, integer sums, the same float products in
-the same order) and `int4_int8_matmul` (the same integer sums per group; the groups' float sum
-runs in another order).
+quantized inside (one call per layer, where the Python twin makes eleven operator calls), one
+scale per block of 128 values of a row (int8 weights; `act_block`) or per group (int4 weights),
+summed in int32 against the weights block by block, and scaled. The reference twins are
+kernels/quant_matmul.py's `int8_int8_matmul` with a block and `int4_int8_matmul`: the same
+rounding and the same integer sums per block; the blocks' float sum runs in another order.
 
 Built once per host (kernels/cpu_build.py); `load()` is None where that cannot be done, and the
 engine then keeps torch's ops.
@@ -22,93 +22,88 @@ from kernels.cpu_build import build
 
 SOURCE = r"""
 
-static inline int32_t hsum(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-    return _mm_cvtsi128_si32(s);
-}
-
-// kernels/quant_matmul.py's quantize_rows to the bit: scale = max(|x|max, 1e-8) / 127 in float32,
-// q = x / scale rounded half to even (the same division and rounding, 32 values at a time, and no
-// index division per value: it runs once per matmul on one thread). `interleaved` (32 or 64; 0:
-// in order): each that many values stored as their even then their odd ones, the order a load
-// of int4 weights unpacks in (low nibbles, high nibbles).
+// kernels/quant_matmul.py's quantize_rows to the bit, per block of B values (a multiple of 32
+// dividing K): scale = max(|x|max, 1e-8) / 127 in float32, q = x / scale rounded half to even
+// (the same division and rounding, 32 values at a time, and no index division per value: it runs
+// once per matmul on one thread). `interleaved` (32 or 64, dividing B; 0: in order): each that
+// many values stored as their even then their odd ones, the order a load of int4 weights unpacks
+// in (low nibbles, high nibbles).
 static inline __m256i round_to_int32(const float* r, __m256 s) {
     return _mm256_cvtps_epi32(_mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(r), s),
                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
-static void quantize_rows(const float* x, int64_t M, int64_t K, int interleaved, int8_t* q, float* scales) {
-    const int64_t K32 = K / 32 * 32;
+static void quantize_rows(const float* x, int64_t M, int64_t K, int64_t B, int interleaved, int8_t* q,
+                          float* scales) {
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    for (int64_t m = 0; m < M; ++m) {
-        const float* r = x + m * K;
-        __m256 vmax = _mm256_setzero_ps();
-        for (int64_t k = 0; k + 8 <= K; k += 8)
-            vmax = _mm256_max_ps(vmax, _mm256_and_ps(magnitude, _mm256_loadu_ps(r + k)));
-        float amax = hmax(vmax);
-        for (int64_t k = K / 8 * 8; k < K; ++k) amax = std::max(amax, std::fabs(r[k]));
-        const float s = std::max(amax, 1e-8f) / 127.f;
-        scales[m] = s;
-        const __m256 vs = _mm256_set1_ps(s);
-        int8_t* o = q + m * K;
-        for (int64_t k = 0; k < K32; k += 32) {
-            // int32 -> int16 -> int8 packs work per 128-bit lane; the permute puts the values back
-            // in order (|q| <= 127: nothing saturates).
-            const __m256i ab = _mm256_packs_epi32(round_to_int32(r + k, vs), round_to_int32(r + k + 8, vs));
-            const __m256i cd = _mm256_packs_epi32(round_to_int32(r + k + 16, vs), round_to_int32(r + k + 24, vs));
-            _mm256_storeu_si256((__m256i*)(o + k),
-                                _mm256_permutevar8x32_epi32(_mm256_packs_epi16(ab, cd), order));
-        }
-        for (int64_t k = K32; k < K; ++k) o[k] = (int8_t)std::nearbyint(r[k] / s);
-        if (interleaved) {
-            int8_t in_order[64];
-            for (int64_t k = 0; k < K; k += interleaved) {
-                std::memcpy(in_order, o + k, interleaved);
-                for (int j = 0; j < interleaved / 2; ++j) {
-                    o[k + j] = in_order[2 * j];
-                    o[k + interleaved / 2 + j] = in_order[2 * j + 1];
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t b = 0; b < K; b += B) {
+            const float* r = x + m * K + b;
+            __m256 vmax = _mm256_setzero_ps();
+            for (int64_t k = 0; k < B; k += 8)
+                vmax = _mm256_max_ps(vmax, _mm256_and_ps(magnitude, _mm256_loadu_ps(r + k)));
+            const float s = std::max(hmax(vmax), 1e-8f) / 127.f;
+            scales[(m * K + b) / B] = s;
+            const __m256 vs = _mm256_set1_ps(s);
+            int8_t* o = q + m * K + b;
+            for (int64_t k = 0; k < B; k += 32) {
+                // int32 -> int16 -> int8 packs work per 128-bit lane; the permute puts the values
+                // back in order (|q| <= 127: nothing saturates).
+                const __m256i ab = _mm256_packs_epi32(round_to_int32(r + k, vs), round_to_int32(r + k + 8, vs));
+                const __m256i cd = _mm256_packs_epi32(round_to_int32(r + k + 16, vs), round_to_int32(r + k + 24, vs));
+                _mm256_storeu_si256((__m256i*)(o + k),
+                                    _mm256_permutevar8x32_epi32(_mm256_packs_epi16(ab, cd), order));
+            }
+            if (interleaved) {
+                int8_t in_order[64];
+                for (int64_t k = 0; k < B; k += interleaved) {
+                    std::memcpy(in_order, o + k, interleaved);
+                    for (int j = 0; j < interleaved / 2; ++j) {
+                        o[k + j] = in_order[2 * j];
+                        o[k + interleaved / 2 + j] = in_order[2 * j + 1];
+                    }
                 }
             }
         }
-    }
 }
 
 // int8: rows m0 .. m0 + MB of x against outputs n0 .. n1, each output's weights read once for
 // the MB rows. Products by maddubs as llama.cpp does on AVX2: |w| the unsigned operand, x
-// carrying w's sign; |x|, |w| <= 127 keep each pair's sum inside int16.
+// carrying w's sign; |x|, |w| <= 127 keep each pair's sum inside int16. Each block of B values
+// sums in int32, then adds in float times its activation scale.
 template <int MB>
 static void rows8(const int8_t* X, const float* XS, const int8_t* W, const float* WS, float* O,
-                  int64_t m0, int64_t n0, int64_t n1, int64_t K, int64_t N) {
-    const int64_t K32 = K / 32 * 32;
+                  int64_t m0, int64_t n0, int64_t n1, int64_t K, int64_t N, int64_t B) {
+    const int64_t G = K / B;
     const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t n = n0; n < n1; ++n) {
         const int8_t* w = W + n * K;
-        __m256i acc[MB];
-        for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_si256();
-        for (int64_t k = 0; k < K32; k += 32) {
-            const __m256i wv = _mm256_loadu_si256((const __m256i*)(w + k));
-            const __m256i wa = _mm256_sign_epi8(wv, wv);
-            for (int i = 0; i < MB; ++i) {
-                const __m256i xv = _mm256_loadu_si256((const __m256i*)(X + (m0 + i) * K + k));
-                const __m256i p = _mm256_maddubs_epi16(wa, _mm256_sign_epi8(xv, wv));
-                acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(p, ones));
+        __m256 acc[MB];
+        for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < G; ++g) {
+            __m256i part[MB];
+            for (int i = 0; i < MB; ++i) part[i] = _mm256_setzero_si256();
+            for (int64_t k = g * B; k < (g + 1) * B; k += 32) {
+                const __m256i wv = _mm256_loadu_si256((const __m256i*)(w + k));
+                const __m256i wa = _mm256_sign_epi8(wv, wv);
+                for (int i = 0; i < MB; ++i) {
+                    const __m256i xv = _mm256_loadu_si256((const __m256i*)(X + (m0 + i) * K + k));
+                    const __m256i p = _mm256_maddubs_epi16(wa, _mm256_sign_epi8(xv, wv));
+                    part[i] = _mm256_add_epi32(part[i], _mm256_madd_epi16(p, ones));
+                }
             }
+            for (int i = 0; i < MB; ++i)
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(part[i]), _mm256_set1_ps(XS[(m0 + i) * G + g]), acc[i]);
         }
-        for (int i = 0; i < MB; ++i) {
-            int32_t s = hsum(acc[i]);
-            for (int64_t k = K32; k < K; ++k) s += int32_t(X[(m0 + i) * K + k]) * int32_t(w[k]);
-            O[(m0 + i) * N + n] = float(s) * (XS[m0 + i] * WS[n]);
-        }
+        for (int i = 0; i < MB; ++i) O[(m0 + i) * N + n] = hsum(acc[i]) * WS[n];
     }
 }
 
 // int4 (engine/quantize.py's format: two per byte, the even k low; per group w = (q - zero) * scale):
 // per group the int32 sum of q times x (q is unsigned: maddubs takes it as is), scaled by the
-// group's scale in float; the zeros come off once per output as zero * scale times the group's
-// sum of x.
+// group's scale times x's scale for the group, in float; the zeros come off once per output as
+// zero * scale times the group's sum of x (XG, in x's scale).
 template <int MB>
 static void rows4(const int8_t* X, const float* XS, const float* XG, const uint8_t* W, const float* S,
                   const float* ZS, float* O, int64_t m0, int64_t n0, int64_t n1, int64_t K, int64_t N,
@@ -149,8 +144,10 @@ static void rows4(const int8_t* X, const float* XS, const float* XG, const uint8
                     }
                 }
             }
-            const __m256 s = _mm256_set1_ps(S[n * G + g]);
-            for (int i = 0; i < MB; ++i) acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(_mm256_cvtepi32_ps(part[i]), s));
+            for (int i = 0; i < MB; ++i) {
+                const __m256 scale = _mm256_set1_ps(S[n * G + g] * XS[(m0 + i) * G + g]);
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(part[i]), scale, acc[i]);
+            }
         }
         for (int i = 0; i < MB; ++i) {
             // The zeros' dot product eight groups at a time rather than as a chain of scalar adds,
@@ -162,7 +159,7 @@ static void rows4(const int8_t* X, const float* XS, const float* XG, const uint8
                 z8 = _mm256_add_ps(z8, _mm256_mul_ps(_mm256_loadu_ps(zs + g), _mm256_loadu_ps(xg + g)));
             float zero = hsum(z8);
             for (; g < G; ++g) zero += zs[g] * xg[g];
-            O[(m0 + i) * N + n] = (hsum(acc[i]) - zero) * XS[m0 + i];
+            O[(m0 + i) * N + n] = hsum(acc[i]) - zero;
         }
     }
 }
@@ -189,18 +186,20 @@ static void check(const torch::Tensor& x, const torch::Tensor& w, int64_t K, con
     TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), name, ": w contiguous [N, ...]");
 }
 
-// x float32 [M, K] times int8 w [N, K] with scales [N] -> float32 [M, N].
-torch::Tensor int8_linear(const torch::Tensor& x_, const torch::Tensor& w, const torch::Tensor& scales_) {
+// x float32 [M, K] times int8 w [N, K] with scales [N] -> float32 [M, N]; x's scales per block
+// of B values, a multiple of 32 dividing K.
+torch::Tensor int8_linear(const torch::Tensor& x_, const torch::Tensor& w, const torch::Tensor& scales_, int64_t B) {
     torch::Tensor x = x_.contiguous(), scales = scales_.contiguous();
     const int64_t K = w.size(1), N = w.size(0);
     check(x, w, K, "int8_linear");
     TORCH_CHECK(w.scalar_type() == torch::kInt8 && scales.scalar_type() == torch::kFloat && scales.numel() == N,
                 "int8_linear: w int8 [N, K], scales float32 [N]");
+    TORCH_CHECK(B > 0 && B % 32 == 0 && K % B == 0, "int8_linear: the block must be a multiple of 32 dividing K");
     const int64_t M = x.size(0);
     auto xq = torch::empty({M, K}, x.options().dtype(torch::kInt8));
-    auto xs = torch::empty({M}, x.options());
+    auto xs = torch::empty({M, K / B}, x.options());
     auto out = torch::empty({M, N}, x.options());
-    quantize_rows(x.data_ptr<float>(), M, K, 0, xq.data_ptr<int8_t>(), xs.data_ptr<float>());
+    quantize_rows(x.data_ptr<float>(), M, K, B, 0, xq.data_ptr<int8_t>(), xs.data_ptr<float>());
     const int8_t* X = xq.data_ptr<int8_t>();
     const float *XS = xs.data_ptr<float>(), *WS = scales.data_ptr<float>();
     const int8_t* W = w.data_ptr<int8_t>();
@@ -210,7 +209,7 @@ torch::Tensor int8_linear(const torch::Tensor& x_, const torch::Tensor& w, const
         for (int64_t t0 = n0; t0 < n1; t0 += tile)
             for (int64_t m0 = 0; m0 < M; m0 += 8)
                 block<8>(std::min<int64_t>(8, M - m0), [&](auto mb) {
-                    rows8<decltype(mb)::value>(X, XS, W, WS, O, m0, t0, std::min(t0 + tile, n1), K, N);
+                    rows8<decltype(mb)::value>(X, XS, W, WS, O, m0, t0, std::min(t0 + tile, n1), K, N, B);
                 });
     });
     return out;
@@ -230,19 +229,20 @@ torch::Tensor int4_linear(const torch::Tensor& x_, const torch::Tensor& w, const
                 "int4_linear: w uint8 [N, K / 2], scales and zero_scales float32 [N, K / group]");
     const int64_t M = x.size(0), G = K / group;
     auto xq = torch::empty({M, K}, x.options().dtype(torch::kInt8));
-    auto xs = torch::empty({M}, x.options());
+    auto xs = torch::empty({M, G}, x.options());
     auto xg = torch::empty({M, G}, x.options());
     auto out = torch::empty({M, N}, x.options());
-    quantize_rows(x.data_ptr<float>(), M, K, group % 64 ? 32 : 64, xq.data_ptr<int8_t>(), xs.data_ptr<float>());
+    quantize_rows(x.data_ptr<float>(), M, K, group, group % 64 ? 32 : 64, xq.data_ptr<int8_t>(), xs.data_ptr<float>());
     const int8_t* X = xq.data_ptr<int8_t>();
-    float* XG = xg.data_ptr<float>();      // each group's integer sum of x, exact in float32
+    const float* XS = xs.data_ptr<float>();
+    float* XG = xg.data_ptr<float>();      // each group's sum of x: its integer sum times its scale
     for (int64_t m = 0; m < M; ++m)
         for (int64_t g = 0; g < G; ++g) {
             int32_t sum = 0;
             for (int64_t k = g * group; k < (g + 1) * group; ++k) sum += X[m * K + k];
-            XG[m * G + g] = float(sum);
+            XG[m * G + g] = float(sum) * XS[m * G + g];
         }
-    const float *XS = xs.data_ptr<float>(), *S = scales.data_ptr<float>(), *ZS = zero_scales.data_ptr<float>();
+    const float *S = scales.data_ptr<float>(), *ZS = zero_scales.data_ptr<float>();
     const uint8_t* W = w.data_ptr<uint8_t>();
     float* O = out.data_ptr<float>();
     const int64_t tile = outputs_in_cache(K / 2);
@@ -258,7 +258,7 @@ torch::Tensor int4_linear(const torch::Tensor& x_, const torch::Tensor& w, const
 }
 
 TORCH_LIBRARY_FRAGMENT(sluice, m) {
-    m.def("int8_linear(Tensor x, Tensor w, Tensor scales) -> Tensor");
+    m.def("int8_linear(Tensor x, Tensor w, Tensor scales, int block) -> Tensor");
     m.def("int4_linear(Tensor x, Tensor w, Tensor scales, Tensor zero_scales, int group) -> Tensor");
 }
 

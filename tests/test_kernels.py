@@ -177,30 +177,46 @@ def test_int8_matmul_reference_matches_dense():
     torch.testing.assert_close(quant_matmul.int8_matmul(x, w, scales), x @ dense.T, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("M,K,N", [(1, 896, 1152), (3, 100, 37), (8, 1536, 64), (9, 64, 5), (13, 256, 40),
+@pytest.mark.parametrize("M,K,N", [(1, 896, 1152), (3, 96, 37), (8, 1536, 64), (9, 64, 5), (13, 256, 40),
                                    (70, 2048, 300)])
 def test_compiled_cpu_integer_kernels_equal_their_twins(M, K, N):
-    """kernels/quant_matmul_cpu.py (AVX2, built here) against its PyTorch twins: int8 equal to the
-    bit (K past a multiple of 32, row blocks of 1 to 8 included, a prompt's rows over several
-    cache tiles of outputs); int4 the same integer sums per
-    group, summed over groups in float32 in another order."""
+    """kernels/quant_matmul_cpu.py (AVX2, built here) against its PyTorch twins: the same
+    activations rounded per block (blocks of 128, 64 and 32 included, row blocks of 1 to 8, a
+    prompt's rows over several cache tiles of outputs), the same integer sums per block, the
+    blocks summed in float32 in another order."""
     from kernels import quant_matmul_cpu
     if quant_matmul_cpu.load() is None:
         pytest.skip("the CPU integer kernels cannot be built here (no AVX2, C++ compiler or ninja)")
     g = torch.Generator().manual_seed(M * K + N)
     x = torch.randn(M, K, generator=g) * torch.logspace(-3, 2, M)[:, None]
+
+    def close(got, want):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().amax(1, keepdim=True).max().item())
     w = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g)
     scales = torch.rand(N, generator=g)
-    got = quant_matmul_cpu.load().int8_linear(x, w, scales)
-    assert torch.equal(got, quant_matmul.int8_int8_matmul(x, w, scales))
+    block = quant_matmul.act_block(K)
+    close(quant_matmul_cpu.load().int8_linear(x, w, scales, block), quant_matmul.int8_int8_matmul(x, w, scales, block))
     for group in (32, 64, 128):
         if K % group:
             continue
         q = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=g)
         s, z = torch.rand(N, K // group, generator=g), torch.rand(N, K // group, generator=g) * 15
-        got = quant_matmul_cpu.load().int4_linear(x, q, s, (z * s).contiguous(), group)
-        want = quant_matmul.int4_int8_matmul(x, q, s, z, group)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().amax(1, keepdim=True).max().item())
+        close(quant_matmul_cpu.load().int4_linear(x, q, s, (z * s).contiguous(), group),
+              quant_matmul.int4_int8_matmul(x, q, s, z, group))
+
+
+def test_compiled_cpu_activation_rounding_equals_its_twin():
+    """The compiled kernel rounds the activations as quantize_rows does, to the bit: a weight of
+    one 1 in each block reads back each block's first value, rounded."""
+    from kernels import quant_matmul_cpu
+    if quant_matmul_cpu.load() is None:
+        pytest.skip("the CPU integer kernels cannot be built here (no AVX2, C++ compiler or ninja)")
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(0)) * 10
+    xq, xs = quant_matmul.quantize_rows(x, 128)
+    w = torch.zeros(4, 512, dtype=torch.int8)
+    w[torch.arange(4), torch.arange(4) * 128] = 1
+    got = quant_matmul_cpu.load().int8_linear(x, w, torch.ones(4), 128)
+    assert torch.equal(got, xq[:, ::128].float() * xs)
 
 
 @pytest.mark.parametrize("group", [32, 64, 128])
