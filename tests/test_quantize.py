@@ -128,9 +128,10 @@ def test_integer_dot_products_sum_the_rounded_activations_exactly(block):
     got = int8_int8_matmul(x, q, s, block)
     xb = x.view(7, -1, block or 256)
     x_scale = xb.abs().amax(-1, keepdim=True) / 127
-    rounded = ((xb / x_scale).round() * x_scale).view(7, 256).double()
-    exact = (rounded @ q.double().T) * s.double()
-    torch.testing.assert_close(got.double(), exact, rtol=1e-6, atol=1e-6 * exact.abs().max().item())
+    ints = (xb / x_scale).round().double()                       # [7, blocks, block]
+    sums = torch.einsum("mgk,ngk->mng", ints, q.double().view(96, -1, block or 256))
+    exact = (sums * x_scale.double().view(7, 1, -1)).sum(-1) * s.double()
+    torch.testing.assert_close(got.double(), exact, rtol=1e-6, atol=0)
     want = x @ (q.float() * s[:, None]).T
     assert ((got - want).abs().amax(1) / want.abs().amax(1)).max() < 0.02
 
