@@ -148,6 +148,8 @@ _PARAGRAPH = re.compile(r"\S(?:.*?\S)?(?=\s*\n[ \t]*\n|\s*$)", re.S)
 # A sentence ends at . ! or ? (and any closing quotes or brackets) before whitespace and a
 # capital, digit, quote or bracket. Abbreviations split too often; that only adds cut points.
 _SENTENCE_END = re.compile(r"[.!?][\"'”’)\]]*(?=\s+[\"'“‘(\[A-Z0-9])")
+# A line that starts a list item: "- ", "* ", "+ ", "1. ", "2) ". The match starts at its newline.
+_LIST_ITEM = re.compile(r"\n[ \t]*(?:[-*+]|\d{1,3}[.)])[ \t]+")
 
 
 @dataclass
@@ -197,16 +199,19 @@ def chunk(doc: Document, tokenizer: TokenCounter, size: int = 200, overlap: int 
 
 
 def _units(text: str, count, size: int) -> list[_Unit]:
-    """Sentences (or, when a sentence is too long, pieces of it) with their token counts."""
+    """Sentences (or, when a sentence is too long, pieces of it) with their token counts. A list
+    item ends a paragraph too: a bullet is a unit of meaning, and a chunk cut inside one starts
+    with the tail of the bullet before, which a model reads as part of the next."""
     units = []
     for para in _PARAGRAPH.finditer(text):
         a, b = para.span()
-        spans = []
-        for c in [m.end() for m in _SENTENCE_END.finditer(text, a, b)] + [b]:
-            spans += _fit(text, a, c, count, size)
+        items = {m.start() for m in _LIST_ITEM.finditer(text, a, b)}
+        for c in sorted({m.end() for m in _SENTENCE_END.finditer(text, a, b)} | items | {b}):
+            if c > a:
+                units += [_Unit(x, y, count(x, y), False) for x, y in _fit(text, a, c, count, size)]
+            if c in items or c == b:
+                units[-1].ends_paragraph = True
             a = _skip_space(text, c, b)
-        units += [_Unit(x, y, count(x, y), False) for x, y in spans]
-        units[-1].ends_paragraph = True
     return units
 
 

@@ -102,6 +102,18 @@ def test_long_paragraph_cut_at_sentences_with_overlap():
     assert texts[-1].endswith(sentences[-1])
 
 
+def test_list_items_end_paragraphs():
+    # One paragraph of three bullets, each two sentences (12 words): two bullets fit in 30 words
+    # but the cut falls after the second whole bullet, not inside the third, and the next chunk
+    # starts at that bullet's marker with nothing of the one before.
+    items = [f"- {sentence(2 * i)} {sentence(2 * i + 1)}" for i in range(3)]
+    for marker in ("- ", "* ", "1. "):
+        text = "Intro sentence here.\n" + "\n".join(i.replace("- ", marker, 1) for i in items)
+        texts = [c.text for c in chunk(Document("d", text), Words(), size=30, overlap=8)]
+        assert texts[-1] == items[2].replace("- ", marker, 1)
+        assert all(t.rstrip().endswith(".") for t in texts)
+
+
 def test_sentence_longer_than_a_chunk_is_split_at_words():
     doc = Document("d", " ".join(f"word{i}" for i in range(50)) + ".")
     chunks = chunk(doc, Words(), size=20, overlap=5)
