@@ -7,9 +7,11 @@ llama.cpp is built once from the sources vendored in the pinned llama-cpp-python
 model store at int8 and int4, each on torch's packed op on bf16 activations (`int8`, `int4`) and
 on integer dot products on int8 activations (`int8-dot`, `int4-dot`: ModelEntry.dot_rows = 1);
 prompts run on dequantized float32 weights wherever the stored format is kept (all but packed
-int4). `--cpu-kernels off on` runs each also with a layer's other kernels on their PyTorch twins
-(EngineConfig.cpu_kernels off, the compiled ones of kernels/layer_cpu.py on). The two engines
-take turns, median of 3, all on the same threads.
+int4). `--cpu-kernels` picks how a layer's other kernels run, each setting its own engine: `off`
+their PyTorch twins (EngineConfig.cpu_kernels off), `on` the compiled ones of kernels/layer_cpu.py
+called from Python (cpu_step off), `step` a decode step's layers in one compiled call
+(engine/cpu_step.py, the default). The two engines take turns, median of 3, all on the same
+threads.
 
 For each it prints tokens/s, the GB/s that reading the weights once per step implies, that as a
 share of the read bandwidth measured in the same run, and Sluice's ratio to llama.cpp; it writes
@@ -136,7 +138,7 @@ def main() -> None:
                     help="model store names, or .gguf files (benchmarks/random_gguf.py makes one of a model's shapes)")
     ap.add_argument("--quants", nargs="+", default=["int8", "int8-dot", "int4", "int4-dot"],
                     choices=["int8", "int8-dot", "int4", "int4-dot"])
-    ap.add_argument("--cpu-kernels", nargs="+", default=["on"], choices=["on", "off"])
+    ap.add_argument("--cpu-kernels", nargs="+", default=["step"], choices=["off", "on", "step"])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     ap.add_argument("--tokens", type=int, default=64, help="decoded per sequence")
     ap.add_argument("--prompt", type=int, default=512, help="prefill prompt tokens")
@@ -158,7 +160,8 @@ def main() -> None:
             entry = ModelEntry(str(folder), quant=quant.removesuffix("-dot"), dot_rows=int(quant.endswith("-dot")))
             engine = LLMEngine(EngineConfig(models={"m": entry}, device="cpu",
                                             max_num_seqs=max(args.batches), num_threads=args.threads,
-                                            memory_budget_gb=6.0, cpu_kernels=compiled == "on"), progress=False)
+                                            memory_budget_gb=6.0, cpu_kernels=compiled != "off",
+                                            cpu_step=compiled == "step"), progress=False)
             sluice_bytes = weight_bytes(engine.worker("m").model, per_token=True)
             sluice_decode(engine, 1, 4, rng)                        # warm-up
             for what, batch in [("decode", b) for b in args.batches] + [("prefill", 1)]:

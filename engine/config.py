@@ -126,6 +126,10 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
     # compiled kernels (kernels/layer_cpu.py: one call each instead of a dozen small operators);
     # False: their PyTorch twins. Process-wide.
     cpu_kernels: bool = True
+    # With those kernels, a decode-only step runs the decoder's layers in one compiled call
+    # (engine/cpu_step.py: the CPU's counterpart of cuda_graphs, no Python between operators);
+    # False: the layers call their operators from Python.
+    cpu_step: bool = True
 
     def __post_init__(self) -> None:
         if not self.models:

@@ -244,6 +244,7 @@ class LLMEngine:
                       "cuda_graph_batch_sizes": w.runner.graphs.buckets if w.runner.graphs else [],
                       "kernel_fallbacks": sorted(kernels.FALLBACKS),
                       "cpu_kernels": w.runner.device.device.type == "cpu" and kernels.cpu_kernels(),
+                      "cpu_steps": w.runner.cpu_step.steps if w.runner.cpu_step else 0,
                       "dequant_rows": w.dequant_rows, "dot_rows": w.dot_rows}
                for name, w in self.workers.items()}
         if self.speculator:

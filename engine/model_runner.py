@@ -19,6 +19,7 @@ import torch
 
 import kernels
 from engine.config import EngineConfig, ModelConfig
+from engine.cpu_step import CPUStep
 from engine.model import CausalLM, StepBatch
 from engine.sampler import probs as sampling_probs
 from engine.sampler import sample, verify
@@ -34,6 +35,7 @@ class Device:
     device: torch.device = torch.device("cpu")
     dtype: torch.dtype = torch.float32
     cuda_graphs: bool = False
+    cpu_step: bool = False
 
     @classmethod
     def resolve(cls, config: EngineConfig) -> Device:
@@ -54,7 +56,8 @@ class Device:
         if kv not in ("auto", "int8") and getattr(torch, kv) != dtype:
             raise ValueError(f"engine config: kv_cache_dtype {kv!r} differs from the compute dtype "
                              f"({str(dtype).removeprefix('torch.')}); use auto or int8")
-        return cls(device, dtype, config.cuda_graphs and device.type == "cuda")
+        cpu = device.type == "cpu"
+        return cls(device, dtype, config.cuda_graphs and not cpu, config.cpu_step and cpu)
 
     def memory_budget(self, config: EngineConfig) -> int:
         """Bytes for every model's weights plus KV. On CUDA: gpu_memory_utilization of the
@@ -164,6 +167,7 @@ class ModelRunner:
                              if kv_int8 else (None, None)))
                           for _ in range(cfg.num_layers)]
         self.graphs: _Graphs | None = None
+        self.cpu_step = CPUStep.build(model, self.kv_caches) if device.cpu_step else None
         self.log_softmax_out = torch.empty(0, cfg.vocab_size, device=dev)      # _greedy's, kept across steps
 
     @property
@@ -273,6 +277,8 @@ class ModelRunner:
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: StepBatch, bucket: int) -> torch.Tensor:
         if not bucket:
+            if self.cpu_step is not None and self.cpu_step.takes(batch, len(input_ids)):
+                return self.cpu_step(input_ids, positions, batch)
             return self.model(input_ids, positions, batch)
         g = self.graphs
         g.input_ids[:bucket] = input_ids

@@ -179,6 +179,9 @@ class GatewayMetrics:
         r.add(Sampled("sluice_engine_cpu_kernels", "1 where a layer's norms, rotary, SiLU product and decode "
                       "attention run as compiled CPU kernels", ("model",),
                       lambda: {(m,): int(s["cpu_kernels"]) for m, s in engine_stats().items()}))
+        r.add(Sampled("sluice_engine_cpu_steps_total", "decode steps run as one compiled call on the CPU "
+                      "(EngineConfig.cpu_step)", ("model",),
+                      lambda: {(m,): s["cpu_steps"] for m, s in engine_stats().items()}, "counter"))
         r.add(Sampled("sluice_kernel_fallback", "1 for each kernel running its PyTorch twin after failing to launch",
                       ("model", "kernel"),
                       lambda: {(m, k): 1 for m, s in engine_stats().items() for k in s["kernel_fallbacks"]}))

@@ -28,7 +28,7 @@ def config(**kw) -> EngineConfig:
 
 def test_auto_resolves_to_the_cpu_in_float32_without_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert Device.resolve(config()) == Device(torch.device("cpu"), torch.float32, cuda_graphs=False)
+    assert Device.resolve(config()) == Device(torch.device("cpu"), torch.float32, cuda_graphs=False, cpu_step=True)
     assert Device.resolve(config(dtype="bfloat16", kv_cache_dtype="bfloat16")).dtype == torch.bfloat16
     with pytest.raises(ValueError, match="no CUDA device"):
         Device.resolve(config(device="cuda"))

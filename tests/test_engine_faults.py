@@ -150,8 +150,8 @@ async def test_a_failed_stream_raises_alone_and_the_others_go_on(folder):
 async def test_a_step_that_fails_as_a_whole_fails_what_was_in_flight_and_serving_goes_on(folder):
     engine = make_engine(folder)
     front = AsyncEngine(engine)
-    model = engine.worker("tiny").model
-    forward = model.forward
+    runner = engine.worker("tiny").runner
+    forward = runner._forward        # the step's model call, whichever path runs it
     calls = 0
 
     def fails_once(*args):
@@ -160,7 +160,7 @@ async def test_a_step_that_fails_as_a_whole_fails_what_was_in_flight_and_serving
         if calls == 3:
             raise RuntimeError("device lost")
         return forward(*args)
-    model.forward = fails_once
+    runner._forward = fails_once
     long = SamplingParams(max_tokens=30, ignore_eos=True)
     results = await asyncio.gather(*(completion(front, p, long) for p in prompts(2, seed=44)), return_exceptions=True)
     assert all(isinstance(r, EngineFailure) and "device lost" in str(r) for r in results)
