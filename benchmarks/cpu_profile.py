@@ -4,7 +4,8 @@ everything else (attention over the paged cache, norms, rotary, the SiLU product
 the Python between ops, which is the step's wall time less its operators' own time).
 
 Prints a table and writes benchmarks/results/cpu_profile.json; the shares say how much of a step
-faster matmuls alone could win back.
+faster matmuls alone could win back. `--cpu-step off on`: each also with its layers' operators
+called from Python (EngineConfig.cpu_step off) and in one compiled call (on, the default).
 """
 from __future__ import annotations
 
@@ -71,24 +72,26 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
     ap.add_argument("--quants", nargs="+", default=["int8", "int4"], choices=["none", "int8", "int4"])
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--cpu-step", nargs="+", default=["on"], choices=["on", "off"])
     ap.add_argument("--out", type=Path, default=RESULTS / "cpu_profile.json")
     args = ap.parse_args()
     results = {"machine": machine(), "steps": args.steps, "models": {}}
     names = [p for p, _ in PARTS] + ["python between ops"]
     table = Table(title=f"A batch-1 CPU decode step, ms per part ({machine()['isa']}, "
                         f"{torch.get_num_threads()} threads)")
-    for col in ("model", "weights", "step ms", *names, "not matmuls"):
+    for col in ("model", "weights", "one call", "step ms", *names, "not matmuls"):
         table.add_column(col)
     for name in args.models:
         folder = resolve(name, progress=False)
         results["models"][name] = {}
-        for quant in args.quants:
+        for quant, step in [(q, s) for q in args.quants for s in args.cpu_step]:
             engine = LLMEngine(EngineConfig(models={"m": ModelEntry(str(folder), quant=quant)}, device="cpu",
-                                            memory_budget_gb=6.0), progress=False)
-            r = results["models"][name][quant] = profile_steps(engine, args.steps)
+                                            memory_budget_gb=6.0, cpu_step=step == "on"), progress=False)
+            key = quant if args.cpu_step == ["on"] else f"{quant}, cpu_step {step}"
+            r = results["models"][name][key] = profile_steps(engine, args.steps)
             del engine
-            table.add_row(name, quant, f"{r['wall_ms']:.1f}", *[f"{r['parts_ms'].get(p, 0.0):.2f}" for p in names],
-                          f"{r['not_matmul_share']:.0%}")
+            table.add_row(name, quant, step, f"{r['wall_ms']:.1f}",
+                          *[f"{r['parts_ms'].get(p, 0.0):.2f}" for p in names], f"{r['not_matmul_share']:.0%}")
     console.print(table)
     write_results(args.out, results)
 

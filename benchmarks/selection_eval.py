@@ -13,6 +13,12 @@ another without, e.g.
 An arm is LABEL=RUN_FOLDER:MODE. Each pair A/B gives A's F1 as a share of B's, with a bootstrap
 95% interval over the questions, A's dollars as a share of B's, and the paired F1 gain. Prints a
 table and writes benchmarks/results/selection_eval.json and a quality-cost plot beside it.
+
+`--presence` also rebuilds the context each arm's model read (retrieval's rag_context over the
+run's own collection, at its budget, with its selection, counted by the model's tokenizer: the
+pipeline's composition) and asks whether a gold answer is inside it: per arm the share, and F1
+with the answer there and without; per pair, of the questions only B answered right, how many
+A's context missed the answer (retrieval or selection lost it) and how many A misread.
 """
 from __future__ import annotations
 
@@ -26,7 +32,9 @@ from common import RESULTS
 from rich.console import Console
 from rich.table import Table
 
+from evals.datasets import load
 from evals.records import Record, RecordLog
+from evals.runner import COLLECTION, TENANT, RunConfig
 
 console = Console(width=160)
 
@@ -64,10 +72,44 @@ def compare(a: list[Record], b: list[Record], seed: int = 0) -> dict:
             "b_only_correct": int(sum(y.correct and not x.correct for x, y in zip(a, b)))}
 
 
+def presence(folder: Path, mode: str, ids: set[str]) -> dict[str, bool]:
+    """Question id -> whether one of its gold answers is inside the context `mode` read."""
+    import msgspec
+
+    from engine.tokenizer import Tokenizer
+    from models.store import resolve
+    from retrieval import CollectionStore, Embedder, Selector, rag_context
+    config = msgspec.json.decode((folder / "run.json").read_bytes(), type=RunConfig)
+    examples = [e for e in load(config.dataset, [Path(f) for f in config.files], config.n, config.seed, config.split,
+                                config.mix).examples if e.id in ids and e.retrieve]
+    store = CollectionStore(folder / "collections", Embedder())
+    collection = store.collection(TENANT, COLLECTION, create=False)
+    tokenizer = Tokenizer(resolve(config.models[mode], progress=False))
+    selector = Selector(top=config.k) if config.selection else None
+    out = {}
+    for e in examples:
+        context = rag_context(collection, e.question, config.context_budget, tokenizer, config.k, selector=selector)
+        out[e.id] = any(a.strip() in context.messages[0]["content"] for a in e.answers)
+    store.close()
+    return out
+
+
+def presence_split(records: list[Record], there: dict[str, bool]) -> dict:
+    have = [r for r in records if r.id in there]
+    inside = [r for r in have if there[r.id]]
+    missing = [r for r in have if not there[r.id]]
+    f1 = lambda rs: statistics.fmean(r.score for r in rs) if rs else None
+    return {"questions": len(have), "answer_in_context": len(inside) / max(len(have), 1),
+            "f1_answer_in": f1(inside), "f1_answer_out": f1(missing),
+            "wrong_with_answer_in": sum(not r.correct for r in inside)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("arms", nargs="+", metavar="LABEL=RUN_FOLDER:MODE")
     ap.add_argument("--pairs", nargs="*", default=[], metavar="A/B", help="arm labels to compare, A against B")
+    ap.add_argument("--presence", action="store_true",
+                    help="also whether a gold answer is inside the context each arm read (rebuilt, no model)")
     ap.add_argument("--out", type=Path, default=RESULTS / "selection_eval.json")
     args = ap.parse_args()
     records: dict[str, dict[str, Record]] = {}
@@ -86,6 +128,10 @@ def main() -> None:
     common = set.intersection(*(set(r) for r in records.values()))
     order = sorted(common)
     arms = {label: summary([recs[i] for i in order]) for label, recs in records.items()}
+    there = {label: presence(Path(runs[label]["folder"]), runs[label]["mode"], set(order))
+             for label in records} if args.presence else {}
+    for label, p in there.items():
+        arms[label]["presence"] = presence_split([records[label][i] for i in order], p)
     pairs = {}
     for pair in args.pairs:
         a, _, b = pair.partition("/")
@@ -93,6 +139,11 @@ def main() -> None:
             raise SystemExit(f"pair {pair!r}: both must be arm labels ({', '.join(records)})")
         both = sorted(set(records[a]) & set(records[b]))
         pairs[pair] = compare([records[a][i] for i in both], [records[b][i] for i in both])
+        if there:
+            lost = [i for i in both if records[b][i].correct and not records[a][i].correct and i in there[a]]
+            pairs[pair]["only_b_right"] = {"a_context_missed_answer": sum(not there[a][i] for i in lost),
+                                           "a_misread": sum(there[a][i] for i in lost),
+                                           "a_context_missed_ids": [i for i in lost if not there[a][i]]}
 
     table = Table(title=f"Arms on the {len(order)} questions all of them answered")
     for col in ("arm", "F1", "EM", "$ / 1k questions", "prompt tokens", "cached", "engine s / q"):
@@ -101,16 +152,28 @@ def main() -> None:
         table.add_row(label, f"{s['f1']:.3f}", f"{s['em']:.3f}", f"{s['dollars_per_1k']:.4f}",
                       f"{s['prompt_tokens']:.0f}", f"{s['cached_tokens']:.0f}", f"{s['engine_s']:.2f}")
     console.print(table)
+    if there:
+        table = Table(title="Is a gold answer inside the context the arm's model read?")
+        for col in ("arm", "answer in context", "F1 with it", "F1 without", "wrong with it there"):
+            table.add_column(col, justify="right")
+        for label in there:
+            p = arms[label]["presence"]
+            fmt = lambda v: "" if v is None else f"{v:.3f}"
+            table.add_row(label, f"{p['answer_in_context']:.1%}", fmt(p["f1_answer_in"]), fmt(p["f1_answer_out"]),
+                          str(p["wrong_with_answer_in"]))
+        console.print(table)
     if pairs:
         table = Table(title="Pairs, on the questions both answered: A's F1 and dollars as shares of B's")
         for col in ("A / B", "questions", "F1 share (95% bootstrap)", "$ share", "paired F1 gain",
-                    "only A / only B right"):
+                    "only A / only B right", "of those B only: A's context missed / A misread"):
             table.add_column(col, justify="right")
         for pair, c in pairs.items():
+            lost = c.get("only_b_right")
             table.add_row(pair, str(c["questions"]),
                           f"{c['f1_share']:.1%} ({c['f1_share_95'][0]:.1%}-{c['f1_share_95'][1]:.1%})",
                           f"{c['dollar_share']:.1%}", f"{100 * c['f1_gain']:+.1f} ± {100 * c['f1_gain_se']:.1f}",
-                          f"{c['a_only_correct']} / {c['b_only_correct']}")
+                          f"{c['a_only_correct']} / {c['b_only_correct']}",
+                          f"{lost['a_context_missed_answer']} / {lost['a_misread']}" if lost else "")
         console.print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"benchmark": "selection_eval", "common_questions": len(order), "runs": runs,
