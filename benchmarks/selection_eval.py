@@ -23,6 +23,7 @@ A's context missed the answer (retrieval or selection lost it) and how many A mi
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 from pathlib import Path
@@ -72,8 +73,17 @@ def compare(a: list[Record], b: list[Record], seed: int = 0) -> dict:
             "b_only_correct": int(sum(y.correct and not x.correct for x, y in zip(a, b)))}
 
 
-def presence(folder: Path, mode: str, ids: set[str]) -> dict[str, bool]:
+def presence(folder: Path, mode: str, ids: frozenset[str]) -> dict[str, bool]:
     """Question id -> whether one of its gold answers is inside the context `mode` read."""
+    import msgspec
+    config = msgspec.json.decode((folder / "run.json").read_bytes(), type=RunConfig)
+    return _presence(folder, config.models[mode], ids)
+
+
+@functools.cache
+def _presence(folder: Path, model: str, ids: frozenset[str]) -> dict[str, bool]:
+    """presence() by the model that counts tokens: a run's two models read one context when they
+    share a tokenizer, and this is its slow part (a search per question)."""
     import msgspec
 
     from engine.tokenizer import Tokenizer
@@ -84,7 +94,7 @@ def presence(folder: Path, mode: str, ids: set[str]) -> dict[str, bool]:
                                 config.mix).examples if e.id in ids and e.retrieve]
     store = CollectionStore(folder / "collections", Embedder())
     collection = store.collection(TENANT, COLLECTION, create=False)
-    tokenizer = Tokenizer(resolve(config.models[mode], progress=False))
+    tokenizer = Tokenizer(resolve(model, progress=False))
     selector = Selector(top=config.k) if config.selection else None
     out = {}
     for e in examples:
@@ -128,7 +138,7 @@ def main() -> None:
     common = set.intersection(*(set(r) for r in records.values()))
     order = sorted(common)
     arms = {label: summary([recs[i] for i in order]) for label, recs in records.items()}
-    there = {label: presence(Path(runs[label]["folder"]), runs[label]["mode"], set(order))
+    there = {label: presence(Path(runs[label]["folder"]), runs[label]["mode"], frozenset(order))
              for label in records} if args.presence else {}
     for label, p in there.items():
         arms[label]["presence"] = presence_split([records[label][i] for i in order], p)
