@@ -23,7 +23,7 @@ A's context missed the answer (retrieval or selection lost it) and how many A mi
 from __future__ import annotations
 
 import argparse
-import functools
+import hashlib
 import json
 import statistics
 from pathlib import Path
@@ -76,25 +76,29 @@ def compare(a: list[Record], b: list[Record], seed: int = 0) -> dict:
 def presence(folder: Path, mode: str, ids: frozenset[str]) -> dict[str, bool]:
     """Question id -> whether one of its gold answers is inside the context `mode` read."""
     import msgspec
-    config = msgspec.json.decode((folder / "run.json").read_bytes(), type=RunConfig)
-    return _presence(folder, config.models[mode], ids)
 
-
-@functools.cache
-def _presence(folder: Path, model: str, ids: frozenset[str]) -> dict[str, bool]:
-    """presence() by the model that counts tokens: a run's two models read one context when they
-    share a tokenizer, and this is its slow part (a search per question)."""
-    import msgspec
-
-    from engine.tokenizer import Tokenizer
     from models.store import resolve
-    from retrieval import CollectionStore, Embedder, Selector, rag_context
     config = msgspec.json.decode((folder / "run.json").read_bytes(), type=RunConfig)
+    model = resolve(config.models[mode], progress=False)
+    # Once per run and tokenizer: a run's two models read one context when they share a
+    # tokenizer, and this is the slow part (a search per question).
+    key = (folder, hashlib.sha256((model / "tokenizer.json").read_bytes()).hexdigest(), ids)
+    if key not in _PRESENCE:
+        _PRESENCE[key] = _presence(folder, config, model, ids)
+    return _PRESENCE[key]
+
+
+_PRESENCE: dict[tuple, dict[str, bool]] = {}
+
+
+def _presence(folder: Path, config: RunConfig, model: Path, ids: frozenset[str]) -> dict[str, bool]:
+    from engine.tokenizer import Tokenizer
+    from retrieval import CollectionStore, Embedder, Selector, rag_context
     examples = [e for e in load(config.dataset, [Path(f) for f in config.files], config.n, config.seed, config.split,
                                 config.mix).examples if e.id in ids and e.retrieve]
     store = CollectionStore(folder / "collections", Embedder())
     collection = store.collection(TENANT, COLLECTION, create=False)
-    tokenizer = Tokenizer(resolve(model, progress=False))
+    tokenizer = Tokenizer(model)
     selector = Selector(top=config.k) if config.selection else None
     out = {}
     for e in examples:
