@@ -1,9 +1,9 @@
 """A decode step's decoder layers as one compiled call on the CPU: the CPU's counterpart of a
 CUDA graph. At batch 1 the weights stream in tens of milliseconds, and Python between a
-layer's dozen operators added 13-17% of a step (benchmarks/cpu_profile.py); here C++ calls
-the same operators (layer_cpu.py's and quant_matmul_cpu.py's, through torch's dispatcher, a
-microsecond each) in the same order on the same tensors, so the result is the Python path's to
-the bit: its reference twin is engine/model.py's CausalLM.forward (tests/test_cpu_step.py).
+layer's dozen operators added 11-19% of a step (benchmarks/cpu_profile.py); here C++ calls
+the same operators (layer_cpu.py's and quant_matmul_cpu.py's, through torch's dispatcher) in
+the same order on the same tensors, so the result is the Python path's to the bit: its
+reference twin is engine/model.py's CausalLM.forward (tests/test_cpu_step.py).
 
 `Decoder` (torch.classes.sluice.Decoder) is built once per model from its modules
 (engine/cpu_step.py): per layer two norms and four projections (q|k|v, o, gate|up, down), each
