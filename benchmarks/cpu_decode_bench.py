@@ -160,7 +160,7 @@ def main() -> None:
             entry = ModelEntry(str(folder), quant=quant.removesuffix("-dot"), dot_rows=int(quant.endswith("-dot")))
             engine = LLMEngine(EngineConfig(models={"m": entry}, device="cpu",
                                             max_num_seqs=max(args.batches), num_threads=args.threads,
-                                            memory_budget_gb=6.0, cpu_kernels=compiled != "off",
+                                            memory_budget_gb=3.0, cpu_kernels=compiled != "off",
                                             cpu_step=compiled == "step"), progress=False)
             sluice_bytes = weight_bytes(engine.worker("m").model, per_token=True)
             sluice_decode(engine, 1, 4, rng)                        # warm-up

@@ -205,6 +205,33 @@ def test_compiled_cpu_integer_kernels_equal_their_twins(M, K, N):
               quant_matmul.int4_int8_matmul(x, q, s, z, group))
 
 
+def test_prefetching_weights_changes_no_result():
+    """The compiled kernels' software prefetch (set_prefetch, 0: none) is a hint to the cache:
+    the same outputs to the bit at every distance, a 1-row decode and an 8-row block alike."""
+    from kernels import quant_matmul_cpu
+    ops = quant_matmul_cpu.load()
+    if ops is None:
+        pytest.skip("the CPU integer kernels cannot be built here (no AVX2, C++ compiler or ninja)")
+    g = torch.Generator().manual_seed(1)
+    w8 = torch.randint(-127, 128, (300, 1536), dtype=torch.int8, generator=g)
+    w4 = torch.randint(0, 256, (300, 768), dtype=torch.uint8, generator=g)
+    s8, s4, zs = torch.rand(300, generator=g), torch.rand(300, 12, generator=g), torch.rand(300, 12, generator=g)
+    was = ops.set_prefetch(0)
+    try:
+        for rows in (1, 8):
+            x = torch.randn(rows, 1536, generator=g)
+            outs = []
+            for ahead in (0, 64, 2048, 1 << 20):       # the last far past every buffer's end
+                ops.set_prefetch(ahead)
+                outs.append((ops.int8_linear(x, w8, s8, 128), ops.int4_linear(x, w4, s4, zs, 128)))
+            for got in outs[1:]:
+                assert torch.equal(got[0], outs[0][0]) and torch.equal(got[1], outs[0][1])
+        with pytest.raises(RuntimeError, match="bytes must be >= 0"):
+            ops.set_prefetch(-1)
+    finally:
+        ops.set_prefetch(was)
+
+
 def test_compiled_cpu_activation_rounding_equals_its_twin():
     """The compiled kernel rounds the activations as quantize_rows does, to the bit: a weight of
     one 1 in each block reads back each block's first value, rounded."""
