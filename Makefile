@@ -78,26 +78,32 @@ ROUTER_SMALL ?= 420
 ROUTER_NARROW ?= 300
 ROUTER_GSM8K ?= 300
 ROUTER_THINK ?= 300
-ROUTER_RUN := $(EVALS)/train-squad
-ROUTER_RUN_256 := $(EVALS)/train-squad-256
+# ROUTER_SELECTION=1: the SQuAD runs read passage selection's contexts (a tenant's
+# passage_selection), in their own run folders and proxy files (-sel), for tenants that turn it on.
+ROUTER_SELECTION ?= 0
+SEL := $(if $(filter 1,$(ROUTER_SELECTION)),-sel)
+ROUTER_RUN := $(EVALS)/train-squad$(SEL)
+ROUTER_RUN_256 := $(EVALS)/train-squad-256$(SEL)
 ROUTER_RUN_GSM8K := $(EVALS)/train-gsm8k
 GSM8K_TRAIN := gsm8k -n 300 --split train --quant int8 --concurrency 32
 ROUTER := artifacts/router/router.joblib
-PROXY_SCORES := artifacts/router/proxy.jsonl
-PROXY_SCORES_256 := artifacts/router/proxy-large-256.jsonl
+PROXY_SCORES := artifacts/router/proxy$(SEL).jsonl
+PROXY_SCORES_256 := artifacts/router/proxy-large-256$(SEL).jsonl
+SQUAD_TRAIN := squad -n $(ROUTER_N) --split train --quant int8$(if $(SEL), --selection)
 THRESHOLDS := docs/router/proxy-agreement.json
 CONTEXT_CURVE := docs/context-budget/context.json
 router: $(VENV)/.installed
-	$(SLUICE) eval run squad -n $(ROUTER_N) --split train --quant int8 --context-budget 512 \
+	$(SLUICE) eval run $(SQUAD_TRAIN) --context-budget 512 \
 		--modes $(if $(filter 0,$(ROUTER_GEN)),,small large --limit $(ROUTER_GEN)) --out $(ROUTER_RUN)
-	$(if $(filter 0,$(ROUTER_SMALL)),,$(SLUICE) eval run squad -n $(ROUTER_N) --split train --quant int8 \
+	$(if $(filter 0,$(ROUTER_SMALL)),,$(SLUICE) eval run $(SQUAD_TRAIN) \
 		--context-budget 512 --modes small --limit $(ROUTER_SMALL) --out $(ROUTER_RUN))
-	test -s $(ROUTER_RUN)/proxy.jsonl || cp $(PROXY_SCORES) $(ROUTER_RUN)/proxy.jsonl
+	test -s $(ROUTER_RUN)/proxy.jsonl || test ! -s $(PROXY_SCORES) || cp $(PROXY_SCORES) $(ROUTER_RUN)/proxy.jsonl
 	$(SLUICE) eval proxy $(ROUTER_RUN) $(if $(PROXY_LIMIT),--limit $(PROXY_LIMIT))
 	cp $(ROUTER_RUN)/proxy.jsonl $(PROXY_SCORES)
-	$(SLUICE) eval run squad -n $(ROUTER_N) --split train --quant int8 --context-budget 256 \
+	$(SLUICE) eval run $(SQUAD_TRAIN) --context-budget 256 \
 		--modes $(if $(filter 0,$(ROUTER_NARROW)),,large --limit $(ROUTER_NARROW)) --out $(ROUTER_RUN_256)
-	test -s $(ROUTER_RUN_256)/proxy.jsonl || cp $(PROXY_SCORES_256) $(ROUTER_RUN_256)/proxy.jsonl
+	test -s $(ROUTER_RUN_256)/proxy.jsonl || test ! -s $(PROXY_SCORES_256) || \
+		cp $(PROXY_SCORES_256) $(ROUTER_RUN_256)/proxy.jsonl
 	$(SLUICE) eval proxy $(ROUTER_RUN_256) --models large $(if $(PROXY_LIMIT),--limit $(PROXY_LIMIT))
 	cp $(ROUTER_RUN_256)/proxy.jsonl $(PROXY_SCORES_256)
 	$(SLUICE) eval labels $(ROUTER_RUN) --proxy $(if $(filter 0,$(ROUTER_GEN)),$(THRESHOLDS),$(ROUTER_RUN)) \
@@ -110,7 +116,7 @@ router: $(VENV)/.installed
 	$(SLUICE) eval labels $(ROUTER_RUN_GSM8K) --arms $(ROUTER_RUN_GSM8K)-think256 $(ROUTER_RUN_GSM8K)-think1024
 	$(SLUICE) train-router $(ROUTER_RUN) $(ROUTER_RUN_GSM8K) $(if $(wildcard $(CONTEXT_CURVE)),--context-curve $(CONTEXT_CURVE)) \
 		--out $(ROUTER) --rebuild "make router ROUTER_N=$(ROUTER_N) ROUTER_GEN=$(ROUTER_GEN) ROUTER_SMALL=$(ROUTER_SMALL) \
-	ROUTER_NARROW=$(ROUTER_NARROW) ROUTER_GSM8K=$(ROUTER_GSM8K) ROUTER_THINK=$(ROUTER_THINK)$(if $(PROXY_LIMIT), PROXY_LIMIT=$(PROXY_LIMIT))"
+	ROUTER_NARROW=$(ROUTER_NARROW) ROUTER_GSM8K=$(ROUTER_GSM8K) ROUTER_THINK=$(ROUTER_THINK)$(if $(SEL), ROUTER_SELECTION=1)$(if $(PROXY_LIMIT), PROXY_LIMIT=$(PROXY_LIMIT))"
 
 # Quality by context budget per model (docs/context-budget/): 40 SQuAD questions of the train
 # half at 256 to 2,048 prompt tokens; the chosen budgets go to the router's arms.
