@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -41,22 +40,6 @@ from router.model import RouterModel
 from router.policy import Route
 
 log = logging.getLogger("sluice.gateway")
-CITE = re.compile(r"\[(\d+)\]")
-WORD = re.compile(r"\w+")
-
-
-def cited_passages(answer: str, passages) -> list[int]:
-    """The passage numbers the answer cites ([n]). Small models often quote a passage without
-    citing it: then the one passage holding the most of the answer's words, if at least half,
-    so the answer still points at where it came from."""
-    numbers = {p.number for p in passages}
-    cited = sorted({int(n) for n in CITE.findall(answer)} & numbers)
-    words = set(WORD.findall(answer.lower()))
-    if cited or not words:
-        return cited
-    share = {p.number: len(words & set(WORD.findall(p.hit.chunk.text.lower()))) / len(words) for p in passages}
-    best = max(sorted(share), key=share.get, default=None)
-    return [best] if best is not None and share[best] >= 0.5 else []
 
 
 @contextmanager
@@ -379,7 +362,7 @@ class Gateway:
         m.retrieval.observe(job.retrieval_s)
         if p.first_token:
             m.ttft.observe(p.first_token - job.start, model)
-        cited = cited_passages(text, job.plan.context.citations)
+        cited = job.plan.context.cited(text)
         returned = s.Usage(*calls[-1][1:]) if calls else s.Usage(0, 0, 0, 0)
         return Done(job.plan.request_id, text, s.Usage(prompt, cached, produced, thinking), returned, spent, timings,
                     finish, cited)

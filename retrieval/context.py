@@ -4,13 +4,16 @@ question (or of a chat conversation). The gateway serves with it and evals measu
 so an offline score is the score of what the service would have answered."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Sequence
 
 from .prompt import build_prompt
-from .select import Selector
+from .select import Selector, words
 from .trim import TrimResult, trim
 from .types import Chunk, RetrievalError, SearchHit, TokenCounter
+
+CITE = re.compile(r"\[(\d+)\]")
 
 
 class OverBudget(RetrievalError):
@@ -33,6 +36,18 @@ class RagContext:
     citations: list[Passage]         # passages in the prompt, by number
     hits: list[SearchHit]            # everything the search returned, by rank
     trimmed: TrimResult              # with no collection: no chunks, the question's own tokens
+
+    def cited(self, answer: str) -> list[int]:
+        """The passage numbers the answer cites ([n], as the prompt asks). Small models often
+        quote a passage without citing it: then the one passage holding the most of the answer's
+        words, if at least half, so the answer still points at where it came from."""
+        cited = sorted({int(n) for n in CITE.findall(answer)} & {p.number for p in self.citations})
+        said = set(words(answer))
+        if cited or not said:
+            return cited
+        share = {p.number: len(said & set(words(p.hit.chunk.text))) / len(said) for p in self.citations}
+        best = max(sorted(share), key=share.get, default=None)
+        return [best] if best is not None and share[best] >= 0.5 else []
 
 
 def rag_context(collection, question: str, budget: int, tokenizer: TokenCounter, k: int,

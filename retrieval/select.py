@@ -70,7 +70,7 @@ class Selector:
         if not sentences:
             return kept
         texts = [chunks[i].text[a:b] for i, a, b in sentences]
-        scores = _standard(_bm25(_words(question), [_words(t) for t in texts]))
+        scores = _standard(_bm25(words(question), [words(t) for t in texts]))
         scores += PRIOR * np.array([chosen_from[i].score for i, _, _ in sentences], np.float32)
         scores += NEIGHBOUR * _better_neighbour([i for i, _, _ in sentences], scores)
         pieces, order = self._pieces(question, sentences, chunks, scores)
@@ -99,8 +99,8 @@ class Selector:
         pieces = [Piece(i, s, a, b) for s, (i, a, b) in enumerate(sentences)]
         if self.grain == "clause":
             pieces = [Piece(p.chunk, p.sentence, a, b) for p in pieces for a, b in _clauses(chunks[p.chunk].text, p)]
-        asked = set(_words(question))
-        held = np.array([len(asked & set(_words(chunks[p.chunk].text[p.start:p.end]))) for p in pieces], np.float32)
+        asked = set(words(question))
+        held = np.array([len(asked & set(words(chunks[p.chunk].text[p.start:p.end]))) for p in pieces], np.float32)
         of = np.array([p.sentence for p in pieces])
         most = np.zeros(len(sentences), np.float32)
         np.maximum.at(most, of, held)
@@ -149,7 +149,7 @@ def _cut(chunk: Chunk, pieces: list[Piece]) -> Chunk:
     return Chunk(chunk.doc_id, chunk.position, GAP.join(text[a:b] for a, b in runs), chunk.title, chunk.metadata)
 
 
-def _words(text: str) -> list[str]:
+def words(text: str) -> list[str]:
     """Lower-cased words, plural and tense endings cut so that "sacks" meets "sack" and "passed" "pass"."""
     return [re.sub(r"(?<=\w{3})(ing|ed|es|s)$", "", w) if len(w) > 4 else w for w in re.findall(r"\w+", text.lower())]
 

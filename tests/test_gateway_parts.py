@@ -1,6 +1,5 @@
 """The gateway's parts on their own: the ledger (group commit, crash safety), token buckets,
-the bounded queue, the Prometheus text, how msgspec errors are explained, and which passages an
-answer cites."""
+the bounded queue, the Prometheus text, and how msgspec errors are explained."""
 from __future__ import annotations
 
 import asyncio
@@ -14,12 +13,10 @@ import pytest
 
 from gateway.errors import GatewayError, explain
 from gateway.metrics import Counter, Histogram, Registry
-from gateway.service import cited_passages
 from gateway.usage import limits
 from gateway.usage.ledger import Ledger
 from gateway.usage.limits import Admission, TokenBucket
 from gateway.usage.rows import UsageRow
-from retrieval import Chunk, Passage, SearchHit
 from tests.services import ledger_at  # noqa: F401
 
 
@@ -179,13 +176,3 @@ def test_msgspec_errors_are_explained_by_field(data, field, message):
         msgspec.convert(data, Outer)
     assert explain(e.value) == (field, message)
 
-
-def test_cited_passages_by_number_else_by_the_words_quoted():
-    texts = ["Deadlines: a request past its deadline gets a 504.",
-             "Disconnects: a client that goes away cancels its generation; the engine frees its KV blocks."]
-    passages = [Passage(i + 1, SearchHit(Chunk("gateway.md", i, t), 1.0)) for i, t in enumerate(texts)]
-    assert cited_passages("It gets a 504 [1], see [7].", passages) == [1]       # [7] is no passage
-    # No number: the passage that holds most of the answer's words, at least half of them.
-    assert cited_passages("The client cancels its generation and the engine frees its KV blocks.", passages) == [2]
-    assert cited_passages("I do not know.", passages) == []
-    assert cited_passages("anything", []) == []

@@ -4,8 +4,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from retrieval import Chunk, RetrievalError, SearchHit, Selector, build_prompt, rag_context, trim
+from retrieval import Chunk, Passage, RagContext, RetrievalError, SearchHit, Selector, build_prompt, rag_context, trim
 from retrieval.select import GAP
+from retrieval.trim import TrimResult
 from tests.test_retrieval_trim import MINILM, TOKENIZERS, Words, prompt_tokens
 
 
@@ -135,3 +136,15 @@ def test_budget_is_never_exceeded_and_pieces_keep_their_chunk(hits, budget, toke
         assert (c.doc_id, c.position, c.title) == (whole.doc_id, whole.position, whole.title)
         assert in_document_order(c.text.split(GAP), whole.text)
     assert [p.hit.chunk.id for p in ctx.citations] == [c.id for c in ctx.trimmed.chunks]
+
+
+def test_an_answer_cites_by_number_else_the_passage_it_quotes():
+    texts = ["Deadlines: a request past its deadline gets a 504.",
+             "Disconnects: a client that goes away cancels its generation; the engine frees its KV blocks."]
+    passages = [Passage(i + 1, SearchHit(Chunk("gateway.md", i, t), 1.0)) for i, t in enumerate(texts)]
+    ctx = RagContext([], passages, [], TrimResult([], [], 0, 0))
+    assert ctx.cited("It gets a 504 [1], see [7].") == [1]       # [7] is no passage
+    # No number: the passage that holds most of the answer's words, at least half of them.
+    assert ctx.cited("The client cancels its generation and the engine frees its KV blocks.") == [2]
+    assert ctx.cited("I do not know.") == []
+    assert RagContext([], [], [], ctx.trimmed).cited("anything") == []
