@@ -2,10 +2,10 @@
 
 Corpus: the 913 paragraphs, one document each. For every question the target is its own
 paragraph: recall@k is the share of questions with a chunk of that paragraph among the top k.
-Then the top 10 hits are trimmed to 128, 256, 512 and 1,024 tokens of the Qwen2.5 tokenizer
+Then the top 10 hits are trimmed to 128, 192, 224, 256, 512 and 1,024 tokens of the Qwen2.5 tokenizer
 (instructions, passages and question together), and we count how often a gold answer is
 still in the prompt: whole chunks, as rag_context trims them without a selector, and each
-selection (retrieval/select.py) at 128, 256 and 512 tokens, with the time from the hits to the
+selection (retrieval/select.py) at 128 to 512 tokens, with the time from the hits to the
 trimmed context (selection plus trim; the search that all share is left out).
 
     python benchmarks/retrieval_recall.py [--data DIR] [--tokenizer DIR] [--limit N]
@@ -34,7 +34,10 @@ from retrieval import CollectionStore, Document, Embedder, Selector, build_promp
 SEARCHES = ("dense", "bm25", "hybrid")
 RECALL_AT = (1, 3, 5)
 WHOLE = "whole chunks"
-BUDGETS = {WHOLE: (128, 256, 512, 1024), "clauses": (128, 256, 512), "sentences": (128, 256, 512)}
+# 192 and 224 between the narrow arm's 256 and 128: where a selected context's dollars fall to the
+# narrow arm's target (selection fills its budget, whole chunks stop short of it).
+SELECTED_BUDGETS = (128, 192, 224, 256, 512)
+BUDGETS = {WHOLE: SELECTED_BUDGETS + (1024,), "clauses": SELECTED_BUDGETS, "sentences": SELECTED_BUDGETS}
 SELECTORS = {WHOLE: None, "clauses": Selector(grain="clause"), "sentences": Selector(grain="sentence")}
 TRIM_FROM = 10  # hits handed to trimming
 

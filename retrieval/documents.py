@@ -206,6 +206,8 @@ def _units(text: str, count, size: int) -> list[_Unit]:
     for para in _PARAGRAPH.finditer(text):
         a, b = para.span()
         items = {m.start() for m in _LIST_ITEM.finditer(text, a, b)}
+        # One marker alone is prose that wrapped at a number ("\n4) was discovered"), not a list.
+        items = items if len(items) > 1 else set()
         for c in sorted({m.end() for m in _SENTENCE_END.finditer(text, a, b)} | items | {b}):
             if c > a:
                 units += [_Unit(x, y, count(x, y), False) for x, y in _fit(text, a, c, count, size)]

@@ -114,6 +114,15 @@ def test_list_items_end_paragraphs():
         assert all(t.rstrip().endswith(".") for t in texts)
 
 
+def test_one_numbered_line_is_not_a_list():
+    # A sentence that wrapped at "4)" (SQuAD has one) stays one unit: cut there, the chunk would
+    # end after "named" (a paragraph end at least half full) and the next open mid-sentence.
+    wrapped = "The element named\n4) was found late in the year."
+    text = " ".join([sentence(0), sentence(1), wrapped] + [sentence(i) for i in range(2, 6)])
+    texts = [c.text for c in chunk(Document("d", text), Words(), size=30, overlap=0)]
+    assert texts[0] == " ".join([sentence(0), sentence(1), wrapped, sentence(2)])
+
+
 def test_sentence_longer_than_a_chunk_is_split_at_words():
     doc = Document("d", " ".join(f"word{i}" for i in range(50)) + ".")
     chunks = chunk(doc, Words(), size=20, overlap=5)
