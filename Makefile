@@ -57,8 +57,8 @@ soak: $(VENV)/.installed
 # N, a later run goes on). Proxy scores are committed as they accumulate ($(PROXY_SCORES): ids
 # and numbers, no dataset text), so a fresh machine goes on from them instead of starting over.
 # ROUTER_GEN=0 generates nothing and labels at the thresholds kept in $(THRESHOLDS). The arm
-# large@256 (the large model on one passage) is labelled by the large model's proxy scores at a
-# 256-token context budget ($(PROXY_SCORES_256), committed the same way); its answers are
+# large@256 (the large model on one passage; ROUTER_NARROW_BUDGET) is labelled by the large model's
+# proxy scores at that context budget ($(PROXY_SCORES_NARROW), committed the same way); its answers are
 # generated for the first $(ROUTER_NARROW) questions (about 5 s each), for the confidence model
 # that asks an unsure one again with the whole context (widening). The thinking arms
 # (large+think256, large+think1024) are labelled on GSM8K problems of the train half: both
@@ -81,42 +81,63 @@ ROUTER_THINK ?= 300
 # ROUTER_SELECTION=1: the SQuAD runs read passage selection's contexts (a tenant's
 # passage_selection), in their own run folders and proxy files (-sel), for tenants that turn it on.
 ROUTER_SELECTION ?= 0
+# The narrow arm's context budget (large@256): selected clauses keep as many answers in fewer
+# tokens than whole chunks (docs/retrieval.md), so a selected narrow arm may read fewer.
+ROUTER_NARROW_BUDGET ?= 256
 SEL := $(if $(filter 1,$(ROUTER_SELECTION)),-sel)
 ROUTER_RUN := $(EVALS)/train-squad$(SEL)
-ROUTER_RUN_256 := $(EVALS)/train-squad-256$(SEL)
+ROUTER_RUN_NARROW := $(EVALS)/train-squad-$(ROUTER_NARROW_BUDGET)$(SEL)
 ROUTER_RUN_GSM8K := $(EVALS)/train-gsm8k
 GSM8K_TRAIN := gsm8k -n 300 --split train --quant int8 --concurrency 32
 ROUTER := artifacts/router/router.joblib
 PROXY_SCORES := artifacts/router/proxy$(SEL).jsonl
-PROXY_SCORES_256 := artifacts/router/proxy-large-256$(SEL).jsonl
+PROXY_SCORES_NARROW := artifacts/router/proxy-large-$(ROUTER_NARROW_BUDGET)$(SEL).jsonl
 SQUAD_TRAIN := squad -n $(ROUTER_N) --split train --quant int8$(if $(SEL), --selection)
 THRESHOLDS := docs/router/proxy-agreement.json
 CONTEXT_CURVE := docs/context-budget/context.json
+# The runs' answers are committed as they accumulate too, packed (artifacts/evals/RUN: settings
+# and records, no dataset text; `sluice eval pack`), and a machine without a run folder makes it
+# again from them before answering more; a run stopped midway is packed by hand, as
+# `sluice eval pack .cache/evals/RUN artifacts/evals/RUN`.
+PACKED := artifacts/evals
+unpacked = test -s $(1)/records.jsonl || test ! -d $(PACKED)/$(notdir $(1)) || \
+	$(SLUICE) eval unpack $(PACKED)/$(notdir $(1)) $(1)
+packed = $(SLUICE) eval pack $(1) $(PACKED)/$(notdir $(1))
 router: $(VENV)/.installed
+	$(call unpacked,$(ROUTER_RUN))
 	$(SLUICE) eval run $(SQUAD_TRAIN) --context-budget 512 \
 		--modes $(if $(filter 0,$(ROUTER_GEN)),,small large --limit $(ROUTER_GEN)) --out $(ROUTER_RUN)
 	$(if $(filter 0,$(ROUTER_SMALL)),,$(SLUICE) eval run $(SQUAD_TRAIN) \
 		--context-budget 512 --modes small --limit $(ROUTER_SMALL) --out $(ROUTER_RUN))
+	$(call packed,$(ROUTER_RUN))
 	test -s $(ROUTER_RUN)/proxy.jsonl || test ! -s $(PROXY_SCORES) || cp $(PROXY_SCORES) $(ROUTER_RUN)/proxy.jsonl
 	$(SLUICE) eval proxy $(ROUTER_RUN) $(if $(PROXY_LIMIT),--limit $(PROXY_LIMIT))
 	cp $(ROUTER_RUN)/proxy.jsonl $(PROXY_SCORES)
-	$(SLUICE) eval run $(SQUAD_TRAIN) --context-budget 256 \
-		--modes $(if $(filter 0,$(ROUTER_NARROW)),,large --limit $(ROUTER_NARROW)) --out $(ROUTER_RUN_256)
-	test -s $(ROUTER_RUN_256)/proxy.jsonl || test ! -s $(PROXY_SCORES_256) || \
-		cp $(PROXY_SCORES_256) $(ROUTER_RUN_256)/proxy.jsonl
-	$(SLUICE) eval proxy $(ROUTER_RUN_256) --models large $(if $(PROXY_LIMIT),--limit $(PROXY_LIMIT))
-	cp $(ROUTER_RUN_256)/proxy.jsonl $(PROXY_SCORES_256)
+	$(call unpacked,$(ROUTER_RUN_NARROW))
+	$(SLUICE) eval run $(SQUAD_TRAIN) --context-budget $(ROUTER_NARROW_BUDGET) \
+		--modes $(if $(filter 0,$(ROUTER_NARROW)),,large --limit $(ROUTER_NARROW)) --out $(ROUTER_RUN_NARROW)
+	$(call packed,$(ROUTER_RUN_NARROW))
+	test -s $(ROUTER_RUN_NARROW)/proxy.jsonl || test ! -s $(PROXY_SCORES_NARROW) || \
+		cp $(PROXY_SCORES_NARROW) $(ROUTER_RUN_NARROW)/proxy.jsonl
+	$(SLUICE) eval proxy $(ROUTER_RUN_NARROW) --models large $(if $(PROXY_LIMIT),--limit $(PROXY_LIMIT))
+	cp $(ROUTER_RUN_NARROW)/proxy.jsonl $(PROXY_SCORES_NARROW)
 	$(SLUICE) eval labels $(ROUTER_RUN) --proxy $(if $(filter 0,$(ROUTER_GEN)),$(THRESHOLDS),$(ROUTER_RUN)) \
-		--arms $(ROUTER_RUN_256)
+		--arms $(ROUTER_RUN_NARROW)
+	$(call unpacked,$(ROUTER_RUN_GSM8K))
 	$(SLUICE) eval run $(GSM8K_TRAIN) --modes small large --limit $(ROUTER_GSM8K) --out $(ROUTER_RUN_GSM8K)
+	$(call packed,$(ROUTER_RUN_GSM8K))
+	$(call unpacked,$(ROUTER_RUN_GSM8K)-think1024)
 	$(SLUICE) eval run $(GSM8K_TRAIN) --modes large --thinking-budget 1024 --limit $(ROUTER_THINK) \
 		--out $(ROUTER_RUN_GSM8K)-think1024
+	$(call packed,$(ROUTER_RUN_GSM8K)-think1024)
+	$(call unpacked,$(ROUTER_RUN_GSM8K)-think256)
 	$(SLUICE) eval run $(GSM8K_TRAIN) --modes large --thinking-budget 256 --limit $(ROUTER_THINK) \
 		--reuse $(ROUTER_RUN_GSM8K)-think1024 --out $(ROUTER_RUN_GSM8K)-think256
+	$(call packed,$(ROUTER_RUN_GSM8K)-think256)
 	$(SLUICE) eval labels $(ROUTER_RUN_GSM8K) --arms $(ROUTER_RUN_GSM8K)-think256 $(ROUTER_RUN_GSM8K)-think1024
 	$(SLUICE) train-router $(ROUTER_RUN) $(ROUTER_RUN_GSM8K) $(if $(wildcard $(CONTEXT_CURVE)),--context-curve $(CONTEXT_CURVE)) \
 		--out $(ROUTER) --rebuild "make router ROUTER_N=$(ROUTER_N) ROUTER_GEN=$(ROUTER_GEN) ROUTER_SMALL=$(ROUTER_SMALL) \
-	ROUTER_NARROW=$(ROUTER_NARROW) ROUTER_GSM8K=$(ROUTER_GSM8K) ROUTER_THINK=$(ROUTER_THINK)$(if $(SEL), ROUTER_SELECTION=1)$(if $(PROXY_LIMIT), PROXY_LIMIT=$(PROXY_LIMIT))"
+	ROUTER_NARROW=$(ROUTER_NARROW) ROUTER_GSM8K=$(ROUTER_GSM8K) ROUTER_THINK=$(ROUTER_THINK)$(if $(SEL), ROUTER_SELECTION=1)$(if $(filter-out 256,$(ROUTER_NARROW_BUDGET)), ROUTER_NARROW_BUDGET=$(ROUTER_NARROW_BUDGET))$(if $(PROXY_LIMIT), PROXY_LIMIT=$(PROXY_LIMIT))"
 
 # Quality by context budget per model (docs/context-budget/): 40 SQuAD questions of the train
 # half at 256 to 2,048 prompt tokens; the chosen budgets go to the router's arms.

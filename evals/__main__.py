@@ -28,6 +28,7 @@ from evals.lab.contexts import write_context_curve
 from evals.lab.heldout import HELDOUT_FILE, write_heldout
 from evals.lab.labels import LABELS_FILE, write_labels
 from evals.lab.proxy import PROXY_FILE, PROXY_REPORT, agreement, read_thresholds, score_run
+from evals.pack import pack, unpack
 from evals.report import write_report
 from evals.runner import (
     DEFAULT_CONTEXT_BUDGET,
@@ -199,6 +200,16 @@ def build_parser(prog: str = "python -m evals") -> argparse.ArgumentParser:
                                                  "with `labels RUN --proxy TRAIN_RUN`)")
     p.add_argument("--router", required=True, metavar="FILE")
     p.set_defaults(run=cmd_heldout)
+
+    p = sub.add_parser("pack", help="a run's settings and records without the dataset's text (questions), to commit, "
+                                    "so the run goes on elsewhere after `unpack` (evals/pack.py)")
+    p.add_argument("folder", metavar="RUN")
+    p.add_argument("out", metavar="DIR")
+    p.set_defaults(run=cmd_pack)
+    p = sub.add_parser("unpack", help="make a run folder from a packed run, its questions read back from the data")
+    p.add_argument("packed", metavar="DIR")
+    p.add_argument("folder", metavar="RUN", help="a new run folder (refused where one holds records)")
+    p.set_defaults(run=cmd_pack)
     return parser
 
 
@@ -301,6 +312,14 @@ def cmd_proxy(args) -> int:
         print(f"| {a.model} | {a.questions} | {a.threshold:.3f} | {a.agreement:.3f} | {a.base_rate:.3f} "
               f"| {a.kappa:.3f} |")
     print(f"{len(scores)} proxy scores: {folder / PROXY_FILE}; agreement: {folder / PROXY_REPORT}", file=sys.stderr)
+    return 0
+
+
+def cmd_pack(args) -> int:
+    if args.command == "pack":
+        print(f"{pack(Path(args.folder), Path(args.out))} records packed: {args.out}")
+    else:
+        print(f"{unpack(Path(args.packed), Path(args.folder))} records unpacked: {args.folder}")
     return 0
 
 

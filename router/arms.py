@@ -6,8 +6,8 @@ whose chance is within the tenant's margin of the best one's.
 
 Arm names say what they are: `small`, `large`, `large+think256`, and `large@256` for an arm
 that carries a context budget of its own (256 tokens) instead of its model's from the context
-curve; evals name the labels of a run's answers the same way (`arm_name`), so a label file can
-hold arms from several runs.
+curve: a narrow arm, offered at whatever budget its labelling run read. Evals name the labels
+of a run's answers the same way (`arm_name`), so a label file can hold arms from several runs.
 
 Each arm has a classifier per kind of question its labels cover: answered from retrieved
 passages (SQuAD) or closed-book (GSM8K, where the thinking arms were labelled), and is offered
@@ -32,9 +32,8 @@ from router.data import Label, RouterError
 from router.features import RETRIEVED, feature_vector
 
 NAME = re.compile(r"(?P<model>[a-z0-9_.-]+?)(?:\+think(?P<thinking>\d+))?(?:@(?P<context>\d+))?")
-# The arms a trained router may offer; a router trains those its labels cover. The large model
-# on one passage (256 tokens) kept 92% of its F1 at half its dollars on the context curve.
-ARM_NAMES = ("small", "large@256", "large", "large+think256", "large+think1024")
+# The arms a trained router may offer besides narrow ones; a router trains those its labels cover.
+ARM_NAMES = ("small", "large", "large+think256", "large+think1024")
 # Output tokens an arm is assumed to spend when no label says (a proxy label generates nothing).
 DEFAULT_OUTPUT_TOKENS = 48
 MIN_LABELS = 8
@@ -59,6 +58,16 @@ def parse_arm(name: str, context_budget: int | None = None) -> Arm:
     if m is None:
         raise RouterError(f"arm {name!r}: expected MODEL, MODEL+thinkN or either with @TOKENS, e.g. large+think256")
     return Arm(name, m["model"], int(m["thinking"] or 0), int(m["context"]) if m["context"] else context_budget)
+
+
+def offered(labels: list[Label]) -> list[str]:
+    """ARM_NAMES and the narrow arms the labels hold, the narrow ones after `small` (cheapest
+    first, as a tie in the policy's cost goes to the earlier arm). The large model on one
+    passage (256 tokens of whole chunks) kept 92% of its F1 at half its dollars on the context
+    curve; on selected clauses a narrower budget does as well (docs/retrieval.md)."""
+    narrow = sorted({n for l in labels for n in l.arms if parse_arm(n).context_budget is not None},
+                    key=lambda n: (parse_arm(n).model, parse_arm(n).context_budget))
+    return [ARM_NAMES[0], *narrow, *ARM_NAMES[1:]]
 
 
 def retrieved(scores: list[float]) -> bool:
@@ -181,7 +190,7 @@ def arm_tokens(outcomes: dict[str, list]) -> dict[str, tuple[float, float]]:
 
 def train_arms(labels: list[Label], embeddings: np.ndarray, seed: int = 0,
                test_size: float = 0.25) -> tuple[ArmModel | None, ArmReport]:
-    """One classifier per arm (of ARM_NAMES) and kind of question that at least MIN_LABELS
+    """One classifier per arm (of `offered`) and kind of question that at least MIN_LABELS
     labels cover with both outcomes; None when fewer than two arms are left (nothing to choose
     between). The held-out share is by question, the same for every arm; the saved model
     refits on all labels."""
@@ -193,7 +202,8 @@ def train_arms(labels: list[Label], embeddings: np.ndarray, seed: int = 0,
     kind = [retrieved(l.retrieval_scores) for l in labels]
     # Per arm and kind of question, the labels to learn from: at least MIN_LABELS, both outcomes.
     per_arm, left_out = {}, {}
-    for name in ARM_NAMES:
+    names = offered(labels)
+    for name in names:
         for k in (True, False):
             rows = [(i, l.arms[name]) for i, l in enumerate(labels) if name in l.arms and kind[i] == k]
             y = np.array([o.correct for _, o in rows], bool)
@@ -233,6 +243,6 @@ def train_arms(labels: list[Label], embeddings: np.ndarray, seed: int = 0,
         prompt, output = tokens[name][k]
         report.setdefault(name, {})[KINDS[k]] = entry | {"prompt_tokens": round(prompt, 1),
                                                          "output_tokens": round(output, 1)}
-    arms = tuple(parse_arm(n) for n in ARM_NAMES if n in report)
+    arms = tuple(parse_arm(n) for n in names if n in report)
     return (ArmModel(arms, models, tokens, int(embeddings.shape[1]), with_embedding),
             ArmReport(n_train, n_test, with_embedding, report, left_out))

@@ -421,6 +421,37 @@ def test_an_interrupted_run_resumes_without_redoing_a_question(tmp_path, data, e
     assert len(asked) == 8 and outcome(tmp_path / "cut") == before
 
 
+def test_a_packed_run_goes_on_elsewhere_without_the_datasets_text(tmp_path, data, engine, embedder, monkeypatch):
+    import gzip
+
+    from evals.pack import PACKED_RECORDS, pack, unpack
+    from evals.records import Record
+    config = config_for("mixed", files_for("mixed", None, str(data)))
+    run(tmp_path / "whole", config, engine, embedder)
+    run(tmp_path / "half", config, engine, embedder, modes=("small",))
+    assert pack(tmp_path / "half", tmp_path / "packed") == 10
+    packed = (tmp_path / "packed" / PACKED_RECORDS).read_bytes()
+    rows = [msgspec.json.decode(line, type=Record) for line in gzip.decompress(packed).splitlines()]
+    assert len(rows) == 10 and all(r.question == "" and r.answer is not None for r in rows)
+    pack(tmp_path / "half", tmp_path / "packed")
+    assert (tmp_path / "packed" / PACKED_RECORDS).read_bytes() == packed     # no churn in a commit
+
+    # A fresh machine: the run folder made again, the questions put back, the rest answered there.
+    assert unpack(tmp_path / "packed", tmp_path / "there") == 10
+    assert outcome(tmp_path / "there") == outcome(tmp_path / "half")
+    asked, add = [], engine.add_request
+    monkeypatch.setattr(engine, "add_request", lambda *a, **kw: asked.append(1) or add(*a, **kw))
+    run(tmp_path / "there", config, engine, embedder)
+    assert len(asked) == 10 and outcome(tmp_path / "there") == outcome(tmp_path / "whole")
+
+    with pytest.raises(RunError, match="already holds records"):
+        unpack(tmp_path / "packed", tmp_path / "there")
+    stranger = [msgspec.json.encode(replace(rows[0], id="not-in-the-data"))]
+    (tmp_path / "packed" / PACKED_RECORDS).write_bytes(gzip.compress(b"\n".join(stranger) + b"\n"))
+    with pytest.raises(RunError, match="not-in-the-data"):
+        unpack(tmp_path / "packed", tmp_path / "elsewhere")
+
+
 def test_command_line_refuses_bad_arguments_with_exit_2(tmp_path, data, capsys):
     def fails(argv, message):
         with pytest.raises(SystemExit) as e:
@@ -443,6 +474,10 @@ def test_command_line_refuses_bad_arguments_with_exit_2(tmp_path, data, capsys):
     assert "--price names model 'medium'" in capsys.readouterr().err
     assert evals_main(["labels", str(tmp_path)]) == 2
     assert "not a run folder" in capsys.readouterr().err
+    assert evals_main(["pack", str(tmp_path), str(tmp_path / "packed")]) == 2
+    assert "not a run folder" in capsys.readouterr().err
+    assert evals_main(["unpack", str(tmp_path), str(tmp_path / "again")]) == 2
+    assert "not a packed run" in capsys.readouterr().err
     # A run folder made with other settings is refused before any model loads.
     files = files_for("gsm8k", None, str(data))
     open_run(tmp_path / "run", RunConfig("gsm8k", [str(f.resolve()) for f in files], 3, 0,
@@ -913,11 +948,11 @@ def test_heldout_fits_a_narrow_arms_widening_on_training_labels_and_scores_it_on
     from router.model import train
     from tests.test_router import HashEmbedder
     from tests.test_router import write_labels as router_labels
-    router, _ = train(router_labels(tmp_path / "train.jsonl", narrow=True), HashEmbedder())
+    router, _ = train(router_labels(tmp_path / "train.jsonl", narrow="large@256"), HashEmbedder())
     folder = tmp_path / "test"
     open_run(folder, config_for("squad", [tmp_path / "squad.json"]))
     rows = [json.loads(line) for line in
-            router_labels(tmp_path / "t.jsonl", n=30, seed=1, narrow=True).read_text().splitlines()]
+            router_labels(tmp_path / "t.jsonl", n=30, seed=1, narrow="large@256").read_text().splitlines()]
     (folder / "labels.jsonl").write_text("".join(json.dumps(r | {"id": f"t{i}"}) + "\n" for i, r in enumerate(rows))
                                          + (tmp_path / "train.jsonl").read_text())
     widen = write_heldout(folder, router, HashEmbedder())["widen"]["large@256"]

@@ -39,10 +39,10 @@ ARMS_RIGHT = {"small": (True, False, False), "large": (True, True, False),
               "large+think256": (True, False, True), "large+think1024": (True, True, True)}
 
 
-def write_labels(path, n=90, seed=0, narrow: bool = False):
+def write_labels(path, n=90, seed=0, narrow: str | None = None):
     """Three kinds of questions whose difficulty follows their text and retrieval scores;
     the small model's confidence tracks whether it was right; arms as ARMS_RIGHT says.
-    `narrow`: the arm large@256 too, right where large is, its answers as sure as they are right."""
+    `narrow`: a narrow arm (large@256) too, right where large is, its answers as sure as they are right."""
     rng = random.Random(seed)
     rows = []
     for i in range(n):
@@ -67,7 +67,7 @@ def write_labels(path, n=90, seed=0, narrow: bool = False):
         if narrow:
             right = ARMS_RIGHT["large"][kind]
             lp = [(-0.05 if right else -2.0) + rng.uniform(-0.3, 0.0) for _ in range(rng.randint(3, 30))]
-            rows[-1]["arms"]["large@256"] = {"correct": right, "score": float(right), "prompt": 250, "output": 20,
+            rows[-1]["arms"][narrow] = {"correct": right, "score": float(right), "prompt": 250, "output": 20,
                                              "confidence": dict(zip(("mean", "min", "p10", "p25", "p50", "length"),
                                                                     quantiles(lp)))}
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -515,7 +515,7 @@ def test_auto_answers_through_the_arms_with_the_arm_in_the_response_and_the_ledg
 
 def test_a_narrow_arm_gets_a_confidence_model_of_its_own_and_widens_when_unsure(tmp_path):
     from router.policy import route_arms
-    model, report = train(write_labels(tmp_path / "labels.jsonl", narrow=True), HashEmbedder())
+    model, report = train(write_labels(tmp_path / "labels.jsonl", narrow="large@256"), HashEmbedder())
     assert "large@256" in [a.name for a in model.arms.arms] and set(model.narrow) == {"large@256"}
     assert report.narrow["large@256"].n_test > 0 and report.narrow["large@256"].brier < 0.1
     judge = model.narrow["large@256"]
@@ -535,11 +535,20 @@ def test_a_narrow_arm_gets_a_confidence_model_of_its_own_and_widens_when_unsure(
     assert old.narrow == {}
 
 
+def test_a_narrow_arm_is_offered_at_the_budget_its_labels_were_made_at(tmp_path):
+    model, _ = train(write_labels(tmp_path / "labels.jsonl", narrow="large@192"), HashEmbedder())
+    arms = {a.name: a for a in model.arms.arms}
+    assert arms["large@192"].context_budget == 192 and "large@256" not in arms and set(model.narrow) == {"large@192"}
+    # Cheapest first, the narrow arm after the small model's.
+    order = ["small", "large@192", "large", "large+think256", "large+think1024"]
+    assert list(arms) == [n for n in order if n in arms] and len(arms) >= 3
+
+
 def test_an_unsure_narrow_answer_is_asked_again_with_the_whole_context(tmp_path, llm, embedder):
     from dataclasses import replace
 
     from tests.test_gateway_support import DOCS
-    model, _ = train(write_labels(tmp_path / "labels.jsonl", narrow=True), embedder)
+    model, _ = train(write_labels(tmp_path / "labels.jsonl", narrow="large@256"), embedder)
     # 75 tokens hold one passage of this small corpus (the best, Paris), not two; the plain
     # large arm reads 300 (its context curve's), which holds all three, as the tenant's 400 does.
     budgets = {"large@256": 75, "large": 300}
