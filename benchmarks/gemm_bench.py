@@ -141,8 +141,9 @@ def main() -> None:
                       f"{r['fp32_ms'] / rows[0]['fp32_ms']:.2f}x", f"{r['int8_dot_ms'] / rows[0]['int8_dot_ms']:.2f}x")
     console.print(table)
     steps = decode_steps(args.prefetch)
-    table = Table(title=f"A decode step's quantized matmuls (LM head in), packed op against dot products; read "
-                        f"bandwidth {bandwidth:.1f} GB/s, {args.threads} threads, {isa}")
+    table = Table(title=f"A decode step's quantized matmuls (LM head in), packed op against dot products (int8 on "
+                        f"{DOT_NAME}, int4 on the compiled kernel); read bandwidth {bandwidth:.1f} GB/s, "
+                        f"{args.threads} threads, {isa}")
     for col in ("model", "weights", "rows", "weights GB", "way", "best ms", "median ms", "GB/s at best (share)",
                 "GB/s at median (share)", "median vs packed"):
         table.add_column(col)

@@ -191,13 +191,13 @@ def dot_matmul(mode: str, group: int):
     where it runs on oneDNN's VNNI kernels, else the compiled AVX2 kernel (torch's `_int_mm`
     without VNNI was 0.05-0.44x the packed op on an AVX2 host, in a development run of
     benchmarks/gemm_bench.py before it timed the AVX2 kernel instead). int4: the compiled kernel
-    (groups of a multiple of 32) on hosts without AVX-512, where torch's packed int4 op has only
-    its AVX2 kernel: on an AVX-512 Xeon that op read a decode step's weights faster than ours
-    (ours 0.71-0.83x at 1 row, 0.75-0.90x at 8; gemm_bench-avx512-2t.json), on the AVX2 EPYC
-    slower (ours 1.86-2.03x at 1 row; gemm_bench.json)."""
+    (groups of a multiple of 32) wherever it builds. Against torch's packed int4 op, a decode
+    step's matmuls at 1 row: ours 1.86-2.03x on the AVX2 EPYC (gemm_bench.json), 1.41-1.45x on
+    an AVX-512 EPYC (gemm_bench-avx512-epyc.json), 0.71-0.83x on the GPU machines' AVX-512 Xeon
+    (gemm_bench-avx512-2t.json), a host where the GPU serves and the CPU does not."""
     if mode == "int8" and torch.cpu._is_vnni_supported():
         return quant_matmul.int8_int8_matmul
-    if mode == "int4" and (group % 32 or torch.cpu._is_avx512_supported()):
+    if mode == "int4" and group % 32:
         return None
     compiled = quant_matmul_cpu.load()
     return None if compiled is None else (compiled.int8_linear if mode == "int8" else compiled.int4_linear).default
