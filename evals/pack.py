@@ -14,7 +14,7 @@ from pathlib import Path
 
 import msgspec
 
-from evals.records import Record, complete_lines
+from evals.records import Record, complete_lines, read_records
 from evals.runner import CONFIG_FILE, MODES_FILE, RECORDS_FILE, RunError, load_dataset, read_config
 
 PACKED_RECORDS = "records.jsonl.gz"
@@ -25,7 +25,7 @@ def pack(run: Path, out: Path) -> int:
     records. Packing again replaces what OUT held (the run only grows). A run still writing
     may be packed: its torn last line is left out, and left alone."""
     read_config(run)
-    records = [msgspec.json.decode(line, type=Record) for line in complete_lines(run / RECORDS_FILE)]
+    records = read_records(run / RECORDS_FILE)
     out.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(run / CONFIG_FILE, out / CONFIG_FILE)
     if (run / MODES_FILE).exists():

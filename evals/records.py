@@ -91,6 +91,12 @@ def complete_lines(path: Path, cut: bool = False) -> list[bytes]:
     return whole.splitlines()
 
 
+def read_records(path: Path) -> list[Record]:
+    """A log's records up to its last newline, only read: a run still writing it is left
+    alone (RecordLog, which appends, cuts a torn line off; a reader must not)."""
+    return [msgspec.json.decode(line, type=Record) for line in complete_lines(path)]
+
+
 class RecordLog:
     """records.jsonl, keyed by (mode, question id)."""
 

@@ -26,7 +26,7 @@ from tqdm import tqdm
 from engine import AsyncEngine, Completion, EngineFailure, LLMEngine
 from evals.datasets import Dataset, Example, load
 from evals.metrics import Score, score
-from evals.records import Call, Record, RecordLog, complete_lines
+from evals.records import Call, Record, RecordLog, read_records
 from pipeline import Answer, Pipeline, Price, Progress, Query, Refused, Terms, call_cost, drive
 from retrieval import Collection, CollectionStore
 from router.policy import Policy
@@ -173,7 +173,7 @@ def reusable(folder: Path, config: RunConfig) -> dict[tuple[str, str], Record]:
             msgspec.structs.replace(theirs, thinking_budget=config.thinking_budget) != config:
         raise RunError(f"--reuse {folder}: its answers serve only a run with the same settings and a smaller thinking "
                        f"budget than its {theirs.thinking_budget} (this run's: {config.thinking_budget})")
-    records = (msgspec.json.decode(line, type=Record) for line in complete_lines(folder / RECORDS_FILE))
+    records = read_records(folder / RECORDS_FILE)
     return {(r.mode, r.id): replace(r, copied_from=str(folder)) for r in records
             if r.mode in MODES and r.calls and r.error is None
             and all(c.thinking_tokens < config.thinking_budget for c in r.calls)}

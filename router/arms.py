@@ -65,9 +65,9 @@ def offered(labels: list[Label]) -> list[str]:
     first, as a tie in the policy's cost goes to the earlier arm). The large model on one
     passage (256 tokens of whole chunks) kept 92% of its F1 at half its dollars on the context
     curve; on selected clauses a narrower budget does as well (docs/retrieval.md)."""
-    narrow = sorted({n for l in labels for n in l.arms if parse_arm(n).context_budget is not None},
-                    key=lambda n: (parse_arm(n).model, parse_arm(n).context_budget))
-    return [ARM_NAMES[0], *narrow, *ARM_NAMES[1:]]
+    narrow = {parse_arm(n) for l in labels for n in l.arms}
+    narrow = sorted((a for a in narrow if a.context_budget is not None), key=lambda a: (a.model, a.context_budget))
+    return [ARM_NAMES[0], *(a.name for a in narrow), *ARM_NAMES[1:]]
 
 
 def retrieved(scores: list[float]) -> bool:
