@@ -9,7 +9,8 @@
 #   4. benchmarks/step_overhead.py       the engine's host work per step there, the model stubbed
 # Results go to benchmarks/results/ (and to $OUT when the device tool sets it), with
 # gpu_check-<device>.json saying what ran, passed, failed or was skipped. Without a GPU it says
-# what it skipped and exits 0, so it can be dry-run anywhere.
+# what it skipped and exits 0, so it can be dry-run anywhere. Arguments name the steps to run
+# (tests kernels bench host; all by default), so a step that failed can be run again alone.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -32,15 +33,18 @@ fi
 slug=$(echo "$device" | tr 'A-Z' 'a-z' | sed -E 's/[^a-z0-9]+/-/g; s/^-|-$//g')
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv 2>/dev/null
 
+wanted=" ${*:-tests kernels bench host} "
 declare -A status
 step() {    # step NAME SECONDS COMMAND...: run with a time limit, record its exit status
     local name=$1 limit=$2; shift 2
+    [[ $wanted == *" $name "* ]] || return 0
     echo "== gpu_check: $name (limit ${limit}s)"
     local start=$SECONDS
     timeout "$limit" "$@"
     status[$name]="$? $((SECONDS - start))"
 }
-step tests 130 $PY -m pytest -q -p no:cacheprovider -o addopts= --junitxml="$RESULTS/gpu_tests-$slug.xml" tests/test_gpu.py
+# The tests' CPU references build Sluice's compiled CPU kernels on that host first (a minute or two).
+step tests 300 $PY -m pytest -q -p no:cacheprovider -o addopts= --durations=12 --junitxml="$RESULTS/gpu_tests-$slug.xml" tests/test_gpu.py
 step kernels 90 $PY benchmarks/gpu_kernels.py
 step bench 220 $PY benchmarks/gpu_bench.py --hf-batches --models qwen2.5-coder-1.5b qwen2.5-coder-0.5b
 step host 40 $PY benchmarks/step_overhead.py --device cuda --out "$RESULTS/step_overhead-$slug.json"
