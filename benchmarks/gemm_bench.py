@@ -1,16 +1,17 @@
 """The matmul under every quantized Linear on this CPU, three ways: the float32 GEMM on the
 transposed weight (the engine's float path), torch's packed int8 op with bf16 activations, and
 integer dot products (activations quantized to int8, as llama.cpp's q8 activations, int32
-sums; that quantization is in the time) on what the engine uses for them on this CPU: torch's
-`_int_mm` with VNNI (a scale per row), else the compiled AVX2 kernel (kernels/quant_matmul_cpu.py,
-a scale per 128 activations), else `_int_mm` anyway.
+sums; that quantization is in the time) on what the engine uses for them on this CPU: the
+compiled kernel (kernels/quant_matmul_cpu.py, a scale per 128 activations), else torch's
+`_int_mm` (a scale per row).
 
 Two tables: one of Qwen2.5-Coder-1.5B's layers from decode's 1 row to prefill's 512 (what a
 batch of rows costs against one: batched decode and speculative verification pay it); and a
 whole decode step's quantized matmuls for both Qwen models, int8 and int4 (the engine's
 QuantLinear layers, every one with its own weights as in the model, so they stream from memory
 as a real step's do; the LM head included), torch's packed op against dot products, at 1 and 8
-rows, with the GB/s of weights read; on the compiled kernels once per `--prefetch` distance
+rows, with the GB/s of weights read (int8 on a VNNI host also on `_int_mm`, the engine's way
+there before the compiled kernel measured faster); on the compiled kernels once per `--prefetch` distance
 (bytes ahead of their loads that they ask for weights; 0: the hardware's prefetchers alone),
 the ways taking turns, best and median of the steps.
 
@@ -32,7 +33,7 @@ from kernels import quant_matmul_cpu
 from kernels.quant_matmul import act_block, int8_int8_matmul
 
 DOT = dot_matmul("int8", 128) or int8_int8_matmul
-DOT_NAME = "_int_mm" if DOT is int8_int8_matmul else "the AVX2 kernel"
+DOT_NAME = "_int_mm" if DOT is int8_int8_matmul else "the compiled kernel"
 
 console = Console(width=150)
 K, N = 1536, 8960            # the 1.5B's MLP up projection (one half of gate_up)
@@ -63,6 +64,8 @@ def layer_rows() -> list[dict]:
         rows.append({"rows": m, "fp32_ms": fp32, "int8_ms": packed, "int8_dot_ms": dot,
                      "fp32_gflops": 2 * m * K * N / fp32 / 1e6, "int8_gflops": 2 * m * K * N / packed / 1e6,
                      "int8_dot_gflops": 2 * m * K * N / dot / 1e6})
+        if DOT is not int8_int8_matmul and torch.cpu._is_vnni_supported():
+            rows[-1]["int_mm_ms"] = best_ms(lambda: int8_int8_matmul(x, q, scales, 0), repeats)
     return rows
 
 
@@ -96,6 +99,9 @@ def decode_steps(prefetch: list[int], batches: tuple[int, ...] = (1, 8), repeats
             # int4: half a byte a weight, and a float32 scale and zero per 128.
             read = sum(k * n for k, n in shapes) * (1 if mode == "int8" else 0.5 + 8 / 128)
             ways = [("packed", layers["packed"], None)] + [(way, layers["dot"], p) for way, p in dot_ways]
+            if mode == "int8" and compiled and torch.cpu._is_vnni_supported():
+                ways.append(("_int_mm", [lambda x, l=layer: int8_int8_matmul(x, l.w, l.dot_scales, 0)
+                                         for layer in layers["dot"]], None))
             for m in batches:
                 xs = {k: torch.randn(m, k) for k, _ in shapes}
                 times: dict[str, list[float]] = {way: [] for way, *_ in ways}
@@ -131,11 +137,12 @@ def main() -> None:
     isa = machine()["isa"]
     rows = layer_rows()
     table = Table(title=f"[{K} x {N}] matmul, best of runs, {args.threads} threads, {isa}, dot products on {DOT_NAME}")
-    for col in ("rows", "float32 ms", "int8 packed ms", "int8 dot ms", "packed speedup", "dot speedup",
+    for col in ("rows", "float32 ms", "int8 packed ms", "int8 dot ms", "_int_mm ms", "packed speedup", "dot speedup",
                 "float32 GFLOP/s", "dot GFLOP/s", "float32 vs 1 row", "dot vs 1 row"):
         table.add_column(col)
     for r in rows:
         table.add_row(str(r["rows"]), f"{r['fp32_ms']:.2f}", f"{r['int8_ms']:.2f}", f"{r['int8_dot_ms']:.2f}",
+                      f"{r['int_mm_ms']:.2f}" if "int_mm_ms" in r else "",
                       f"{r['fp32_ms'] / r['int8_ms']:.2f}x", f"{r['fp32_ms'] / r['int8_dot_ms']:.2f}x",
                       f"{r['fp32_gflops']:.0f}", f"{r['int8_dot_gflops']:.0f}",
                       f"{r['fp32_ms'] / rows[0]['fp32_ms']:.2f}x", f"{r['int8_dot_ms'] / rows[0]['int8_dot_ms']:.2f}x")

@@ -187,32 +187,38 @@ def dequant_rows_default(device: str, mode: str, group: int, dot_rows: int) -> i
 
 @functools.cache
 def dot_matmul(mode: str, group: int):
-    """Integer dot products on this CPU for `mode`'s weights, or None. int8: torch's `_int_mm`
-    where it runs on oneDNN's VNNI kernels, else the compiled AVX2 kernel (torch's `_int_mm`
-    without VNNI was 0.05-0.44x the packed op on an AVX2 host, in a development run of
-    benchmarks/gemm_bench.py before it timed the AVX2 kernel instead). int4: the compiled kernel
-    (groups of a multiple of 32) wherever it builds. Against torch's packed int4 op, a decode
-    step's matmuls at 1 row: ours 1.86-2.03x on the AVX2 EPYC (gemm_bench.json), 1.41-1.45x on
-    an AVX-512 EPYC (gemm_bench-avx512-epyc.json), 0.71-0.83x on the GPU machines' AVX-512 Xeon
-    (gemm_bench-avx512-2t.json), a host where the GPU serves and the CPU does not."""
-    if mode == "int8" and torch.cpu._is_vnni_supported():
-        return quant_matmul.int8_int8_matmul
+    """Integer dot products on this CPU for `mode`'s weights, or None: the compiled kernels
+    (kernels/quant_matmul_cpu.py; int4 groups of a multiple of 32) wherever they build, the same
+    arithmetic on every x86 host; int8 falls back to torch's `_int_mm` where they do not build but
+    oneDNN has VNNI kernels (torch's `_int_mm` without VNNI was 0.05-0.44x the packed op on an
+    AVX2 host). A decode step's matmuls at 1 row, against torch's packed op (medians of 7 steps):
+    int4 1.86-2.03x on the AVX2 EPYC (gemm_bench.json), 1.39-1.56x on an AVX-512 VNNI EPYC
+    (gemm_bench-avx512-epyc.json), 0.71-0.83x on the GPU machines' AVX-512 Xeon
+    (gemm_bench-avx512-2t.json), a host where the GPU serves and the CPU does not. int8 on that
+    EPYC, where `_int_mm` served before: the compiled kernel 1.57-1.70x `_int_mm` at 1 row and
+    1.22-1.32x at 8, with a scale per 128 activations rather than per row. `_int_mm` computes
+    faster from 16 rows (one layer, weights in cache), but its per-row scale costs prompts
+    perplexity (benchmarks/act_quant_error.py), so prompts stay on the compiled kernel too."""
     if mode == "int4" and group % 32:
         return None
     compiled = quant_matmul_cpu.load()
-    return None if compiled is None else (compiled.int8_linear if mode == "int8" else compiled.int4_linear).default
+    if compiled is None:
+        return quant_matmul.int8_int8_matmul if mode == "int8" and torch.cpu._is_vnni_supported() else None
+    return (compiled.int8_linear if mode == "int8" else compiled.int4_linear).default
 
 
 def dot_rows_default() -> int:
     """From how many rows an int8 matmul on this CPU runs on integer dot products (ModelEntry.
     dot_rows left out), up to dequant_rows; int4 runs on them from one row whenever this is not
     0 (and `dot_matmul` has a kernel for it). Measured (benchmarks/gemm_bench.py, 2 threads, a
-    decode step's matmuls): on an AVX-512 VNNI Xeon `_int_mm` matched the packed op at one row
-    (1.00-1.03x) and won at eight (2.05-2.38x); on an AVX2 EPYC the compiled kernel won from one
-    (1.72-2.04x, 2.36-2.75x at eight)."""
-    if torch.cpu._is_vnni_supported():
-        return 4
-    return 1 if quant_matmul_cpu.load() is not None else 0
+    decode step's matmuls): the compiled kernel won from one row against the packed op on an
+    AVX2 EPYC (1.72-2.04x, 2.36-2.75x at eight) and on an AVX-512 VNNI EPYC (1.70-1.92x,
+    2.11-2.35x at eight, gemm_bench-avx512-epyc.json); where only
+    `_int_mm` serves, it matched the packed op at one row on an AVX-512 VNNI Xeon (1.00-1.03x)
+    and won at eight (2.05-2.38x)."""
+    if quant_matmul_cpu.load() is not None:
+        return 1
+    return 4 if torch.cpu._is_vnni_supported() else 0
 
 
 def quantize_tensors(model: CausalLM, mode: str, group: int) -> dict[str, torch.Tensor]:
