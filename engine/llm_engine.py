@@ -14,6 +14,7 @@ import kernels
 from engine.config import EngineConfig
 from engine.detokenizer import Detokenizer
 from engine.prompter import Prompter
+from engine.quantize import dot_vnni
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence, SpecState, isolated
@@ -245,7 +246,8 @@ class LLMEngine:
                       "kernel_fallbacks": sorted(kernels.FALLBACKS),
                       "cpu_kernels": w.runner.device.device.type == "cpu" and kernels.cpu_kernels(),
                       "cpu_steps": w.runner.cpu_step.steps if w.runner.cpu_step else 0,
-                      "dequant_rows": w.dequant_rows, "dot_rows": w.dot_rows}
+                      "dequant_rows": w.dequant_rows, "dot_rows": w.dot_rows,
+                      "dot_vnni": w.dot_rows > 0 and w.runner.device.device.type == "cpu" and dot_vnni()}
                for name, w in self.workers.items()}
         if self.speculator:
             spec = self.speculator

@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from engine.model import CausalLM, Linear, Module
 from kernels import int4_matmul, int8_matmul, quant_matmul, quant_matmul_cpu
+from kernels.cpu_build import vnni
 from kernels.quant_matmul import unpack_int4
 
 
@@ -205,6 +206,11 @@ def dot_matmul(mode: str, group: int):
     if compiled is None:
         return quant_matmul.int8_int8_matmul if mode == "int8" and torch.cpu._is_vnni_supported() else None
     return (compiled.int8_linear if mode == "int8" else compiled.int4_linear).default
+
+
+def dot_vnni() -> bool:
+    """Whether the compiled integer kernels serve here built with AVX-512 VNNI (kernels/cpu_build.py)."""
+    return quant_matmul_cpu.load() is not None and vnni()
 
 
 def dot_rows_default() -> int:

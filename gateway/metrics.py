@@ -176,6 +176,9 @@ class GatewayMetrics:
         r.add(Sampled("sluice_engine_dot_rows", "rows from which quantized matmuls run on integer dot products on "
                       "the CPU (0: never)", ("model",),
                       lambda: {(m,): s["dot_rows"] for m, s in engine_stats().items()}))
+        r.add(Sampled("sluice_engine_dot_vnni", "1 where those integer dot products run on kernels built with "
+                      "AVX-512 VNNI (SLUICE_CPU_VNNI=0: the AVX2 build)", ("model",),
+                      lambda: {(m,): int(s["dot_vnni"]) for m, s in engine_stats().items()}))
         r.add(Sampled("sluice_engine_cpu_kernels", "1 where a layer's norms, rotary, SiLU product and decode "
                       "attention run as compiled CPU kernels", ("model",),
                       lambda: {(m,): int(s["cpu_kernels"]) for m, s in engine_stats().items()}))

@@ -35,8 +35,16 @@ static inline float hmax(__m256 v) {
 """
 
 
-def build(name: str, source: str, what: str) -> bool:
-    """Compile and load PRELUDE + `source` as the extension `name` for AVX2 and FMA; False (logged, naming
+def vnni() -> bool:
+    """Whether kernels that ask for it are built with AVX-512 VNNI's one-instruction byte dot
+    products (`SLUICE_VNNI`): on a host that has them, unless SLUICE_CPU_VNNI=0. The integer
+    sums are the same either way, so the outputs are too."""
+    return torch.cpu._is_vnni_supported() and os.environ.get("SLUICE_CPU_VNNI", "1") != "0"
+
+
+def build(name: str, source: str, what: str, use_vnni: bool = False) -> bool:
+    """Compile and load PRELUDE + `source` as the extension `name` for AVX2 and FMA (and, with
+    `use_vnni` where `vnni()`, AVX-512 VNNI with SLUICE_VNNI defined); False (logged, naming
     `what` falls back) where this host cannot."""
     if not torch.cpu._is_avx2_supported():
         return False
@@ -48,13 +56,15 @@ def build(name: str, source: str, what: str) -> bool:
         # at::parallel_for is OpenMP inlined into the module: without -fopenmp it runs on one
         # thread. No contraction: where a kernel is equal to its twin to the bit, a * b - c * d
         # must round as PyTorch's separate operators do (the kernels' FMAs are written out).
-        # Named by the source's hash: processes of two versions of Sluice on one host (a server
-        # kept running through an upgrade) would otherwise rebuild one build folder in turn, and
-        # one could load the other's operators.
+        # Named by the source's and flags' hash: processes of two versions of Sluice on one host
+        # (a server kept running through an upgrade) would otherwise rebuild one build folder in
+        # turn, and one could load the other's operators.
+        flags = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]
+        if use_vnni and vnni():
+            flags += ["-mavx512vnni", "-mavx512vl", "-DSLUICE_VNNI"]
         code = PRELUDE + source
-        load_inline(f"{name}_{hashlib.sha256(code.encode()).hexdigest()[:12]}", [code], is_python_module=False,
-                    extra_cflags=["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"])
+        digest = hashlib.sha256((code + " ".join(flags)).encode()).hexdigest()[:12]
+        load_inline(f"{name}_{digest}", [code], is_python_module=False, extra_cflags=flags, extra_ldflags=["-fopenmp"])
         return True
     except Exception as e:          # no compiler, no ninja: the PyTorch twins serve instead
         log.warning("the compiled CPU kernels %s could not be built (%s); %s", name, e, what)

@@ -80,11 +80,25 @@ int64_t set_prefetch(int64_t bytes) {        // returns the distance it replaces
     return std::exchange(prefetch_bytes, bytes);
 }
 
+// acc + the products of unsigned u and signed s bytes, summed in fours, in int32. VNNI does it in
+// one instruction; AVX2 in three, through int16 pairs (maddubs), which cannot saturate here: every
+// caller's |u|, |s| <= 127 (int8) or u <= 15 (int4), so the sums are the same integers either way.
+static inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s, __m256i ones) {
+#ifdef SLUICE_VNNI
+    (void)ones;
+    return _mm256_dpbusd_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), ones));
+#endif
+}
+
 // int8: rows m0 .. m0 + MB of x against outputs n0 .. n1, each output's weights read once for
 // the MB rows. Products by maddubs as llama.cpp does on AVX2: |w| the unsigned operand, x
 // carrying w's sign; |x|, |w| <= 127 keep each pair's sum inside int16. Each block of B values
-// sums in int32, then adds in float times its activation scale.
-template <int MB>
+// sums in int32, then adds in float times its activation scale. C independent sums per row (B a
+// multiple of 32 * C): VNNI's one instruction waits on the last one's result (several cycles), so
+// one chain of them would bound a row's speed where AVX2's one-cycle adds do not.
+template <int MB, int C>
 static void rows8(const int8_t* X, const float* XS, const int8_t* W, const float* WS, float* O,
                   int64_t m0, int64_t n0, int64_t n1, int64_t K, int64_t N, int64_t B) {
     const int64_t G = K / B, ahead = prefetch_bytes;
@@ -94,20 +108,24 @@ static void rows8(const int8_t* X, const float* XS, const int8_t* W, const float
         __m256 acc[MB];
         for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_ps();
         for (int64_t g = 0; g < G; ++g) {
-            __m256i part[MB];
-            for (int i = 0; i < MB; ++i) part[i] = _mm256_setzero_si256();
-            for (int64_t k = g * B; k < (g + 1) * B; k += 32) {
-                if (ahead && (k & 63) == 0) _mm_prefetch((const char*)(w + k + ahead), _MM_HINT_T0);
-                const __m256i wv = _mm256_loadu_si256((const __m256i*)(w + k));
-                const __m256i wa = _mm256_sign_epi8(wv, wv);
-                for (int i = 0; i < MB; ++i) {
-                    const __m256i xv = _mm256_loadu_si256((const __m256i*)(X + (m0 + i) * K + k));
-                    const __m256i p = _mm256_maddubs_epi16(wa, _mm256_sign_epi8(xv, wv));
-                    part[i] = _mm256_add_epi32(part[i], _mm256_madd_epi16(p, ones));
+            __m256i part[C][MB];
+            for (int c = 0; c < C; ++c)
+                for (int i = 0; i < MB; ++i) part[c][i] = _mm256_setzero_si256();
+            for (int64_t k0 = g * B; k0 < (g + 1) * B; k0 += 32 * C)
+                for (int c = 0; c < C; ++c) {
+                    const int64_t k = k0 + 32 * c;
+                    if (ahead && (k & 63) == 0) _mm_prefetch((const char*)(w + k + ahead), _MM_HINT_T0);
+                    const __m256i wv = _mm256_loadu_si256((const __m256i*)(w + k));
+                    const __m256i wa = _mm256_sign_epi8(wv, wv);
+                    for (int i = 0; i < MB; ++i) {
+                        const __m256i xv = _mm256_loadu_si256((const __m256i*)(X + (m0 + i) * K + k));
+                        part[c][i] = dot_u8s8(part[c][i], wa, _mm256_sign_epi8(xv, wv), ones);
+                    }
                 }
-            }
+            for (int c = 1; c < C; ++c)
+                for (int i = 0; i < MB; ++i) part[0][i] = _mm256_add_epi32(part[0][i], part[c][i]);
             for (int i = 0; i < MB; ++i)
-                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(part[i]), _mm256_set1_ps(XS[(m0 + i) * G + g]), acc[i]);
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(part[0][i]), _mm256_set1_ps(XS[(m0 + i) * G + g]), acc[i]);
         }
         for (int i = 0; i < MB; ++i) O[(m0 + i) * N + n] = hsum(acc[i]) * WS[n];
     }
@@ -128,8 +146,8 @@ static void rows4(const int8_t* X, const float* XS, const float* XG, const uint8
         __m256 acc[MB];
         for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_ps();
         for (int64_t g = 0; g < G; ++g) {
-            __m256i part[MB];
-            for (int i = 0; i < MB; ++i) part[i] = _mm256_setzero_si256();
+            __m256i part[MB], odd[MB];
+            for (int i = 0; i < MB; ++i) part[i] = odd[i] = _mm256_setzero_si256();
             if (group % 64 == 0) {
                 // 64 weights from one 32-byte load, no shuffle: the low nibbles are the evens and
                 // the high the odds, as the activations are stored. The two products' int16 sums
@@ -141,10 +159,15 @@ static void rows4(const int8_t* X, const float* XS, const float* XG, const uint8
                     const __m256i qo = _mm256_and_si256(low, _mm256_srli_epi16(packed, 4));
                     for (int i = 0; i < MB; ++i) {
                         const int8_t* xk = X + (m0 + i) * K + k;
-                        const __m256i p = _mm256_add_epi16(
-                            _mm256_maddubs_epi16(qe, _mm256_loadu_si256((const __m256i*)xk)),
-                            _mm256_maddubs_epi16(qo, _mm256_loadu_si256((const __m256i*)(xk + 32))));
+                        const __m256i xe = _mm256_loadu_si256((const __m256i*)xk);
+                        const __m256i xo = _mm256_loadu_si256((const __m256i*)(xk + 32));
+#ifdef SLUICE_VNNI      // two chains, as rows8's
+                        part[i] = _mm256_dpbusd_epi32(part[i], qe, xe);
+                        odd[i] = _mm256_dpbusd_epi32(odd[i], qo, xo);
+#else
+                        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(qe, xe), _mm256_maddubs_epi16(qo, xo));
                         part[i] = _mm256_add_epi32(part[i], _mm256_madd_epi16(p, ones));
+#endif
                     }
                 }
             } else {
@@ -155,13 +178,13 @@ static void rows4(const int8_t* X, const float* XS, const float* XG, const uint8
                         _mm256_castsi128_si256(packed), _mm_srli_epi16(packed, 4), 1));
                     for (int i = 0; i < MB; ++i) {
                         const __m256i xv = _mm256_loadu_si256((const __m256i*)(X + (m0 + i) * K + k));
-                        part[i] = _mm256_add_epi32(part[i], _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), ones));
+                        part[i] = dot_u8s8(part[i], q, xv, ones);
                     }
                 }
             }
             for (int i = 0; i < MB; ++i) {
                 const __m256 scale = _mm256_set1_ps(S[n * G + g] * XS[(m0 + i) * G + g]);
-                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(part[i]), scale, acc[i]);
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(part[i], odd[i])), scale, acc[i]);
             }
         }
         for (int i = 0; i < MB; ++i) {
@@ -220,11 +243,18 @@ torch::Tensor int8_linear(const torch::Tensor& x_, const torch::Tensor& w, const
     const int8_t* W = w.data_ptr<int8_t>();
     float* O = out.data_ptr<float>();
     const int64_t tile = outputs_in_cache(K);
+#ifdef SLUICE_VNNI
+    const bool two = B % 64 == 0;
+#else
+    const bool two = false;
+#endif
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
         for (int64_t t0 = n0; t0 < n1; t0 += tile)
             for (int64_t m0 = 0; m0 < M; m0 += 8)
                 block<8>(std::min<int64_t>(8, M - m0), [&](auto mb) {
-                    rows8<decltype(mb)::value>(X, XS, W, WS, O, m0, t0, std::min(t0 + tile, n1), K, N, B);
+                    const int64_t t1 = std::min(t0 + tile, n1);
+                    if (two) rows8<decltype(mb)::value, 2>(X, XS, W, WS, O, m0, t0, t1, K, N, B);
+                    else rows8<decltype(mb)::value, 1>(X, XS, W, WS, O, m0, t0, t1, K, N, B);
                 });
     });
     return out;
@@ -289,5 +319,5 @@ TORCH_LIBRARY_IMPL(sluice, CPU, m) {
 def load():
     """The compiled operators (torch.ops.sluice: `int8_linear`, `int4_linear`, `set_prefetch`), or
     None where they cannot be built here."""
-    ok = build("sluice_quant_linear", SOURCE, "int8 and int4 run on torch's ops")
+    ok = build("sluice_quant_linear", SOURCE, "int8 and int4 run on torch's ops", use_vnni=True)
     return torch.ops.sluice if ok else None

@@ -205,6 +205,39 @@ def test_compiled_cpu_integer_kernels_equal_their_twins(M, K, N):
               quant_matmul.int4_int8_matmul(x, q, s, z, group))
 
 
+VNNI_CHILD = """
+import sys, torch
+from kernels import quant_matmul, quant_matmul_cpu
+ops, g, out = quant_matmul_cpu.load(), torch.Generator().manual_seed(3), []
+for M, K, N in ((1, 1536, 40), (5, 896, 24), (8, 96, 16), (300, 4864, 8)):
+    x = torch.randn(M, K, generator=g) * torch.logspace(-3, 2, M)[:, None]
+    w = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g)
+    out.append(ops.int8_linear(x, w, torch.rand(N, generator=g), quant_matmul.act_block(K)))
+    for group in (32, 128)[:1 + (K % 128 == 0)]:
+        q = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=g)
+        s = torch.rand(N, K // group, generator=g)
+        out.append(ops.int4_linear(x, q, s, (torch.rand(N, K // group, generator=g) * 15 * s).contiguous(), group))
+torch.save(out, sys.argv[1])
+"""
+
+
+@pytest.mark.skipif(not torch.cpu._is_vnni_supported(), reason="no AVX-512 VNNI on this CPU")
+def test_the_vnni_build_equals_the_avx2_build_to_the_bit(tmp_path):
+    """Built with VNNI's byte dot products (two chains of them per row where a block allows) or
+    with AVX2's maddubs, the kernels sum the same integers, so every output is the same float:
+    int8 at one and two chains, int4 at groups of 32 and 128, 1 to 300 rows. Each build in its
+    own process (both register the same operators)."""
+    got = {}
+    for flag in ("0", "1"):
+        path = tmp_path / f"vnni-{flag}.pt"
+        subprocess.run([sys.executable, "-c", VNNI_CHILD, str(path)], check=True, cwd=Path(__file__).parents[1],
+                       env=os.environ | {"SLUICE_CPU_VNNI": flag, "PYTHONPATH": str(Path(__file__).parents[1])})
+        got[flag] = torch.load(path)
+    assert len(got["0"]) == 11
+    for avx2, vnni in zip(got["0"], got["1"]):
+        assert torch.equal(avx2, vnni)
+
+
 def test_prefetching_weights_changes_no_result():
     """The compiled kernels' software prefetch (set_prefetch, 0: none) is a hint to the cache:
     the same outputs to the bit at every distance, a 1-row decode and an 8-row block alike."""
