@@ -19,19 +19,18 @@ import sys
 from pathlib import Path
 
 import torch
-from common import RESULTS, machine, write_results
+from common import RESULTS, machine, timed, write_results
 from rich.console import Console
 from rich.table import Table
+
+from engine.quantize import quantize_int4, quantize_int8
+from kernels import quant_matmul_cpu
 
 K, N, ROWS = 1536, 8960, (1, 8, 64, 512)
 
 
 def measure(threads: int) -> dict[str, float]:
     """One build's best ms per (weights, rows), in this process."""
-    from common import timed
-
-    from engine.quantize import quantize_int4, quantize_int8
-    from kernels import quant_matmul_cpu
     torch.set_num_threads(threads)
     ops = quant_matmul_cpu.load()
     torch.manual_seed(0)

@@ -198,8 +198,9 @@ def dot_matmul(mode: str, group: int):
     (gemm_bench-avx512-2t.json), a host where the GPU serves and the CPU does not. int8 on that
     EPYC, where `_int_mm` served before: the compiled kernel 1.57-1.70x `_int_mm` at 1 row and
     1.22-1.32x at 8, with a scale per 128 activations rather than per row. `_int_mm` computes
-    faster from 16 rows (one layer, weights in cache), but its per-row scale costs prompts
-    perplexity (benchmarks/act_quant_error.py), so prompts stay on the compiled kernel too."""
+    faster from 16 rows (one layer, weights in cache), but its per-row scale gave the down
+    projections 3.5-4.5x the error of 128-value blocks (benchmarks/act_quant_error.py), so
+    prompts stay on the compiled kernel too."""
     if mode == "int4" and group % 32:
         return None
     compiled = quant_matmul_cpu.load()

@@ -243,18 +243,15 @@ torch::Tensor int8_linear(const torch::Tensor& x_, const torch::Tensor& w, const
     const int8_t* W = w.data_ptr<int8_t>();
     float* O = out.data_ptr<float>();
     const int64_t tile = outputs_in_cache(K);
-#ifdef SLUICE_VNNI
-    const bool two = B % 64 == 0;
-#else
-    const bool two = false;
-#endif
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
         for (int64_t t0 = n0; t0 < n1; t0 += tile)
             for (int64_t m0 = 0; m0 < M; m0 += 8)
                 block<8>(std::min<int64_t>(8, M - m0), [&](auto mb) {
                     const int64_t t1 = std::min(t0 + tile, n1);
-                    if (two) rows8<decltype(mb)::value, 2>(X, XS, W, WS, O, m0, t0, t1, K, N, B);
-                    else rows8<decltype(mb)::value, 1>(X, XS, W, WS, O, m0, t0, t1, K, N, B);
+#ifdef SLUICE_VNNI
+                    if (B % 64 == 0) return rows8<decltype(mb)::value, 2>(X, XS, W, WS, O, m0, t0, t1, K, N, B);
+#endif
+                    rows8<decltype(mb)::value, 1>(X, XS, W, WS, O, m0, t0, t1, K, N, B);
                 });
     });
     return out;

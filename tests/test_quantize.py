@@ -1,7 +1,5 @@
 """Weight-only quantization: the shared formats round-trip, the CPU ops agree with plain
 dequantized math, and a quantized engine still follows its float model."""
-import os
-
 import pytest
 import torch
 
@@ -18,6 +16,7 @@ from engine.quantize import (
     unpack_int4,
 )
 from engine.sampling_params import SamplingParams
+from kernels.cpu_build import vnni
 from kernels.quant_matmul import int4_int8_matmul, int4_matmul, int8_int8_matmul
 from tests.conftest import make_tiny_model, quantized
 
@@ -196,8 +195,7 @@ def test_quantized_engine_stays_close_to_float(tmp_path, mode, monkeypatch):
     got = e.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0]
     assert got.token_ids[0] == base.token_ids[0] and abs(got.logprobs[0] - base.logprobs[0]) < 0.1
     assert e.stats()["m"]["dot_rows"] == 1
-    assert e.stats()["m"]["dot_vnni"] == (torch.cpu._is_vnni_supported() and os.environ.get("SLUICE_CPU_VNNI") != "0"
-                                          and dot_matmul(mode, 32) is not int8_int8_matmul)
+    assert e.stats()["m"]["dot_vnni"] == (vnni() and dot_matmul(mode, 32) is not int8_int8_matmul)
 
 
 @pytest.mark.parametrize("mode", ["float", "int8", "int4", "int8-unpacked", "int4-unpacked", "int8-dot", "int4-dot"])
