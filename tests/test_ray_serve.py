@@ -224,9 +224,10 @@ def test_a_killed_replica_loses_no_answered_row_and_fails_only_what_it_held(clus
         assert began < killed < ended and body["error"]["code"] == "replica_failed", (began, ended, killed, body)
         assert "died" in body["error"]["message"]
     # What was in flight elsewhere finished: the survivor's requests across the kill all answered.
+    # The victim may show answers across it too: a reply it sent just before the kill is read after.
     survivor = next(r for r in before if r != victim)
     spanned = [(status, replica) for began, ended, status, _, replica in results if began < killed < ended]
-    assert {replica for status, replica in spanned if status == 200} <= {survivor}
+    assert all(status == 200 for status, replica in spanned if replica == survivor), spanned
     assert len(spanned) <= CLIENTS and any(replica == victim for *_, replica in results)
     answered = [body["id"] for _, _, status, body, _ in results if status == 200]
     rows = ledger_ids(config)
