@@ -1,5 +1,6 @@
 """The compiled integer kernels built for AVX2 against the same built with AVX-512 VNNI's byte
-dot products (kernels/cpu_build.py; SLUICE_CPU_VNNI=0 is the switch), on this host.
+dot products (kernels/cpu_build.py; SLUICE_CPU_VNNI=0 is the switch), on this host, and in the
+VNNI build int8's register tiles for prompts (tile8, from 16 rows) against its row kernel alone.
 
 Both builds register the same operators, so each runs in its own process; the two take turns,
 `--rounds` times, each round timing the 1.5B's MLP up projection ([1536 x 8960], weights in
@@ -24,7 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 from engine.quantize import quantize_int4, quantize_int8
-from kernels import quant_matmul_cpu
+from kernels import cpu_build, quant_matmul_cpu
 
 K, N, ROWS = 1536, 8960, (1, 8, 64, 512)
 
@@ -44,6 +45,12 @@ def measure(threads: int) -> dict[str, float]:
                          ("int4", lambda: ops.int4_linear(x, q4, s4, zs, 128))):
             fn()
             out[f"{name} {m}"] = 1e3 * min(timed(fn) for _ in range(5 if m > 64 else 30))
+        if cpu_build.vnni():
+            was = ops.set_tile_rows(1 << 30)
+            out[f"untiled {m}"] = 1e3 * min(timed(lambda: ops.int8_linear(x, q8, s8, 128))
+                                            for _ in range(5 if m > 64 else 30))
+            ops.set_tile_rows(was)
+            out["tile_rows"] = was
     return out
 
 
@@ -73,16 +80,21 @@ def main() -> None:
                 best[build][key] = min(ms, best[build].get(key, ms))
             print(f"round {r + 1} {build}: done", flush=True)
     table = Table(title=f"[{K} x {N}] integer matmul, ms (best of {args.rounds} rounds), {args.threads} threads")
-    for col in ("weights", "rows", "AVX2 build", "VNNI build", "VNNI speedup"):
+    for col in ("weights", "rows", "AVX2 build", "VNNI build", "VNNI speedup", "VNNI, int8 untiled", "tiles' speedup"):
         table.add_column(col)
     rows = []
+    tile_rows = best["VNNI"].pop("tile_rows")
     for key in best["AVX2"]:
         weights, m = key.split()
         a, v = best["AVX2"][key], best["VNNI"][key]
-        rows.append({"weights": weights, "rows": int(m), "avx2_ms": a, "vnni_ms": v, "speedup": a / v})
-        table.add_row(weights, m, f"{a:.3f}", f"{v:.3f}", f"[bold]{a / v:.2f}x[/]")
+        u = best["VNNI"][f"untiled {m}"] if weights == "int8" and int(m) >= tile_rows else None
+        rows.append({"weights": weights, "rows": int(m), "avx2_ms": a, "vnni_ms": v, "speedup": a / v,
+                     "vnni_untiled_ms": u, "tile_speedup": u and u / v})
+        table.add_row(weights, m, f"{a:.3f}", f"{v:.3f}", f"[bold]{a / v:.2f}x[/]",
+                      *((f"{u:.3f}", f"[bold]{u / v:.2f}x[/]") if u else ("", "")))
     Console(width=120).print(table)
-    write_results(args.out, {"machine": machine(), "shape": [K, N], "rounds": args.rounds, "rows": rows})
+    write_results(args.out, {"machine": machine(), "shape": [K, N], "rounds": args.rounds, "tile_rows": tile_rows,
+                             "rows": rows})
 
 
 if __name__ == "__main__":

@@ -92,6 +92,16 @@ static inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s, __m256i ones) 
 #endif
 }
 
+// f(integral_constant<b>) for a block of b <= MB rows (or outputs): each size its own instance, so the
+// accumulators stay in registers.
+template <int MB, typename F>
+static void block(int64_t b, F&& f) {
+    if constexpr (MB > 1) {
+        if (b < MB) return block<MB - 1>(b, f);
+    }
+    f(std::integral_constant<int, MB>{});
+}
+
 // int8: rows m0 .. m0 + MB of x against outputs n0 .. n1, each output's weights read once for
 // the MB rows. Products by maddubs as llama.cpp does on AVX2: |w| the unsigned operand, x
 // carrying w's sign; |x|, |w| <= 127 keep each pair's sum inside int16. Each block of B values
@@ -130,6 +140,84 @@ static void rows8(const int8_t* X, const float* XS, const int8_t* W, const float
         for (int i = 0; i < MB; ++i) O[(m0 + i) * N + n] = hsum(acc[i]) * WS[n];
     }
 }
+
+static int64_t TILE_ROWS = 16;     // int8 matmuls over this many rows or more take tile8 (VNNI builds)
+
+int64_t set_tile_rows(int64_t rows) {
+    TORCH_CHECK(rows >= 1, "set_tile_rows: rows must be >= 1");
+    return std::exchange(TILE_ROWS, rows);
+}
+
+#ifdef SLUICE_VNNI
+// int8 prompts on VNNI: a register tile of MR rows by NR outputs, each weight load serving MR
+// rows and each activation load NR outputs (rows8 loads an activation per product), with no sign
+// instructions: VNNI multiplies unsigned by signed bytes, so the activations go in as x + 128
+// (XU, unsigned) against w as it is, and each sum starts at -128 times w's sum (CORR: per output
+// and block, in dpbusd's lanes), which takes the offset off exactly. The int32 lanes are then
+// rows8's, and so is the float arithmetic after them: the same outputs to the bit. Blocks g0 .. g1
+// of the inputs: ACC holds the float sums between such spans, [MR][NR] vectors.
+template <int MR, int NR>
+static void tile8(const uint8_t* XU, const float* XS, const int8_t* W, const __m256i* CORR, const float* WS,
+                  float* O, __m256* ACC, int64_t m0, int64_t n0, int64_t t0, int64_t g0, int64_t g1, int64_t K,
+                  int64_t N, int64_t B) {
+    const int64_t G = K / B;
+    __m256 acc[MR][NR];
+    for (int i = 0; i < MR; ++i)
+        for (int j = 0; j < NR; ++j) acc[i][j] = g0 ? ACC[i * NR + j] : _mm256_setzero_ps();
+    for (int64_t g = g0; g < g1; ++g) {
+        __m256i part[MR][NR];
+        for (int j = 0; j < NR; ++j) {
+            const __m256i corr = _mm256_load_si256(CORR + (n0 + j - t0) * G + g);
+            for (int i = 0; i < MR; ++i) part[i][j] = corr;
+        }
+        for (int64_t k = g * B; k < (g + 1) * B; k += 32) {
+            __m256i wv[NR];
+            for (int j = 0; j < NR; ++j) wv[j] = _mm256_loadu_si256((const __m256i*)(W + (n0 + j) * K + k));
+            for (int i = 0; i < MR; ++i) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i*)(XU + (m0 + i) * K + k));
+                for (int j = 0; j < NR; ++j) part[i][j] = _mm256_dpbusd_epi32(part[i][j], xv, wv[j]);
+            }
+        }
+        for (int i = 0; i < MR; ++i) {
+            const __m256 xs = _mm256_set1_ps(XS[(m0 + i) * G + g]);
+            for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(part[i][j]), xs, acc[i][j]);
+        }
+    }
+    for (int i = 0; i < MR; ++i)
+        for (int j = 0; j < NR; ++j) {
+            if (g1 < G) ACC[i * NR + j] = acc[i][j];
+            else O[(m0 + i) * N + n0 + j] = hsum(acc[i][j]) * WS[n0 + j];
+        }
+}
+
+// Outputs t0 .. t1 of int8 x (M rows, as x + 128) times w: the tile's corrections first (one pass
+// over its weights, which also brings them into the cache), then MR-row blocks over it, 2 KB of
+// inputs at a time, so that a block's activations stay in L1 while every output reads them (whole
+// 8,960-input rows, 35 KB for 4 rows, came from L2 instead: 0.55x the speed of 1,536-input ones).
+static void tiles8(const uint8_t* XU, const float* XS, const int8_t* W, const float* WS, float* O,
+                   int64_t M, int64_t t0, int64_t t1, int64_t K, int64_t N, int64_t B, __m256i* CORR,
+                   __m256* ACC) {
+    constexpr int MR = 4, NR = 3;
+    const int64_t G = K / B, span = std::max<int64_t>(1, 2048 / B);
+    const __m256i offset = _mm256_set1_epi8((char)0x80);
+    for (int64_t n = t0; n < t1; ++n)
+        for (int64_t g = 0; g < G; ++g) {
+            __m256i sum = _mm256_setzero_si256();
+            for (int64_t k = g * B; k < (g + 1) * B; k += 32)
+                sum = _mm256_dpbusd_epi32(sum, offset, _mm256_loadu_si256((const __m256i*)(W + n * K + k)));
+            CORR[(n - t0) * G + g] = _mm256_sub_epi32(_mm256_setzero_si256(), sum);
+        }
+    for (int64_t m0 = 0; m0 < M; m0 += MR)
+        block<MR>(std::min<int64_t>(MR, M - m0), [&](auto mr) {
+            for (int64_t g0 = 0; g0 < G; g0 += span)
+                for (int64_t n0 = t0; n0 < t1; n0 += NR)
+                    block<NR>(std::min<int64_t>(NR, t1 - n0), [&](auto nr) {
+                        tile8<decltype(mr)::value, decltype(nr)::value>(XU, XS, W, CORR, WS, O, ACC + (n0 - t0) * MR,
+                                                                      m0, n0, t0, g0, std::min(g0 + span, G), K, N, B);
+                    });
+        });
+}
+#endif
 
 // int4 (engine/quantize.py's format: two per byte, the even k low; per group w = (q - zero) * scale):
 // per group the int32 sum of q times x (q is unsigned: maddubs takes it as is), scaled by the
@@ -202,16 +290,6 @@ static void rows4(const int8_t* X, const float* XS, const float* XG, const uint8
     }
 }
 
-// f(integral_constant<b>) for a row block of b <= MB rows: each size its own instance, so the
-// accumulators stay in registers.
-template <int MB, typename F>
-static void block(int64_t b, F&& f) {
-    if constexpr (MB > 1) {
-        if (b < MB) return block<MB - 1>(b, f);
-    }
-    f(std::integral_constant<int, MB>{});
-}
-
 // How many outputs' weights (`row_bytes` each) a tile holds so that they stay in L2 while every
 // block of rows passes over them: a prompt's rows then read the weights from memory once, not
 // once per block. One tile for a decode step's few rows, as before.
@@ -243,6 +321,20 @@ torch::Tensor int8_linear(const torch::Tensor& x_, const torch::Tensor& w, const
     const int8_t* W = w.data_ptr<int8_t>();
     float* O = out.data_ptr<float>();
     const int64_t tile = outputs_in_cache(K);
+#ifdef SLUICE_VNNI
+    if (M >= TILE_ROWS) {
+        uint8_t* XU = reinterpret_cast<uint8_t*>(xq.data_ptr<int8_t>());
+        for (int64_t i = 0; i < M * K; ++i) XU[i] ^= 0x80;      // x + 128
+        at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+            const int64_t outputs = std::min(tile, n1 - n0);
+            std::vector<__m256i> corr(outputs * (K / B));
+            std::vector<__m256> acc((outputs + 2) * 4);
+            for (int64_t t0 = n0; t0 < n1; t0 += tile)
+                tiles8(XU, XS, W, WS, O, M, t0, std::min(t0 + tile, n1), K, N, B, corr.data(), acc.data());
+        });
+        return out;
+    }
+#endif
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
         for (int64_t t0 = n0; t0 < n1; t0 += tile)
             for (int64_t m0 = 0; m0 < M; m0 += 8)
@@ -303,6 +395,7 @@ TORCH_LIBRARY_FRAGMENT(sluice, m) {
     m.def("int8_linear(Tensor x, Tensor w, Tensor scales, int block) -> Tensor");
     m.def("int4_linear(Tensor x, Tensor w, Tensor scales, Tensor zero_scales, int group) -> Tensor");
     m.def("set_prefetch(int bytes) -> int", &set_prefetch);
+    m.def("set_tile_rows(int rows) -> int", &set_tile_rows);
 }
 
 TORCH_LIBRARY_IMPL(sluice, CPU, m) {

@@ -238,6 +238,33 @@ def test_the_vnni_build_equals_the_avx2_build_to_the_bit(tmp_path):
         assert torch.equal(avx2, vnni)
 
 
+def test_int8_register_tiles_equal_the_row_kernel_to_the_bit():
+    """VNNI builds take int8 prompts (16 rows or more) through register tiles of 4 rows by 3
+    outputs on x + 128, the offset's products taken off by the weights' sums: the same integers
+    and float arithmetic as the row kernel (set_tile_rows: from how many rows), so the same
+    outputs, at row and output counts that leave partial tiles and inputs long enough to be read
+    in several spans."""
+    from kernels import cpu_build, quant_matmul_cpu
+    ops = quant_matmul_cpu.load()
+    if ops is None or not cpu_build.vnni():
+        pytest.skip("int8's register tiles are built only with AVX-512 VNNI")
+    g = torch.Generator().manual_seed(5)
+    was = ops.set_tile_rows(1)
+    try:
+        for M, K, N in ((16, 8960, 40), (23, 1536, 17), (70, 896, 64), (3, 4864, 5)):
+            x = torch.randn(M, K, generator=g) * torch.logspace(-3, 2, M)[:, None]
+            w = torch.randint(-128, 128, (N, K), dtype=torch.int8, generator=g)
+            s = torch.rand(N, generator=g)
+            ops.set_tile_rows(1)
+            tiled = ops.int8_linear(x, w, s, 128)
+            ops.set_tile_rows(M + 1)
+            assert torch.equal(tiled, ops.int8_linear(x, w, s, 128)), (M, K, N)
+        with pytest.raises(RuntimeError, match="rows must be >= 1"):
+            ops.set_tile_rows(0)
+    finally:
+        ops.set_tile_rows(was)
+
+
 def test_prefetching_weights_changes_no_result():
     """The compiled kernels' software prefetch (set_prefetch, 0: none) is a hint to the cache:
     the same outputs to the bit at every distance, a 1-row decode and an 8-row block alike."""
