@@ -407,7 +407,7 @@ TORCH_LIBRARY_IMPL(sluice, CPU, m) {
 
 @functools.cache
 def load():
-    """The compiled operators (torch.ops.sluice: `int8_linear`, `int4_linear`, `set_prefetch`), or
-    None where they cannot be built here."""
+    """The compiled operators (torch.ops.sluice: `int8_linear`, `int4_linear`, `set_prefetch`,
+    `set_tile_rows`), or None where they cannot be built here."""
     ok = build("sluice_quant_linear", SOURCE, "int8 and int4 run on torch's ops", use_vnni=True)
     return torch.ops.sluice if ok else None
