@@ -1,7 +1,8 @@
 """Sluice against llama.cpp on the CPU, on the same GGUF files, in the same run.
 
 llama.cpp is built once from the sources vendored in the pinned llama-cpp-python sdist
-(downloaded with pip, `-DGGML_NATIVE=ON`, cached under $SLUICE_CACHE/llama.cpp/<version>/):
+(downloaded with pip, `-DGGML_NATIVE=ON`, cached under $SLUICE_CACHE/llama.cpp/<version>/ and
+built again on a host whose CPU flags differ):
 `llama-bench` for one sequence (decode of 64 tokens, prefill of a 512-token prompt) and
 `llama-batched-bench` for 8 sequences decoding together. Sluice runs the same models from the
 model store at int8 and int4, each on torch's packed op on bf16 activations (`int8`, `int4`) and
@@ -21,9 +22,11 @@ says why and exits 2: it never quotes figures from another run.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -51,9 +54,16 @@ def llama_cpp() -> Path:
     """The folder holding the built tools, building them the first time (about 15 minutes on 2
     cores). Exits 2, saying why, where that cannot be done."""
     root = cache_dir() / "llama.cpp" / LLAMA_CPP_PYTHON
-    bin_dir = root / "build" / "bin"
-    if all((bin_dir / t).is_file() for t in TOOLS):
+    build, bin_dir = root / "build", root / "build" / "bin"
+    # A native build is for the CPU it was built on: a cache carried to another host would run
+    # it with instructions that host lacks (a crash) or without those it has (a slow baseline).
+    flags = sorted(next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                         if line.startswith("flags")), []))
+    host = hashlib.sha256(" ".join(flags).encode()).hexdigest()[:16]
+    stamp = build / "host-cpu-flags.sha256"
+    if all((bin_dir / t).is_file() for t in TOOLS) and stamp.is_file() and stamp.read_text() == host:
         return bin_dir
+    shutil.rmtree(build, ignore_errors=True)
 
     def run(cmd: list[str], what: str, cwd: Path | None = None) -> None:
         console.print(f"[dim]{what}: {' '.join(cmd)}[/]")
@@ -72,11 +82,11 @@ def llama_cpp() -> Path:
                  f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(root)], "downloading the llama-cpp-python sdist")
         with tarfile.open(sdist) as tar:
             tar.extractall(root, filter="data")
-    build = root / "build"
     run(["cmake", "-S", str(src), "-B", str(build), "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
          "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
          "-DLLAMA_BUILD_SERVER=OFF"], "configuring llama.cpp")
     run(["cmake", "--build", str(build), "--target", *TOOLS, "-j", str(os.cpu_count() or 2)], "building llama.cpp")
+    stamp.write_text(host)
     return bin_dir
 
 
