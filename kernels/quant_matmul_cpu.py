@@ -107,11 +107,13 @@ static void block(int64_t b, F&& f) {
 // carrying w's sign; |x|, |w| <= 127 keep each pair's sum inside int16. Each block of B values
 // sums in int32, then adds in float times its activation scale. C independent sums per row (B a
 // multiple of 32 * C): VNNI's one instruction waits on the last one's result (several cycles), so
-// one chain of them would bound a row's speed where AVX2's one-cycle adds do not.
-template <int MB, int C>
+// one chain of them would bound a row's speed where AVX2's one-cycle adds do not. BT: the block
+// known when compiling (128, the default; 0: B), so that a block's four loads unroll with no loop
+// branch between them, which at one row with the weights in cache is most of the time's margin.
+template <int MB, int C, int BT>
 static void rows8(const int8_t* X, const float* XS, const int8_t* W, const float* WS, float* O,
-                  int64_t m0, int64_t n0, int64_t n1, int64_t K, int64_t N, int64_t B) {
-    const int64_t G = K / B, ahead = prefetch_bytes;
+                  int64_t m0, int64_t n0, int64_t n1, int64_t K, int64_t N, int64_t B_) {
+    const int64_t B = BT ? BT : B_, G = K / B, ahead = prefetch_bytes;
     const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t n = n0; n < n1; ++n) {
         const int8_t* w = W + n * K;
@@ -222,12 +224,13 @@ static void tiles8(const uint8_t* XU, const float* XS, const int8_t* W, const fl
 // int4 (engine/quantize.py's format: two per byte, the even k low; per group w = (q - zero) * scale):
 // per group the int32 sum of q times x (q is unsigned: maddubs takes it as is), scaled by the
 // group's scale times x's scale for the group, in float; the zeros come off once per output as
-// zero * scale times the group's sum of x (XG, in x's scale).
-template <int MB>
+// zero * scale times the group's sum of x (XG, in x's scale). GT: the group known when compiling,
+// as rows8's BT.
+template <int MB, int GT>
 static void rows4(const int8_t* X, const float* XS, const float* XG, const uint8_t* W, const float* S,
                   const float* ZS, float* O, int64_t m0, int64_t n0, int64_t n1, int64_t K, int64_t N,
-                  int64_t group) {
-    const int64_t G = K / group, ahead = prefetch_bytes;
+                  int64_t group_) {
+    const int64_t group = GT ? GT : group_, G = K / group, ahead = prefetch_bytes;
     const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
     for (int64_t n = n0; n < n1; ++n) {
         const uint8_t* w = W + n * (K / 2);
@@ -341,9 +344,11 @@ torch::Tensor int8_linear(const torch::Tensor& x_, const torch::Tensor& w, const
                 block<8>(std::min<int64_t>(8, M - m0), [&](auto mb) {
                     const int64_t t1 = std::min(t0 + tile, n1);
 #ifdef SLUICE_VNNI
-                    if (B % 64 == 0) return rows8<decltype(mb)::value, 2>(X, XS, W, WS, O, m0, t0, t1, K, N, B);
+                    if (B == 128) return rows8<decltype(mb)::value, 2, 128>(X, XS, W, WS, O, m0, t0, t1, K, N, B);
+                    if (B % 64 == 0) return rows8<decltype(mb)::value, 2, 0>(X, XS, W, WS, O, m0, t0, t1, K, N, B);
 #endif
-                    rows8<decltype(mb)::value, 1>(X, XS, W, WS, O, m0, t0, t1, K, N, B);
+                    if (B == 128) return rows8<decltype(mb)::value, 1, 128>(X, XS, W, WS, O, m0, t0, t1, K, N, B);
+                    rows8<decltype(mb)::value, 1, 0>(X, XS, W, WS, O, m0, t0, t1, K, N, B);
                 });
     });
     return out;
@@ -384,8 +389,15 @@ torch::Tensor int4_linear(const torch::Tensor& x_, const torch::Tensor& w, const
         for (int64_t t0 = n0; t0 < n1; t0 += tile)
             for (int64_t m0 = 0; m0 < M; m0 += 4)
                 block<4>(std::min<int64_t>(4, M - m0), [&](auto mb) {
-                    rows4<decltype(mb)::value>(X, XS, XG, W, S, ZS, O, m0, t0, std::min(t0 + tile, n1), K, N,
-                                               group);
+                    const int64_t t1 = std::min(t0 + tile, n1);
+                    constexpr int MB = decltype(mb)::value;
+#ifdef SLUICE_VNNI      // VNNI's several rows ran 15% slower on the fixed group (a development run)
+                    if (MB == 1 && group == 128)
+#else
+                    if (group == 128)
+#endif
+                        return rows4<MB, 128>(X, XS, XG, W, S, ZS, O, m0, t0, t1, K, N, group);
+                    rows4<MB, 0>(X, XS, XG, W, S, ZS, O, m0, t0, t1, K, N, group);
                 });
     });
     return out;
