@@ -78,9 +78,10 @@ ROUTER_SMALL ?= 420
 ROUTER_NARROW ?= 300
 ROUTER_GSM8K ?= 300
 ROUTER_THINK ?= 300
-# ROUTER_SELECTION=1: the SQuAD runs read passage selection's contexts (a tenant's
-# passage_selection), in their own run folders and proxy files (-sel), for tenants that turn it on.
-ROUTER_SELECTION ?= 0
+# The SQuAD runs read passage selection's contexts, as a tenant's passage_selection (on by
+# default), in their own run folders and proxy files (-sel); ROUTER_SELECTION=0 makes them on
+# whole passages, for a router served to tenants that turn selection off.
+ROUTER_SELECTION ?= 1
 # The narrow arm's context budget (large@256): on selected clauses the large model at 192 tokens
 # kept 103% of its F1 on 512 of whole chunks at 45% of the dollars (docs/retrieval.md), so the
 # selected narrow arm is large@192.
@@ -93,7 +94,7 @@ GSM8K_TRAIN := gsm8k -n 300 --split train --quant int8 --concurrency 32
 ROUTER := artifacts/router/router.joblib
 PROXY_SCORES := artifacts/router/proxy$(SEL).jsonl
 PROXY_SCORES_NARROW := artifacts/router/proxy-large-$(ROUTER_NARROW_BUDGET)$(SEL).jsonl
-SQUAD_TRAIN := squad -n $(ROUTER_N) --split train --quant int8$(if $(SEL), --selection)
+SQUAD_TRAIN := squad -n $(ROUTER_N) --split train --quant int8$(if $(SEL), --selection, --no-selection)
 THRESHOLDS := docs/router/proxy-agreement.json
 CONTEXT_CURVE := docs/context-budget/context.json
 # The runs' answers are committed as they accumulate too, packed (artifacts/evals/RUN: settings
@@ -138,7 +139,7 @@ router: $(VENV)/.installed
 	$(SLUICE) eval labels $(ROUTER_RUN_GSM8K) --arms $(ROUTER_RUN_GSM8K)-think256 $(ROUTER_RUN_GSM8K)-think1024
 	$(SLUICE) train-router $(ROUTER_RUN) $(ROUTER_RUN_GSM8K) $(if $(wildcard $(CONTEXT_CURVE)),--context-curve $(CONTEXT_CURVE)) \
 		--out $(ROUTER) --rebuild "make router ROUTER_N=$(ROUTER_N) ROUTER_GEN=$(ROUTER_GEN) ROUTER_SMALL=$(ROUTER_SMALL) \
-	ROUTER_NARROW=$(ROUTER_NARROW) ROUTER_GSM8K=$(ROUTER_GSM8K) ROUTER_THINK=$(ROUTER_THINK)$(if $(SEL), ROUTER_SELECTION=1)$(if $(filter-out 256,$(ROUTER_NARROW_BUDGET)), ROUTER_NARROW_BUDGET=$(ROUTER_NARROW_BUDGET))$(if $(PROXY_LIMIT), PROXY_LIMIT=$(PROXY_LIMIT))"
+	ROUTER_NARROW=$(ROUTER_NARROW) ROUTER_GSM8K=$(ROUTER_GSM8K) ROUTER_THINK=$(ROUTER_THINK)$(if $(SEL),, ROUTER_SELECTION=0)$(if $(filter-out 256,$(ROUTER_NARROW_BUDGET)), ROUTER_NARROW_BUDGET=$(ROUTER_NARROW_BUDGET))$(if $(PROXY_LIMIT), PROXY_LIMIT=$(PROXY_LIMIT))"
 
 # Quality by context budget per model (docs/context-budget/): 40 SQuAD questions of the train
 # half at 256 to 2,048 prompt tokens; the chosen budgets go to the router's arms.
@@ -166,11 +167,15 @@ REPORT_MARGIN ?= 0.2
 REPORT_THRESHOLD ?= 0.35
 REPORT_CLOSED_BOOK_MARGIN ?= 0.1
 eval-report: $(VENV)/.installed
+	$(call unpacked,$(REPORT_RUN))
 	$(SLUICE) eval run $(EVAL_SET) -n 300 --split test --router $(ROUTER) --concurrency 16 --limit $(REPORT_LIMIT) \
 		--modes small large routed+cascade --margin $(REPORT_MARGIN) --threshold $(REPORT_THRESHOLD) \
 		$(if $(REPORT_CLOSED_BOOK_MARGIN),--closed-book-margin $(REPORT_CLOSED_BOOK_MARGIN)) --out $(REPORT_RUN)
+	$(call packed,$(REPORT_RUN))
+	$(call unpacked,$(REPORT_THINK))
 	$(SLUICE) eval run gsm8k -n 100 --split test --quant int8 --concurrency 16 --modes large \
 		--thinking-budget 1024 --limit $$(( $(REPORT_LIMIT) / 3 )) --out $(REPORT_THINK)
+	$(call packed,$(REPORT_THINK))
 	mkdir -p docs/eval-report
 	cd $(REPORT_RUN) && cp report.md summary.json quality_cost.png latency.png $(CURDIR)/docs/eval-report/
 	$(SLUICE) eval budgets $(REPORT_RUN) $(REPORT_THINK) --out docs/eval-report/thinking

@@ -128,9 +128,9 @@ def build_parser(prog: str = "python -m evals") -> argparse.ArgumentParser:
     run.add_argument("--context-budget", type=_count(1), default=DEFAULT_CONTEXT_BUDGET, metavar="TOKENS",
                      help="prompt tokens for instructions, passages and question "
                           "(default: %(default)s, the demo tenant's)")
-    run.add_argument("--selection", action="store_true",
-                     help="cut the hits to the sentences that bear on the question before trimming, as a tenant's "
-                          "passage_selection (default: whole passages)")
+    run.add_argument("--selection", action=argparse.BooleanOptionalAction, default=True,
+                     help="cut the hits to the clauses that bear on the question before trimming, as a tenant's "
+                          "passage_selection (default: on; --no-selection reads whole passages)")
     run.add_argument("--k", type=_count(1), default=DEFAULT_K,
                      help="hits searched for before trimming (default: %(default)s)")
     run.add_argument("--max-tokens", type=_count(1), default=DEFAULT_MAX_TOKENS,
@@ -231,6 +231,8 @@ def cmd_run(args) -> int:
     folder = Path(args.out) if args.out else (
         REPO / ".cache" / "evals" / f"{args.dataset}-n{args.sample or 'all'}-seed{args.seed}")
     dataset = load_dataset(config)
+    if not dataset.documents:       # closed-book questions: nothing searched, so nothing to select
+        config = msgspec.structs.replace(config, selection=False)
     open_run(folder, config)
     print(f"{len(dataset.examples)} questions; run folder {folder}", file=sys.stderr)
     embedder = Embedder() if dataset.documents or router else None

@@ -81,7 +81,7 @@ class TenantSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, froze
     # true: the hits are cut to their sentences that bear on the question before the budget is
     # filled (more answers fit a small budget); false: whole passages, in an order questions
     # over the same passages share, so the prefix cache serves more of each prompt.
-    passage_selection: bool = False
+    passage_selection: bool = True
     output_budget: Positive              # most output tokens one request may ask for
     thinking_budget: ThinkingBudgets = ThinkingBudgets()
     escalation_threshold: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.5

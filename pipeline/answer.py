@@ -241,7 +241,12 @@ class Pipeline:
         elif self.pair is None:
             r = Route(terms.policy.default_model, "router not installed; tenant default", source="no_router")
         elif self.arms:
-            r = route_arms(terms.policy, self.arms, *self.pair, predict, arm_cost, frozenset(self.router.narrow), kind)
+            arms = tuple(a for a in self.arms if self.router.offers(a.name, terms.selection))
+            r = route_arms(terms.policy, arms, *self.pair, predict, arm_cost, frozenset(self.router.narrow), kind)
+            if len(arms) < len(self.arms) and r.source == "arms":
+                read = "selected" if self.router.selection else "whole"
+                r = replace(r, reason=f"{r.reason}; no narrow arm: its labels read {read} passages, this tenant's "
+                                      f"are {'selected' if terms.selection else 'whole'}")
         else:
             r = route(terms.policy, *self.pair, predict)
         if q.thinking_budget is not None and q.thinking_budget != r.thinking_budget:

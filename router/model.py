@@ -48,6 +48,15 @@ class RouterModel:
     narrow: dict[str, ConfidenceModel] = field(default_factory=dict)
     feature_version: int = FEATURE_VERSION
     trained_on: frozenset[str] = field(default_factory=frozenset)   # question ids: evals keep them out
+    # The passages its labels read: cut to what bears on the question (a tenant's passage_selection),
+    # or whole; None: not recorded. A narrow arm's chance of being right holds only for contexts
+    # made the same way (at 192 tokens selected clauses hold the answer far more often than whole chunks).
+    selection: bool | None = None
+
+    def offers(self, arm: str, selection: bool) -> bool:
+        """Whether it may offer `arm` to a tenant whose passages are cut (`selection`) or whole:
+        a narrow arm only where its contexts are made as its labels' were."""
+        return self.selection in (None, selection) or "@" not in arm
 
     def save(self, path: str | Path, about: dict | None = None) -> None:
         """`about`: what made it (command, labels, weights, report), saved beside it as JSON."""
@@ -55,7 +64,7 @@ class RouterModel:
         joblib.dump({"feature_version": self.feature_version, "sklearn": sklearn.__version__,
                      "classifier": self.classifier, "confidence": self.confidence, "early": self.early,
                      "arms": self.arms, "narrow": self.narrow,
-                     "trained_on": sorted(self.trained_on)}, path, compress=3)
+                     "trained_on": sorted(self.trained_on), "selection": self.selection}, path, compress=3)
         if about is not None:
             side = {"feature_version": self.feature_version, "sklearn": sklearn.__version__,
                     "bytes": path.stat().st_size, "arms": [asdict(a) for a in self.arms.arms] if self.arms else None,
@@ -73,7 +82,7 @@ class RouterModel:
             raise RouterError(f"{path}: router trained on feature version {version}; this code computes version "
                               f"{FEATURE_VERSION}. Train it again: sluice train-router RUN")
         return cls(saved["classifier"], saved["confidence"], saved.get("early"), saved.get("arms"),
-                   saved.get("narrow", {}), version, frozenset(saved.get("trained_on", ())))
+                   saved.get("narrow", {}), version, frozenset(saved.get("trained_on", ())), saved.get("selection"))
 
 
 @dataclass(frozen=True)
@@ -97,12 +106,14 @@ def held_out(question_id: str, share: float) -> bool:
 
 
 def train(labels_from: str | Path | list[str | Path], embedder, seed: int = 0,
-          context_budgets: dict[str, int] | None = None, holdout: float = 0.0) -> tuple[RouterModel, TrainReport]:
+          context_budgets: dict[str, int] | None = None, holdout: float = 0.0,
+          selection: bool | None = None) -> tuple[RouterModel, TrainReport]:
     """Every model from the labels.jsonl of one run or several (a SQuAD run and a GSM8K one,
     each with its arms), or their run folders. `embedder.encode(texts)`
     embeds the questions, as the gateway embeds them when it searches. `context_budgets`:
     each engine model's context budget, for its arms (evals' context-budget curve chooses them).
-    `holdout`: the share of questions (by `held_out`) left out, for `evals heldout` to score."""
+    `holdout`: the share of questions (by `held_out`) left out, for `evals heldout` to score.
+    `selection`: whether the labels' runs read selected passages (RouterModel.selection)."""
     sources = labels_from if isinstance(labels_from, list) else [labels_from]
     every = [l for source in sources for l in read_labels(source)]
     twice = sorted(i for i, n in Counter(l.id for l in every).items() if n > 1)
@@ -122,5 +133,6 @@ def train(labels_from: str | Path | list[str | Path], embedder, seed: int = 0,
     offered = {a.name for a in arms.arms} if arms else set()
     narrow, n_report = train_narrow(labels, seed)
     narrow = {name: m for name, m in narrow.items() if name in offered}
-    return (RouterModel(classifier, confidence, early, arms, narrow, trained_on=frozenset(l.id for l in labels)),
+    return (RouterModel(classifier, confidence, early, arms, narrow, trained_on=frozenset(l.id for l in labels),
+                        selection=selection),
             TrainReport(len(labels), c_report, k_report, e_report, a_report, n_report))

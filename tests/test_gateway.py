@@ -161,7 +161,9 @@ def test_ask_answers_and_writes_exactly_one_ledger_row(client, gateway):
 
 
 def test_ask_from_a_collection_cites_passages_and_trims_to_budget(tmp_path, llm, embedder):
-    tenants = {"alpha": tenant_toml(KEYS["alpha"]), "beta": tenant_toml(KEYS["beta"], context=70)}
+    # Whole passages: what trimming keeps and drops is counted in passages.
+    tenants = {"alpha": tenant_toml(KEYS["alpha"], selection=False),
+               "beta": tenant_toml(KEYS["beta"], context=70, selection=False)}
     gw = make_gateway(tmp_path, llm, embedder, tenants)
     with TestClient(create_app(gw)) as c:
         wait_ready(c)

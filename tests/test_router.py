@@ -389,8 +389,8 @@ def test_route_arms_takes_the_cheapest_arm_near_the_best_within_the_tenants_caps
 
 
 
-def _client(tmp_path, llm, embedder, threshold: float, router=RouterConfig(), extra: str = ""):
-    tenants = {"alpha": f"escalation_threshold = {threshold}\n" + tenant_toml(KEYS["alpha"]) + extra}
+def _client(tmp_path, llm, embedder, threshold: float, router=RouterConfig(), extra: str = "", **tenant):
+    tenants = {"alpha": f"escalation_threshold = {threshold}\n" + tenant_toml(KEYS["alpha"], **tenant) + extra}
     gw = make_gateway(tmp_path, llm, embedder, tenants, router=router)
     return TestClient(create_app(gw)), gw
 
@@ -544,6 +544,30 @@ def test_a_narrow_arm_is_offered_at_the_budget_its_labels_were_made_at(tmp_path)
     assert list(arms) == [n for n in order if n in arms] and len(arms) >= 3
 
 
+def test_a_narrow_arm_labelled_on_selected_passages_is_offered_only_to_tenants_that_select(tmp_path, llm):
+    """At 192 tokens selected clauses hold the answer far more often than whole chunks, so a
+    narrow arm's chance of being right does not carry from one to the other."""
+    from pipeline import Pipeline, Query, Terms
+    from router.policy import Policy
+    from tests.test_gateway_support import PRICES
+    trained, _ = train(write_labels(tmp_path / "labels.jsonl", narrow="large@192"), HashEmbedder(), selection=True)
+    trained.save(tmp_path / "r.joblib")
+    model = RouterModel.load(tmp_path / "r.joblib")
+    assert model.selection is True
+    probs = {a.name: 0.1 if a.name == "small" else 0.9 for a in model.arms.arms}
+    dollars = {name: n for n, name in enumerate(probs)}      # cheapest first, as offered
+    policy = Policy("small", ("small", "large"), {"easy": 0, "medium": 0, "hard": 0}, 0.5, arm_margin=0.1)
+    unrecorded = RouterModel.load(tmp_path / "r.joblib")
+    unrecorded.selection = None               # an older router, which offers every arm it has
+    for router, selection, arm in ((model, True, "large@192"), (model, False, "large"),
+                                   (unrecorded, False, "large@192")):
+        pipeline = Pipeline(llm, PRICES, router=router, pair=("small", "large"))
+        r = pipeline.route(Terms("acme", policy, 512, 32, b"salt", selection), Query("q"), lambda: probs,
+                           lambda a: dollars[a.name])
+        assert r.arm == arm
+        assert ("no narrow arm: its labels read selected passages, this tenant's are whole" in r.reason) == \
+            (arm == "large" and not selection)
+
 def test_an_unsure_narrow_answer_is_asked_again_with_the_whole_context(tmp_path, llm, embedder):
     from dataclasses import replace
 
@@ -558,7 +582,8 @@ def test_an_unsure_narrow_answer_is_asked_again_with_the_whole_context(tmp_path,
     bodies, rows, widened = {}, {}, {}
     for widen, cached in ((True, True), (False, True), (True, False)):
         # Always large, the cheapest arm: large@256; threshold 1: every answer judged unsure.
-        client, gw = _client(tmp_path / f"w{widen}{cached}", llm, embedder, threshold=1.0,
+        # Whole passages, so that 75 tokens hold exactly one of them.
+        client, gw = _client(tmp_path / f"w{widen}{cached}", llm, embedder, threshold=1.0, selection=False,
                              router=RouterConfig(str(tmp_path / "router.joblib")),
                              extra=f'[router]\nclassifier_timeout_ms = 2000\narm_margin = 1.0\n'
                                    f'models = "always_large"\n'

@@ -19,7 +19,10 @@ def cmd_train_router(args, config) -> int:
         print(f"sluice train-router: --holdout must be at least 0 and below 1, got {args.holdout}", file=sys.stderr)
         return 2
     about = provenance(folders) if all((f / "run.json").exists() for f in folders) else {}
-    model, report = train(runs, Embedder(device="cpu"), context_budgets=budgets, holdout=args.holdout)
+    # Closed-book runs read no passages; the retrieved ones say how theirs were made.
+    selection = any(run["run"]["selection"] for run in about["labels"]) if about else None
+    model, report = train(runs, Embedder(device="cpu"), context_budgets=budgets, holdout=args.holdout,
+                          selection=selection)
     out = Path(args.out) if args.out else folders[0] / ROUTER_FILE
     command = " ".join(["sluice train-router", *args.folders,
                         *(["--context-curve", args.context_curve] if budgets else []),
