@@ -32,7 +32,8 @@ _shared: dict = {}
 
 def tenant_toml(key: str, *, rpm: int = 10_000, tpm: int = 10_000_000, cap: float = 1000.0, context: int = 400,
                 output: int = 32, allowed=("small", "large"), default: str = "small", salt: str | None = None,
-                thinking: int = 0, selection: bool = True) -> str:
+                thinking: int = 0, selection: bool | None = None) -> str:
+    """`selection`: the tenant's passage_selection; None: the default (on)."""
     digest = hashlib.sha256(key.encode()).hexdigest()
     return f"""
 api_key_sha256 = ["{digest}"]
@@ -40,7 +41,7 @@ allowed_models = [{", ".join(f'"{m}"' for m in allowed)}]
 default_model = "{default}"
 context_budget = {context}
 output_budget = {output}
-passage_selection = {str(selection).lower()}
+{"" if selection is None else f"passage_selection = {str(selection).lower()}"}
 prefix_cache_salt = "{salt or 'salt-' + key}"
 {f"[thinking_budget]{chr(10)}hard = {thinking}{chr(10)}" if thinking else ""}
 [limits]
