@@ -153,8 +153,8 @@ context-curve: $(VENV)/.installed
 # half (SQuAD:GSM8K 2:1), and the trained router's cascade run for real at the settings its
 # held-out labels chose (docs/router/heldout-sel-197.json): arm margin 0.2, the cheapest there
 # (107% of large-only quality at 43% of its expected dollars), and threshold 0.35, the widening
-# fit on whole chunks (the refit on selected contexts generated no large answers at 512 to fit
-# one again: docs/retrieval.md); for closed-book questions
+# fit on whole chunks (fitted again on selected contexts it is 0.14, not yet run for real:
+# docs/retrieval.md); for closed-book questions
 # margin 0.1, the cheapest reaching 95% of the best arm on held-out GSM8K labels
 # (docs/router/heldout-gsm8k-56.json). The best single arm on the
 # GSM8K part (large with 1,024 thinking tokens) beside it; eval budgets compares the arms, the
