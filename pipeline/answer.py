@@ -135,6 +135,8 @@ class Pipeline:
         # are the pair's, whatever the server calls them.
         self.arms: tuple[Arm, ...] = () if router is None or router.arms is None or pair is None else tuple(
             replace(a, model=dict(zip(("small", "large"), pair)).get(a.model, a.model)) for a in router.arms.arms)
+        # What it offers a tenant whose passages are selected (True) or whole (False).
+        self.offered = {s: tuple(a for a in self.arms if router.offers(a.name, s)) for s in (False, True)}
 
     @property
     def confidence(self) -> ConfidenceModel:
@@ -241,12 +243,12 @@ class Pipeline:
         elif self.pair is None:
             r = Route(terms.policy.default_model, "router not installed; tenant default", source="no_router")
         elif self.arms:
-            arms = tuple(a for a in self.arms if self.router.offers(a.name, terms.selection))
+            arms = self.offered[terms.selection]
             r = route_arms(terms.policy, arms, *self.pair, predict, arm_cost, frozenset(self.router.narrow), kind)
             if len(arms) < len(self.arms) and r.source == "arms":
-                read = "selected" if self.router.selection else "whole"
+                read, tenant = ("selected", "whole") if self.router.selection else ("whole", "selected")
                 r = replace(r, reason=f"{r.reason}; no narrow arm: its labels read {read} passages, this tenant's "
-                                      f"are {'selected' if terms.selection else 'whole'}")
+                                      f"are {tenant}")
         else:
             r = route(terms.policy, *self.pair, predict)
         if q.thinking_budget is not None and q.thinking_budget != r.thinking_budget:

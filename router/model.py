@@ -14,7 +14,7 @@ import joblib
 import numpy as np
 import sklearn
 
-from router.arms import ArmModel, ArmReport, train_arms
+from router.arms import ArmModel, ArmReport, parse_arm, train_arms
 from router.classifier import ClassifierReport, DifficultyClassifier, train_classifier
 from router.confidence import (
     ConfidenceModel,
@@ -56,7 +56,7 @@ class RouterModel:
     def offers(self, arm: str, selection: bool) -> bool:
         """Whether it may offer `arm` to a tenant whose passages are cut (`selection`) or whole:
         a narrow arm only where its contexts are made as its labels' were."""
-        return self.selection in (None, selection) or "@" not in arm
+        return self.selection in (None, selection) or parse_arm(arm).context_budget is None
 
     def save(self, path: str | Path, about: dict | None = None) -> None:
         """`about`: what made it (command, labels, weights, report), saved beside it as JSON."""
