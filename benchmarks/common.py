@@ -29,11 +29,11 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def memory_bandwidth_gbs() -> float:
-    """Read bandwidth: summing a 1 GiB float32 tensor, best of five."""
+def memory_bandwidth_gbs(repeats: int = 5) -> float:
+    """Read bandwidth: summing a 1 GiB float32 tensor, best of `repeats`."""
     x = torch.ones(2**28)
     x.sum()
-    return x.numel() * 4 / min(timed(x.sum) for _ in range(5)) / 1e9
+    return x.numel() * 4 / min(timed(x.sum) for _ in range(repeats)) / 1e9
 
 
 def write_results(path: Path, results: dict) -> None:

@@ -14,8 +14,18 @@ called from Python (cpu_step off), `step` a decode step's layers in one compiled
 (engine/cpu_step.py, the default). The two engines take turns, median of 3, all on the same
 threads.
 
+`--isa avx2` measures an AVX2-only host's code on any x86 host that has AVX2: llama.cpp built
+with `-DGGML_NATIVE=OFF` (ggml's portable set: AVX, AVX2, FMA, F16C, BMI2, no AVX-512), Sluice's
+kernels without VNNI (SLUICE_CPU_VNNI=0) and torch's own kernels held to AVX2
+(ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS). The instructions are an AVX2
+host's; the cores, caches and memory are this one's, so it tells the code paths apart, not the
+hosts.
+
 For each it prints tokens/s, the GB/s that reading the weights once per step implies, that as a
-share of the read bandwidth measured in the same run, and Sluice's ratio to llama.cpp; it writes
+share of the read bandwidth, and Sluice's ratio to llama.cpp. The bandwidth is sampled in every
+turn of a decode row, after the two engines, and the share taken of that row's median: on a
+shared host it moves (33 to 50 GB/s within a minute on a 2-core EPYC), so one figure from the
+run's start would misstate the rows after it; it writes
 benchmarks/results/cpu_decode_bench.json with the host's ISA. Where llama.cpp cannot be built it
 says why and exits 2: it never quotes figures from another run.
 """
@@ -43,6 +53,7 @@ from engine.config import EngineConfig, ModelEntry
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.worker import weight_bytes
+from kernels.cpu_build import vnni
 from models.store import cache_dir, resolve
 
 LLAMA_CPP_PYTHON = "0.3.36"      # the pinned sdist whose vendor/llama.cpp is built
@@ -50,16 +61,22 @@ TOOLS = ("llama-bench", "llama-batched-bench")
 console = Console(width=150)
 
 
-def llama_cpp() -> Path:
-    """The folder holding the built tools, building them the first time (about 15 minutes on 2
-    cores). Exits 2, saying why, where that cannot be done."""
+# An AVX2-only host's instruction sets, for Sluice's kernels and torch's (read when torch loads).
+AVX2_ENV = {"SLUICE_CPU_VNNI": "0", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+            "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+
+
+def llama_cpp(isa: str = "native") -> Path:
+    """The folder holding the tools built for `isa` ("native" or "avx2"), building them the first
+    time (about 15 minutes on 2 cores). Exits 2, saying why, where that cannot be done."""
     root = cache_dir() / "llama.cpp" / LLAMA_CPP_PYTHON
-    build, bin_dir = root / "build", root / "build" / "bin"
+    build = root / ("build" if isa == "native" else f"build-{isa}")
+    bin_dir = build / "bin"
     # A native build is for the CPU it was built on: a cache carried to another host would run
     # it with instructions that host lacks (a crash) or without those it has (a slow baseline).
     flags = sorted(next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
                          if line.startswith("flags")), []))
-    host = hashlib.sha256(" ".join(flags).encode()).hexdigest()[:16]
+    host = hashlib.sha256(" ".join(flags).encode()).hexdigest()[:16] if isa == "native" else isa
     stamp = build / "host-cpu-flags.sha256"
     if all((bin_dir / t).is_file() for t in TOOLS) and stamp.is_file() and stamp.read_text() == host:
         return bin_dir
@@ -82,7 +99,8 @@ def llama_cpp() -> Path:
                  f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(root)], "downloading the llama-cpp-python sdist")
         with tarfile.open(sdist) as tar:
             tar.extractall(root, filter="data")
-    run(["cmake", "-S", str(src), "-B", str(build), "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
+    native = "ON" if isa == "native" else "OFF"     # OFF: ggml's portable x86 set, AVX2 its widest
+    run(["cmake", "-S", str(src), "-B", str(build), f"-DGGML_NATIVE={native}", "-DLLAMA_CURL=OFF",
          "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
          "-DLLAMA_BUILD_SERVER=OFF"], "configuring llama.cpp")
     run(["cmake", "--build", str(build), "--target", *TOOLS, "-j", str(os.cpu_count() or 2)], "building llama.cpp")
@@ -154,12 +172,21 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512, help="prefill prompt tokens")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--isa", choices=["native", "avx2"], default="native",
+                    help="avx2: both engines on an AVX2-only host's instructions (above)")
     ap.add_argument("--out", type=Path, default=RESULTS / "cpu_decode_bench.json")
     args = ap.parse_args()
+    if args.isa == "avx2" and any(os.environ.get(k) != v for k, v in AVX2_ENV.items()):
+        if "avx2" not in Path("/proc/cpuinfo").read_text():
+            console.print("cpu_decode_bench: --isa avx2 needs a host with AVX2")
+            sys.exit(2)
+        # torch reads its ISA when it loads, and it is loaded by now: run again with it set.
+        os.execve(sys.executable, [sys.executable, *sys.argv], os.environ | AVX2_ENV)
     torch.set_num_threads(args.threads)
-    bin_dir = llama_cpp()
+    bin_dir = llama_cpp(args.isa)
     bandwidth = memory_bandwidth_gbs()
-    console.print(f"read bandwidth {bandwidth:.1f} GB/s, {args.threads} threads, ISA {machine()['isa']}")
+    console.print(f"read bandwidth {bandwidth:.1f} GB/s, {args.threads} threads, ISA {machine()['isa']}, "
+                  f"llama.cpp built {args.isa}")
     rows, rng = [], random.Random(0)
     for model in args.models:
         folder = resolve(model, progress=False)
@@ -176,10 +203,12 @@ def main() -> None:
             sluice_decode(engine, 1, 4, rng)                        # warm-up
             for what, batch in [("decode", b) for b in args.batches] + [("prefill", 1)]:
                 runs: dict[str, list[float]] = {"sluice": [], "llama.cpp": []}
+                read_gbs: list[float] = []
                 for _ in range(args.repeats):                       # turn about
                     if what == "decode":
                         runs["sluice"].append(sluice_decode(engine, batch, args.tokens, rng))
                         runs["llama.cpp"].append(llama_decode(bin_dir, gguf, args.threads, batch, args.tokens))
+                        read_gbs.append(memory_bandwidth_gbs(repeats=3))
                     else:
                         runs["sluice"].append(sluice_prefill(engine, args.prompt, rng))
                         runs["llama.cpp"].append(llama_prefill(bin_dir, gguf, args.threads, args.prompt))
@@ -190,26 +219,29 @@ def main() -> None:
                 rows.append({"model": name, "sluice_weights": quant, "cpu_kernels": compiled,
                              "llama_cpp_weights": "gguf as stored",
                              "what": what, "batch": batch, "tokens": args.tokens if what == "decode" else args.prompt,
-                             "tok_s": tok_s, "runs": runs, "gb_s": gb_s,
-                             "bandwidth_share": {k: v / bandwidth for k, v in gb_s.items()},
+                             "tok_s": tok_s, "runs": runs, "gb_s": gb_s, "read_bandwidth_gbs": read_gbs,
+                             "bandwidth_share": {k: v / statistics.median(read_gbs) for k, v in gb_s.items()},
                              "ratio": tok_s["sluice"] / tok_s["llama.cpp"]})
                 console.print(f"{name} {quant} (layer kernels {compiled}) {what} batch {batch}: "
                               f"Sluice {tok_s['sluice']:.1f} tok/s, "
                               f"llama.cpp {tok_s['llama.cpp']:.1f} ({rows[-1]['ratio']:.2f}x)")
             del engine
-    table = Table(title=f"CPU decode and prefill, Sluice against llama.cpp (read bandwidth {bandwidth:.1f} GB/s, "
-                        f"{args.threads} threads, {machine()['isa']})")
+    table = Table(title=f"CPU decode and prefill, Sluice against llama.cpp (shares of each row's read bandwidth; "
+                        f"{bandwidth:.1f} GB/s at the start, "
+                        f"{args.threads} threads, {machine()['isa']}, llama.cpp {args.isa})")
     for col in ("model", "Sluice weights", "layer kernels", "what", "batch", "Sluice tok/s", "GB/s (share)",
-                "llama.cpp tok/s", "GB/s (share)", "ratio"):
+                "llama.cpp tok/s", "GB/s (share)", "read GB/s", "ratio"):
         table.add_column(col)
     for r in rows:
         share = {k: f"{r['gb_s'][k]:.1f} ({r['bandwidth_share'][k]:.0%})" if r["gb_s"] else "" for k in r["tok_s"]}
+        read = f"{statistics.median(r['read_bandwidth_gbs']):.1f}" if r["read_bandwidth_gbs"] else ""
         table.add_row(r["model"], r["sluice_weights"], r["cpu_kernels"], r["what"], str(r["batch"]),
                       f"{r['tok_s']['sluice']:.1f}", share["sluice"], f"{r['tok_s']['llama.cpp']:.1f}",
-                      share["llama.cpp"], f"[bold]{r['ratio']:.2f}x[/]")
+                      share["llama.cpp"], read, f"[bold]{r['ratio']:.2f}x[/]")
     console.print(table)
     write_results(args.out, {"machine": machine() | {"read_bandwidth_gbs": bandwidth,
-                                                     "llama_cpp_python": LLAMA_CPP_PYTHON},
+                                                     "llama_cpp_python": LLAMA_CPP_PYTHON,
+                                                     "llama_cpp_build": args.isa, "cpu_vnni": vnni()},
                              "settings": {k: str(v) for k, v in vars(args).items()}, "rows": rows})
 
 
