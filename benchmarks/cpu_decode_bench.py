@@ -24,7 +24,7 @@ hosts.
 For each it prints tokens/s, the GB/s that reading the weights once per step implies, that as a
 share of the read bandwidth, and Sluice's ratio to llama.cpp. The bandwidth is sampled in every
 turn of a decode row, after the two engines, and the share taken of that row's median: on a
-shared host it moves (33 to 50 GB/s within a minute on a 2-core EPYC), so one figure from the
+shared host it moves (31 to 64 GB/s within one run on a 2-core EPYC), so one figure from the
 run's start would misstate the rows after it; it writes
 benchmarks/results/cpu_decode_bench.json with the host's ISA. Where llama.cpp cannot be built it
 says why and exits 2: it never quotes figures from another run.
@@ -177,7 +177,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=RESULTS / "cpu_decode_bench.json")
     args = ap.parse_args()
     if args.isa == "avx2" and any(os.environ.get(k) != v for k, v in AVX2_ENV.items()):
-        if "avx2" not in Path("/proc/cpuinfo").read_text():
+        if not torch.cpu._is_avx2_supported():
             console.print("cpu_decode_bench: --isa avx2 needs a host with AVX2")
             sys.exit(2)
         # torch reads its ISA when it loads, and it is loaded by now: run again with it set.
