@@ -196,7 +196,7 @@ class CausalLM(Module):
         return self.lm_head(hidden)
 
 
-def _fused_rows(cfg: ModelConfig) -> dict[str, tuple[str, int]]:
+def fused_rows(cfg: ModelConfig) -> dict[str, tuple[str, int]]:
     """Hugging Face projection name -> (fused name, first row) in this model's layout."""
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     return {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", q), "v_proj": ("qkv_proj", q + kv),
@@ -204,23 +204,26 @@ def _fused_rows(cfg: ModelConfig) -> dict[str, tuple[str, int]]:
 
 
 def load_model(folder: Path, cfg: ModelConfig | None = None, linear_weights: bool = True,
-               device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> CausalLM:
+               device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+               embedding: bool = True) -> CausalLM:
     """Build the model from a Hugging Face safetensors folder straight onto `device` in `dtype`,
     one tensor at a time (the host never holds a second copy of the model). Without
     `linear_weights` the Linears' weights are neither read nor allocated (they stay on "meta"):
     for a caller that swaps them for cached quantized ones, so a quantized model never reads
-    its float weights."""
+    its float weights; without `embedding`, the same for the token embedding."""
     cfg = cfg or ModelConfig.from_folder(folder)
     with torch.device("meta"):
         model = CausalLM(cfg)
+    skipped = lambda module, name: (name == "weight_t" and not linear_weights) or \
+        (module is model.embed_tokens and not embedding)
     for module in model.modules():
         for name, p in module.named_parameters(recurse=False):
-            if linear_weights or name != "weight_t":
+            if not skipped(module, name):
                 setattr(module, name, nn.Parameter(torch.empty(p.shape, device=device, dtype=dtype),
                                                    requires_grad=False))
     model.rotary = Rotary(cfg).to(device)  # its buffers were left empty on the meta device; float32 tables
     params = dict(model.named_parameters())
-    fused = _fused_rows(cfg)
+    fused = fused_rows(cfg)
     filled = dict.fromkeys(params, 0)   # output units loaded per parameter
 
     def put(name: str, tensor: torch.Tensor, first: int = 0) -> None:
@@ -242,7 +245,7 @@ def load_model(folder: Path, cfg: ModelConfig | None = None, linear_weights: boo
                 name = hf_name.removeprefix("model.")
                 parts = name.split(".")
                 linear = name.endswith(".weight") and (parts[-2] in fused or f"{name[:-7]}.weight_t" in params)
-                if linear and not linear_weights:
+                if (linear and not linear_weights) or (name == "embed_tokens.weight" and not embedding):
                     continue
                 tensor = f.get_tensor(hf_name)     # copy_ casts it to the model's dtype and device
                 if len(parts) >= 2 and parts[-2] in fused:
@@ -253,7 +256,7 @@ def load_model(folder: Path, cfg: ModelConfig | None = None, linear_weights: boo
                 if name == "embed_tokens.weight" and cfg.tie_embeddings and linear_weights:
                     put("lm_head.weight", tensor)
     missing = [n for n, p in params.items() if filled[n] != p.shape[1 if n.endswith("weight_t") else 0]
-               and (linear_weights or not n.endswith("weight_t"))]
+               and (linear_weights or not n.endswith("weight_t")) and (embedding or n != "embed_tokens.weight")]
     if missing:
         raise ValueError(f"{folder}: weights missing or incomplete for {missing[:5]}")
     return model.eval().requires_grad_(False)

@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from engine.model import CausalLM, Linear, Module
-from kernels import int4_matmul, int8_matmul, quant_matmul, quant_matmul_cpu
+from engine.model import CausalLM, Linear, Module, fused_rows
+from kernels import gguf_cpu, gguf_quant, int4_matmul, int8_matmul, quant_matmul, quant_matmul_cpu
 from kernels.cpu_build import vnni
 from kernels.quant_matmul import unpack_int4
 
@@ -226,6 +228,123 @@ def dot_rows_default() -> int:
     if quant_matmul_cpu.load() is not None:
         return 1
     return 4 if torch.cpu._is_vnni_supported() else 0
+
+
+log = logging.getLogger(__name__)
+
+
+class GGUFLinear(Module):
+    """A Linear on the GGUF's own quantized blocks, kept as stored (kernels/gguf_quant.py): no
+    float copy, no second quantization. `parts`: (type, uint8 [rows, row_bytes]) in output
+    order; a fused projection may mix types (the 0.5B's v rows are Q8_0, its q and k Q5_0), and
+    consecutive parts of one type are one tensor. On the CPU the compiled kernel computes every
+    row count on integer dot products (csrc/gguf_linear.cpp), so a row's output never depends on
+    the batch it is in; elsewhere the weights are dequantized a slice at a time."""
+
+    row_block = 1
+
+    def __init__(self, parts: list[tuple[str, torch.Tensor]], bias: torch.Tensor | None,
+                 device: torch.device | str = "cpu"):
+        super().__init__()
+        merged: list[tuple[str, torch.Tensor]] = []
+        for qtype, w in parts:
+            if merged and merged[-1][0] == qtype:
+                merged[-1] = (qtype, torch.cat([merged[-1][1], w]))
+            else:
+                merged.append((qtype, w))
+        self.types = [qtype for qtype, _ in merged]
+        for i, (_, w) in enumerate(merged):
+            self.register_buffer(f"w{i}", w.to(device).contiguous(), persistent=False)
+        self.register_buffer("bias", bias, persistent=False)
+        ops = gguf_cpu.load() if torch.device(device).type == "cpu" else None
+        self.compiled = None if ops is None else ops.gguf_linear.default
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = self._buffers
+        if self.compiled is not None and x.dtype == torch.float32:
+            ys = [self.compiled(x, b[f"w{i}"], gguf_quant.TYPES[t].id) for i, t in enumerate(self.types)]
+        else:
+            ys = [gguf_quant.gguf_matmul(x, b[f"w{i}"], t) for i, t in enumerate(self.types)]
+        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
+        return y if b["bias"] is None else y + b["bias"]
+
+    def rows(self, ids: torch.Tensor) -> GGUFLinear:
+        """This layer computing only the outputs `ids` (a copy of their blocks)."""
+        if len(self.types) != 1:
+            raise ValueError("rows() takes a layer of one type (the LM head)")
+        sub = copy.copy(self)
+        sub._buffers = {"w0": self.w0.index_select(0, ids),
+                        "bias": None if self.bias is None else self.bias.index_select(0, ids)}
+        return sub
+
+
+class GGUFEmbedding(Module):
+    """The token embedding read from its stored blocks: a lookup dequantizes only the rows it
+    reads (equal to the float table's rows to the bit); a tied LM head reads the same bytes."""
+
+    def __init__(self, qtype: str, w: torch.Tensor, dim: int, dtype: torch.dtype):
+        super().__init__()
+        self.qtype, self.dim, self.dtype = qtype, dim, dtype
+        self.register_buffer("weight", w, persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return gguf_quant.dequantize(self.weight.index_select(0, ids.flatten()), self.qtype, self.dim).to(
+            self.dtype).view(*ids.shape, self.dim)
+
+
+def apply_gguf(model: CausalLM, folder: Path, blocks: Path) -> CausalLM:
+    """Swap the model's Linears (and its embedding) for ones on the GGUF's own blocks (`blocks`,
+    models/convert.py's file: uint8 tensors named as the Hugging Face weights, their types in
+    its metadata). A tensor of a type no kernel reads serves in float32 from the folder's float
+    weights, with a warning naming it: slower, never wrong."""
+    device, dtype = model.norm.weight.device, model.norm.weight.dtype
+    fused = fused_rows(model.cfg)
+    with safe_open(blocks, framework="pt") as f:
+        types = f.metadata()
+        stored = set(f.keys())
+
+        def part(hf: str) -> tuple[str, torch.Tensor] | None:
+            if hf not in stored:
+                return None
+            if types[hf] not in gguf_quant.TYPES:
+                log.warning("%s: tensor %s is %s, which no kernel reads as stored; it serves in float32",
+                            folder, hf, types[hf])
+                return None
+            return types[hf], f.get_tensor(hf)
+
+        embed = part("model.embed_tokens.weight")
+        model.embed_tokens = GGUFEmbedding(*embed, model.cfg.hidden_size, dtype) if embed is not None else \
+            torch.nn.Embedding.from_pretrained(_float(folder, ["model.embed_tokens.weight"]).to(device, dtype))
+        for name, module in list(model.named_modules()):
+            if not isinstance(module, Linear):
+                continue
+            parent, _, child = name.rpartition(".")
+            sources = [f"model.{parent}.{hf}.weight" for hf, (into, _) in fused.items() if into == child] \
+                or ["lm_head.weight" if name == "lm_head" else f"model.{name}.weight"]
+            if name == "lm_head" and model.cfg.tie_embeddings:
+                sources = ["model.embed_tokens.weight"]
+            parts = [part(s) for s in sources]
+            if any(p is None for p in parts):
+                _float_weights(module, folder, sources, device, dtype)
+                continue
+            bias = None if module.bias is None else module.bias.data
+            setattr(model.get_submodule(parent) if parent else model, child, GGUFLinear(parts, bias, device))
+    return model
+
+
+def _float(folder: Path, names: list[str]) -> torch.Tensor:
+    """The folder's float weights `names`, concatenated along the rows."""
+    found = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            found |= {n: f.get_tensor(n) for n in names if n in f.keys()}
+    return torch.cat([found[n] for n in names])
+
+
+def _float_weights(module: Linear, folder: Path, sources: list[str], device, dtype) -> None:
+    """Fill a Linear left on the meta device with its float weights from the folder."""
+    module.weight_t = torch.nn.Parameter(_float(folder, sources).t().contiguous().to(device, dtype),
+                                         requires_grad=False)
 
 
 def quantize_tensors(model: CausalLM, mode: str, group: int) -> dict[str, torch.Tensor]:

@@ -13,10 +13,11 @@ from engine.config import EngineConfig, ModelConfig, ModelEntry, ThinkingConfig
 from engine.model import CausalLM, load_model
 from engine.model_runner import Device, ModelRunner
 from engine.prompter import Prompter
-from engine.quantize import QuantLinear, apply_quantization, dequant_rows_default, dot_rows_default
+from engine.quantize import QuantLinear, apply_gguf, apply_quantization, dequant_rows_default, dot_rows_default
 from engine.scheduler import Scheduler
 from engine.stop_checker import StopChecker
 from engine.tokenizer import Tokenizer
+from models import convert
 from models.store import derived_path, resolve
 
 
@@ -98,6 +99,14 @@ def load_workers(config: EngineConfig, progress: bool = True) -> dict[str, Worke
 def _load(entry: ModelEntry, progress: bool, device: Device) -> tuple[ModelConfig, CausalLM, Tokenizer]:
     folder = resolve(entry.source, progress=progress)
     cfg = ModelConfig.from_folder(folder)
+    if entry.quant == "gguf":
+        blocks = folder / convert.BLOCKS
+        if not blocks.is_file():
+            raise ValueError(f"model {entry.source!r}: quant \"gguf\" computes on a GGUF file's own blocks, and "
+                             f"{folder} was not converted from one; choose int8 or int4 for a float checkpoint")
+        model = load_model(folder, cfg, linear_weights=False, device=device.device, dtype=device.dtype,
+                           embedding=False)
+        return cfg, apply_gguf(model, folder, blocks), Tokenizer(folder)
     cache = derived_path(folder, f"{entry.quant}-g{entry.group_size}.safetensors")
     if entry.quant != "none" and not cache.exists():
         # Quantized once, from float32 weights on the host: one stored format, whatever device

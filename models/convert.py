@@ -1,7 +1,11 @@
-"""GGUF -> Hugging Face folder: config.json, model.safetensors (float32), tokenizer files.
+"""GGUF -> Hugging Face folder: config.json, model.safetensors (float32), tokenizer files, and
+gguf/blocks.safetensors, the file's own quantized blocks as they ship.
 
-The engine only reads Hugging Face folders; GGUF files (llama.cpp's format, how our pinned
-models ship) are converted once by `convert_gguf` and cached by models/store.py.
+The engine reads Hugging Face folders; GGUF files (llama.cpp's format, how our pinned models
+ship) are converted once by `convert_gguf` and cached by models/store.py. The float32 weights
+serve the float path and the int8/int4 quantizers; the blocks serve the `gguf` precision,
+which computes on the file's own quantization instead of quantizing its dequantized floats a
+second time (engine/quantize.py, on kernels/gguf_quant.py).
 Three things differ between the two formats and are undone here:
   * names: GGUF says `blk.3.attn_q.weight`, Hugging Face `model.layers.3.self_attn.q_proj.weight`;
   * shapes: GGUF lists dimensions fastest-first, so its [in, out] is numpy's (out, in);
@@ -155,42 +159,74 @@ def write_tokenizer(gguf_path: Path, out: Path, config: dict) -> None:
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False))
 
 
+BLOCKS = "gguf/blocks.safetensors"      # in a converted folder; a subfolder, so no *.safetensors glob reads it
+
+
+def read_gguf(gguf_path: Path) -> GGUFReader:
+    """The file's reader; a file that is not a GGUF, or is cut short, is an error naming it."""
+    try:
+        return GGUFReader(gguf_path)
+    except (ValueError, IndexError, EOFError, OSError) as e:
+        size = gguf_path.stat().st_size if gguf_path.exists() else 0
+        raise ValueError(f"{gguf_path} is not a readable GGUF file ({size:,} bytes; corrupt or truncated?): {e}") from e
+
+
+def block_tensors(reader: GGUFReader) -> list:
+    """The quantized 2-D tensors, in the file's order: all of them are kept as stored, and the
+    engine decides which types its kernels read (engine/quantize.py)."""
+    return [t for t in reader.tensors if t.tensor_type.name not in ("F32", "F16", "BF16") and len(t.shape) == 2]
+
+
 def convert_gguf(gguf_path: Path, out: Path, progress: bool = True) -> None:
     """Write a Hugging Face folder for `gguf_path` into the existing folder `out`."""
-    reader = GGUFReader(gguf_path)
+    reader = read_gguf(gguf_path)
     config = hf_config(reader)
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
 
+    def rows(tensor, w: np.ndarray) -> np.ndarray:
+        # Llama's q/k rows are reordered by llama.cpp's converter; a row holds whole blocks, so
+        # the same reordering applies to float rows and to rows of stored blocks.
+        part = tensor.name.split(".")[-2]
+        return unpermute(w, heads[part]) if config["model_type"] == "llama" and part in heads else w
+
     def load(tensor) -> np.ndarray:
         w = dequantize(tensor.data, tensor.tensor_type)
-        w = w.reshape([int(d) for d in reversed(tensor.shape)])
-        part = tensor.name.split(".")[-2]
-        if config["model_type"] == "llama" and part in heads:
-            w = unpermute(w, heads[part])
-        return w
+        return rows(tensor, w.reshape([int(d) for d in reversed(tensor.shape)]))
 
-    tensors = [(hf_name(t.name), [int(d) for d in reversed(t.shape)], t) for t in reader.tensors]
+    def load_blocks(tensor) -> np.ndarray:
+        return rows(tensor, np.asarray(tensor.data).reshape(int(tensor.shape[1]), -1))
+
+    tensors = [(hf_name(t.name), "F32", [int(d) for d in reversed(t.shape)], t) for t in reader.tensors]
     _write_safetensors(out / "model.safetensors", tensors, load, progress)
+    kept = block_tensors(reader)
+    (out / BLOCKS).parent.mkdir(exist_ok=True)
+    blocks = [(hf_name(t.name), "U8", [int(t.shape[1]), int(t.data.shape[-1])], t) for t in kept]
+    _write_safetensors(out / BLOCKS, blocks, load_blocks, progress,
+                       {hf_name(t.name): t.tensor_type.name for t in kept})
     (out / "config.json").write_text(json.dumps(config, indent=2))
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
     write_tokenizer(gguf_path, out, config)
 
 
-def _write_safetensors(path: Path, tensors: list, load, progress: bool) -> None:
-    """Stream float32 tensors into one safetensors file, dequantizing one at a time: the 1.5B model
-    is ~7 GB in float32, and safetensors' own writer wants every tensor in memory at once.
-    Format: u64 little-endian header size, JSON header (names, shapes, byte ranges), raw data."""
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for name, shape, _ in tensors:
-        size = 4 * prod(shape)
-        header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + size]}
+_NUMPY = {"F32": "<f4", "U8": "u1"}
+
+
+def _write_safetensors(path: Path, tensors: list, load, progress: bool, metadata: dict | None = None) -> None:
+    """Stream (name, dtype, shape, tensor) into one safetensors file, loading one at a time: the
+    1.5B model is ~7 GB in float32, and safetensors' own writer wants every tensor in memory at
+    once. Format: u64 little-endian header size, JSON header (names, shapes, byte ranges), raw data."""
+    header, offset = {"__metadata__": {"format": "pt", **(metadata or {})}}, 0
+    for name, dtype, shape, _ in tensors:
+        size = np.dtype(_NUMPY[dtype]).itemsize * prod(shape)
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
         offset += size
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data must start 8-byte aligned
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(raw)) + raw)
-        for name, shape, tensor in tqdm(tensors, desc="converting", unit="tensor", disable=not progress):
-            w = np.ascontiguousarray(load(tensor), dtype="<f4")
+        for name, dtype, shape, tensor in tqdm(tensors, desc=f"writing {path.name}", unit="tensor",
+                                               disable=not progress):
+            w = np.ascontiguousarray(load(tensor), dtype=_NUMPY[dtype])
             assert list(w.shape) == shape, (name, w.shape, shape)
             f.write(w.data)

@@ -60,7 +60,10 @@ DEFAULT_MODELS: dict[str, ModelSpec] = {
         "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
 }
 
-_DONE = ".sluice-complete"  # written last inside a converted folder: {"sha256": ..., "source": ...}
+_DONE = ".sluice-complete"  # written last inside a converted folder: {"sha256": ..., "source": ..., "layout": ...}
+# What a converted folder holds; a folder of an older layout is converted again. 2: the GGUF's own
+# quantized blocks beside the float32 weights (convert.BLOCKS).
+LAYOUT = 2
 _CHUNK = 1 << 20
 
 
@@ -101,7 +104,8 @@ def _resolve_default(name: str, spec: ModelSpec, progress: bool) -> Path:
         return out
     with _locked(name):  # a second process waits here, then finds the folder done
         if not _is_done(out, spec.sha256):
-            _convert(_fetch_gguf(name, spec, progress), out, {"sha256": spec.sha256, "source": name}, progress)
+            _convert(_fetch_gguf(name, spec, progress), out,
+                     {"sha256": spec.sha256, "source": name, "layout": LAYOUT}, progress)
     return out
 
 
@@ -200,7 +204,7 @@ def _resolve_gguf_file(path: Path, progress: bool) -> Path:
     """Converted folders are named by content; the marker also records the file's path, size and
     mtime, so an unchanged file is found again without re-hashing it."""
     stat = path.stat()
-    source = {"source": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    source = {"source": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "layout": LAYOUT}
     for marker in (cache_dir() / "models").glob(f"{path.stem}-*/{_DONE}"):
         if source.items() <= json.loads(marker.read_text()).items():
             return marker.parent
@@ -228,7 +232,10 @@ def _sha256(path: Path, progress: bool) -> str:
 
 def _is_done(folder: Path, sha256: str) -> bool:
     marker = folder / _DONE
-    return marker.is_file() and json.loads(marker.read_text()).get("sha256") == sha256
+    if not marker.is_file():
+        return False
+    done = json.loads(marker.read_text())
+    return done.get("sha256") == sha256 and done.get("layout") == LAYOUT
 
 
 def _convert(gguf_path: Path, out: Path, marker: dict, progress: bool) -> None:

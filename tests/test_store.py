@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGUFWriter
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import quantize
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config, Qwen3Config
@@ -145,8 +146,9 @@ def gguf_name(hf: str) -> str:
     return f"{GGUF_NAMES[base]}.{kind}"
 
 
-def write_tiny_gguf(arch: str, path: Path):
-    """A random tiny model, and the GGUF that llama.cpp's converter would write for it."""
+def write_tiny_gguf(arch: str, path: Path, quantized: dict[str, str] | None = None):
+    """A random tiny model, and the GGUF that llama.cpp's converter would write for it.
+    `quantized`: a 2-D weight whose name holds one of its keys is stored in that GGML type."""
     tokens, merges, types = tiny_vocab()
     config_class, extra = TINY[arch]
     config = config_class(
@@ -189,7 +191,12 @@ def write_tiny_gguf(arch: str, path: Path):
             a = permute(a, 4)
         if arch == "llama" and ".k_proj." in name:
             a = permute(a, 2)
-        w.add_tensor(gguf_name(name), a)  # numpy (out, in) is GGUF's [in, out]
+        kind = next((k for part, k in (quantized or {}).items() if part in name and a.ndim == 2), None)
+        if kind is None:
+            w.add_tensor(gguf_name(name), a)  # numpy (out, in) is GGUF's [in, out]
+        else:
+            qtype = GGMLQuantizationType[kind]
+            w.add_tensor(gguf_name(name), quantize(a, qtype), raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

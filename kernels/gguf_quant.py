@@ -1,0 +1,135 @@
+"""GGUF's own quantized blocks, read as stored: the reference twin.
+
+A GGUF tensor of a quantized type is `rows` rows of `cols / block` blocks, each block a few
+bytes of scales followed by packed small integers. The engine keeps those bytes as they ship
+(`uint8 [rows, row_bytes]`, see models/convert.py) instead of dequantizing them to float and
+quantizing the floats again, which would lose what the file's quantizer kept.
+
+Every type here is a sequence of units of 32 (Q6_K: 16) small integers `q` with one float scale
+and, for the asymmetric types, one float offset: `w = scale * q + offset`, computed in float32 in
+the order `gguf.quants.dequantize` computes it, so the twin is equal to it to the bit:
+
+    type   block bytes  unit  q                        scale          offset
+    Q8_0   32    34     32    int8                     d              -
+    Q5_0   32    22     32    5 bits - 16              d              -
+    Q4_1   32    20     32    4 bits                   d              m
+    Q4_K   256   144    32    4 bits                   d * sc (6 bit) -dmin * m (6 bit)
+    Q6_K   256   210    16    6 bits - 32              d * sc (int8)  -
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.quant_matmul import _block_sums, _dense, quantize_rows
+
+
+@dataclass(frozen=True)
+class BlockType:
+    name: str
+    id: int             # the compiled kernel's `type` (csrc/gguf_linear.cpp)
+    block: int          # weights per block
+    nbytes: int         # bytes per block
+    unit: int           # weights per scale
+
+
+TYPES = {t.name: t for t in (
+    BlockType("Q8_0", 0, 32, 34, 32),
+    BlockType("Q5_0", 1, 32, 22, 32),
+    BlockType("Q4_1", 2, 32, 20, 32),
+    BlockType("Q4_K", 3, 256, 144, 32),
+    BlockType("Q6_K", 4, 256, 210, 16),
+)}
+
+
+def row_bytes(qtype: str, cols: int) -> int:
+    t = TYPES[qtype]
+    if cols % t.block:
+        raise ValueError(f"{qtype} rows hold whole blocks of {t.block} weights; got {cols} columns")
+    return cols // t.block * t.nbytes
+
+
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    """Two little-endian bytes per value -> float32 (exact)."""
+    return b.contiguous().view(torch.float16).to(torch.float32)
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """[..., n] packed bytes -> [..., 2n]: the n low nibbles, then the n high ones (GGML's order)."""
+    return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
+
+
+def unpack(blocks: torch.Tensor, qtype: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`blocks` uint8 [n, nbytes] -> (q int8 [n, block / unit, unit], scale float32 [n, block / unit],
+    offset float32 [n, block / unit] or None): the integers and the unit scales the kernels read."""
+    n = blocks.shape[0]
+    if qtype == "Q8_0":
+        d, qs = blocks[:, :2], blocks[:, 2:]
+        return qs.contiguous().view(torch.int8).view(n, 1, 32), _f16(d), None
+    if qtype == "Q5_0":
+        d, qh, qs = blocks[:, :2], blocks[:, 2:6], blocks[:, 6:]
+        bits = torch.arange(32)
+        high = (qh[:, bits // 8] >> (bits % 8).to(torch.uint8)) & 1          # bit j of the LE uint32
+        q = (_nibbles(qs) | (high << 4)).to(torch.int8) - 16
+        return q.view(n, 1, 32), _f16(d), None
+    if qtype == "Q4_1":
+        d, m, qs = blocks[:, :2], blocks[:, 2:4], blocks[:, 4:]
+        return _nibbles(qs).to(torch.int8).view(n, 1, 32), _f16(d), _f16(m)
+    if qtype == "Q4_K":
+        d, dmin = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
+        s = blocks[:, 4:16].view(n, 3, 4)
+        lo, hi, both = s[:, 0], s[:, 1], s[:, 2]
+        sc = torch.cat([lo & 0x3F, (both & 0x0F) | ((lo >> 2) & 0x30)], dim=-1)
+        mn = torch.cat([hi & 0x3F, (both >> 4) | ((hi >> 2) & 0x30)], dim=-1)
+        # Four runs of 32 bytes: each gives a unit in its low nibbles, the next unit in its high ones.
+        q = _nibbles(blocks[:, 16:].reshape(n, 4, 32)).reshape(n, 8, 32).to(torch.int8)
+        return q, d * sc.to(torch.float32), -(dmin * mn.to(torch.float32))
+    if qtype == "Q6_K":
+        ql, qh, sc, d = blocks[:, :128], blocks[:, 128:192], blocks[:, 192:208], _f16(blocks[:, 208:210])
+        low = _nibbles(ql.reshape(n, 2, 64)).reshape(n, 8, 32)                  # halves of 128 weights
+        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
+        high = ((qh.reshape(n, 2, 1, 32) >> shifts) & 3).reshape(n, 8, 32)
+        q = (low | (high << 4)).to(torch.int8) - 32
+        return q.view(n, 16, 16), d * sc.contiguous().view(torch.int8).to(torch.float32), None
+    raise ValueError(f"no kernel reads GGUF type {qtype!r}; known: {', '.join(TYPES)}")
+
+
+def dequantize(w: torch.Tensor, qtype: str, cols: int) -> torch.Tensor:
+    """uint8 [rows, row_bytes] as stored -> float32 [rows, cols], equal to gguf.quants.dequantize."""
+    t = TYPES[qtype]
+    rows = w.shape[0]
+    if w.shape[1] != row_bytes(qtype, cols):
+        raise ValueError(f"{qtype} rows of {cols} weights take {row_bytes(qtype, cols)} bytes; got {w.shape[1]}")
+    q, scale, offset = unpack(w.reshape(-1, t.nbytes), qtype)
+    out = scale[..., None] * q.to(torch.float32)
+    if offset is not None:
+        out = out + offset[..., None]
+    return out.reshape(rows, cols)
+
+
+def gguf_int8_matmul(x: torch.Tensor, w: torch.Tensor, qtype: str) -> torch.Tensor:
+    """x float32 [M, K] @ the stored tensor w [N, row_bytes].T -> [M, N] by integer dot
+    products, as llama.cpp computes on its blocks: x quantized to int8 per block of 32
+    (`quantize_rows`), per unit the integer sum of its products with the weights' integers,
+    times the unit's scale and x's, plus the unit's offset times x's sum over the unit. The twin
+    of kernels/csrc/gguf_linear.cpp (which sums the units in float32, in another order)."""
+    t = TYPES[qtype]
+    (m, k), n = x.shape, w.shape[0]
+    q, scale, offset = unpack(w.reshape(-1, t.nbytes), qtype)
+    xq, x_scale = quantize_rows(x, 32)
+    per_unit = lambda v: v.double().repeat_interleave(32 // t.unit, dim=-1)  # x's scale for each unit
+    sums = _block_sums(xq, q.view(n, k), t.unit)                             # [M, N, K / unit]
+    y = sums * scale.view(n, -1).double()
+    if offset is not None:
+        x_sums = xq.view(m, k // t.unit, t.unit).double().sum(-1)
+        y = y + offset.view(n, -1).double() * x_sums[:, None]
+    return (y * per_unit(x_scale)[:, None]).sum(-1).to(x.dtype)
+
+
+def gguf_matmul(x: torch.Tensor, w: torch.Tensor, qtype: str) -> torch.Tensor:
+    """x [M, K] @ the stored tensor w [N, row_bytes].T over its weights dequantized a slice at a
+    time, in x's dtype: where no compiled kernel reads the blocks (CUDA, or a CPU without a
+    compiler), and the float reference the quantized kernels are measured against."""
+    k = x.shape[1]
+    return _dense(x, w.shape[0], k, lambda r0, r1: dequantize(w[r0:r1], qtype, k).to(x.dtype))
