@@ -32,14 +32,15 @@ class BlockType:
     block: int          # weights per block
     nbytes: int         # bytes per block
     unit: int           # weights per scale
+    act: int            # activations per int8 scale in the matmul: llama.cpp's q8_0 (32) or q8_K (256)
 
 
 TYPES = {t.name: t for t in (
-    BlockType("Q8_0", 0, 32, 34, 32),
-    BlockType("Q5_0", 1, 32, 22, 32),
-    BlockType("Q4_1", 2, 32, 20, 32),
-    BlockType("Q4_K", 3, 256, 144, 32),
-    BlockType("Q6_K", 4, 256, 210, 16),
+    BlockType("Q8_0", 0, 32, 34, 32, 32),
+    BlockType("Q5_0", 1, 32, 22, 32, 32),
+    BlockType("Q4_1", 2, 32, 20, 32, 32),
+    BlockType("Q4_K", 3, 256, 144, 32, 256),
+    BlockType("Q6_K", 4, 256, 210, 16, 256),
 )}
 
 
@@ -110,15 +111,15 @@ def dequantize(w: torch.Tensor, qtype: str, cols: int) -> torch.Tensor:
 
 def gguf_int8_matmul(x: torch.Tensor, w: torch.Tensor, qtype: str) -> torch.Tensor:
     """x float32 [M, K] @ the stored tensor w [N, row_bytes].T -> [M, N] by integer dot
-    products, as llama.cpp computes on its blocks: x quantized to int8 per block of 32
-    (`quantize_rows`), per unit the integer sum of its products with the weights' integers,
+    products, as llama.cpp computes on its blocks: x quantized to int8 per block of the type's
+    `act` values (`quantize_rows`), per unit the integer sum of its products with the weights' integers,
     times the unit's scale and x's, plus the unit's offset times x's sum over the unit. The twin
     of kernels/csrc/gguf_linear.cpp (which sums the units in float32, in another order)."""
     t = TYPES[qtype]
     (m, k), n = x.shape, w.shape[0]
     q, scale, offset = unpack(w.reshape(-1, t.nbytes), qtype)
-    xq, x_scale = quantize_rows(x, 32)
-    per_unit = lambda v: v.double().repeat_interleave(32 // t.unit, dim=-1)  # x's scale for each unit
+    xq, x_scale = quantize_rows(x, t.act)
+    per_unit = lambda v: v.double().repeat_interleave(t.act // t.unit, dim=-1)  # x's scale for each unit
     sums = _block_sums(xq, q.view(n, k), t.unit)                             # [M, N, K / unit]
     y = sums * scale.view(n, -1).double()
     if offset is not None:
