@@ -5,8 +5,9 @@ llama.cpp is built once from the sources vendored in the pinned llama-cpp-python
 built again on a host whose CPU flags differ):
 `llama-bench` for one sequence (decode of 64 tokens, prefill of a 512-token prompt) and
 `llama-batched-bench` for 8 sequences decoding together. Sluice runs the same models from the
-model store at int8 and int4, each on torch's packed op on bf16 activations (`int8`, `int4`) and
-on integer dot products on int8 activations (`int8-dot`, `int4-dot`: ModelEntry.dot_rows = 1);
+model store on the GGUF's own blocks (`gguf`: the same bytes llama.cpp reads), and at int8 and int4
+quantized from their float32 dequantization, each on torch's packed op on bf16 activations (`int8`,
+`int4`) and on integer dot products on int8 activations (`int8-dot`, `int4-dot`: ModelEntry.dot_rows = 1);
 prompts run on dequantized float32 weights wherever the stored format is kept (all but packed
 int4). `--cpu-kernels` picks how a layer's other kernels run, each setting its own engine: `off`
 their PyTorch twins (EngineConfig.cpu_kernels off), `on` the compiled ones of kernels/layer_cpu.py
@@ -164,8 +165,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"],
                     help="model store names, or .gguf files (benchmarks/random_gguf.py makes one of a model's shapes)")
-    ap.add_argument("--quants", nargs="+", default=["int8", "int8-dot", "int4", "int4-dot"],
-                    choices=["int8", "int8-dot", "int4", "int4-dot"])
+    ap.add_argument("--quants", nargs="+", default=["gguf", "int8-dot", "int4-dot"],
+                    choices=["gguf", "int8", "int8-dot", "int4", "int4-dot"])
     ap.add_argument("--cpu-kernels", nargs="+", default=["step"], choices=["off", "on", "step"])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     ap.add_argument("--tokens", type=int, default=64, help="decoded per sequence")

@@ -303,6 +303,7 @@ def apply_gguf(model: CausalLM, folder: Path, blocks: Path) -> CausalLM:
         types = f.metadata()
         stored = set(f.keys())
 
+        @functools.cache    # a tied head reads the embedding's own bytes, not a copy
         def part(hf: str) -> tuple[str, torch.Tensor] | None:
             if hf not in stored:
                 return None
@@ -310,7 +311,7 @@ def apply_gguf(model: CausalLM, folder: Path, blocks: Path) -> CausalLM:
                 log.warning("%s: tensor %s is %s, which no kernel reads as stored; it serves in float32",
                             folder, hf, types[hf])
                 return None
-            return types[hf], f.get_tensor(hf)
+            return types[hf], f.get_tensor(hf).to(device)
 
         embed = part("model.embed_tokens.weight")
         model.embed_tokens = GGUFEmbedding(*embed, model.cfg.hidden_size, dtype) if embed is not None else \

@@ -55,8 +55,11 @@ def weight_bytes(model: CausalLM, per_token: bool = False) -> int:
     if per_token:
         # int4 on dot products reads its zeros as zero * scale (zero_scales).
         unread = [m.zeros for m in model.modules() if getattr(m, "zero_scales", None) is not None]
-        total -= sum(t.numel() * t.element_size() for t in [*model.embed_tokens.parameters(),
-                                                            *model.rotary.buffers(), *unread])
+        # The embedding is read a row at a time, unless the head reads the same bytes (gguf, tied).
+        head = {t.data_ptr() for t in [*model.lm_head.parameters(), *model.lm_head.buffers()]}
+        unread += [t for t in [*model.embed_tokens.parameters(), *model.embed_tokens.buffers()]
+                   if t.data_ptr() not in head]
+        total -= sum(t.numel() * t.element_size() for t in [*model.rotary.buffers(), *unread])
     return total
 
 
