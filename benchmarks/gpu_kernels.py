@@ -9,6 +9,8 @@ batch, a prompt chunk), and which is fastest where.
     int8 dequant    the reference twin: the whole weight dequantized to bf16, then cuBLAS
     int4 tinygemm   torch._weight_int4pack_mm, the layout QuantLinear packs on CUDA
     int4 triton     kernels/quant_matmul_triton.py on the stored format
+    Q4_K triton ... kernels/gguf_quant_triton.py on a GGUF type's own blocks (random contents, the
+                    layer's shape; each type whose block divides the layer's input)
 
 Times are medians of CUDA-graph replays (launch overhead out, as in the engine's decode step)
 over copies of the layer that together exceed the L2 cache several times (a weight read from
@@ -34,8 +36,8 @@ from common import RESULTS, machine
 from rich.console import Console
 from rich.table import Table
 
-from engine.quantize import DEQUANT_ROWS, QuantLinear, quantize_int4, quantize_int8
-from kernels import quant_matmul
+from engine.quantize import DEQUANT_ROWS, GGUFLinear, QuantLinear, quantize_int4, quantize_int8
+from kernels import gguf_quant, quant_matmul
 
 console = Console(width=160)
 # (in, out) of each linear of a layer, and the LM head, for the served models.
@@ -64,6 +66,11 @@ def ways(w: torch.Tensor) -> dict[str, tuple[object, int]]:
         out["int4 tinygemm"] = (tiny, q4.nbytes + 2 * s4.nbytes)
     out["int4 triton"] = (QuantLinear("int4", int4, None, GROUP, packed=False, device="cuda"),
                           q4.nbytes + 2 * s4.nbytes)
+    for qtype in ("Q4_K", "Q6_K", "Q5_0", "Q8_0"):
+        if w.shape[1] % gguf_quant.TYPES[qtype].block == 0:
+            blocks = gguf_quant.random_blocks(qtype, *w.shape)
+            out[f"{qtype} triton"] = (GGUFLinear([(qtype, blocks)], None, device="cuda", triton_rows=1 << 30),
+                                      blocks.nbytes)
     return out
 
 

@@ -25,7 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from engine.model import CausalLM, Linear, Module, fused_rows
-from kernels import gguf_cpu, gguf_quant, int4_matmul, int8_matmul, quant_matmul, quant_matmul_cpu
+from kernels import gguf_cpu, gguf_matmul, gguf_quant, int4_matmul, int8_matmul, quant_matmul, quant_matmul_cpu
 from kernels.cpu_build import vnni
 from kernels.quant_matmul import unpack_int4
 
@@ -233,18 +233,26 @@ def dot_rows_default() -> int:
 log = logging.getLogger(__name__)
 
 
+# Up to how many rows a GGUF layer on CUDA runs the Triton kernel on its blocks; more (a prompt
+# chunk) multiply its weights dequantized. A first guess, which benchmarks/gpu_kernels.py's
+# "Q4_K triton" rows against "bf16" measure on a device.
+GGUF_TRITON_ROWS = 16
+
+
 class GGUFLinear(Module):
     """A Linear on the GGUF's own quantized blocks, kept as stored (kernels/gguf_quant.py): no
     float copy, no second quantization. `parts`: (type, uint8 [rows, row_bytes]) in output
     order; a fused projection may mix types (the 0.5B's v rows are Q8_0, its q and k Q5_0), and
     consecutive parts of one type are one tensor. On the CPU the compiled kernel computes every
     row count on integer dot products (csrc/gguf_linear.cpp), so a row's output never depends on
-    the batch it is in; elsewhere the weights are dequantized a slice at a time."""
+    the batch it is in. On CUDA the Triton kernel reads the blocks up to `triton_rows` rows (a
+    decode batch) and a prompt's rows multiply the weights dequantized; elsewhere the weights
+    are dequantized a slice at a time."""
 
     row_block = 1
 
     def __init__(self, parts: list[tuple[str, torch.Tensor]], bias: torch.Tensor | None,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", triton_rows: int = GGUF_TRITON_ROWS):
         super().__init__()
         merged: list[tuple[str, torch.Tensor]] = []
         for qtype, w in parts:
@@ -258,13 +266,15 @@ class GGUFLinear(Module):
         self.register_buffer("bias", bias, persistent=False)
         ops = gguf_cpu.load() if torch.device(device).type == "cpu" else None
         self.compiled = None if ops is None else ops.gguf_linear.default
+        self.triton_rows = triton_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b = self._buffers
         if self.compiled is not None and x.dtype == torch.float32:
             ys = [self.compiled(x, b[f"w{i}"], gguf_quant.TYPES[t].id) for i, t in enumerate(self.types)]
         else:
-            ys = [gguf_quant.gguf_matmul(x, b[f"w{i}"], t) for i, t in enumerate(self.types)]
+            matmul = gguf_matmul if x.shape[0] <= self.triton_rows else gguf_quant.gguf_matmul
+            ys = [matmul(x, b[f"w{i}"], t) for i, t in enumerate(self.types)]
         y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
         return y if b["bias"] is None else y + b["bias"]
 

@@ -31,16 +31,17 @@ class BlockType:
     id: int             # the compiled kernel's `type` (csrc/gguf_linear.cpp)
     block: int          # weights per block
     nbytes: int         # bytes per block
+    f16: tuple[int, ...]  # where a block keeps its float16 scales
     unit: int           # weights per scale
     act: int            # activations per int8 scale in the matmul: llama.cpp's q8_0 (32) or q8_K (256)
 
 
 TYPES = {t.name: t for t in (
-    BlockType("Q8_0", 0, 32, 34, 32, 32),
-    BlockType("Q5_0", 1, 32, 22, 32, 32),
-    BlockType("Q4_1", 2, 32, 20, 32, 32),
-    BlockType("Q4_K", 3, 256, 144, 32, 256),
-    BlockType("Q6_K", 4, 256, 210, 16, 256),
+    BlockType("Q8_0", 0, 32, 34, (0,), 32, 32),
+    BlockType("Q5_0", 1, 32, 22, (0,), 32, 32),
+    BlockType("Q4_1", 2, 32, 20, (0, 2), 32, 32),
+    BlockType("Q4_K", 3, 256, 144, (0, 2), 32, 256),
+    BlockType("Q6_K", 4, 256, 210, (208,), 16, 256),
 )}
 
 
@@ -134,3 +135,16 @@ def gguf_matmul(x: torch.Tensor, w: torch.Tensor, qtype: str) -> torch.Tensor:
     compiler), and the float reference the quantized kernels are measured against."""
     k = x.shape[1]
     return _dense(x, w.shape[0], k, lambda r0, r1: dequantize(w[r0:r1], qtype, k).to(x.dtype))
+
+
+def random_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    """Valid blocks of `qtype` with every integer field random and small finite float16 scales
+    (random bytes there could be NaN): uint8 [rows, row_bytes], for tests and for benchmarks at
+    a model's shapes."""
+    t = TYPES[qtype]
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (rows * cols // t.block, t.nbytes), dtype=torch.uint8, generator=g)
+    for at in t.f16:
+        scales = ((torch.rand(len(raw), 1, generator=g) - 0.5) * 0.04).to(torch.float16)
+        raw[:, at:at + 2] = scales.view(torch.uint8)
+    return raw.view(rows, -1)

@@ -20,20 +20,8 @@ from engine.quantize import GGUFLinear
 from kernels import gguf_cpu, gguf_quant
 from models import convert
 from models.store import StoreError, cache_dir, resolve
+from tests.test_kernels import needs_triton, triton_only
 from tests.test_store import tmp_cache, write_tiny_gguf
-
-# Where each type keeps its float16 scales: random bytes there could be NaN or infinite.
-F16_AT = {"Q8_0": (0,), "Q5_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,)}
-
-
-def random_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
-    """Valid blocks of `qtype` with every integer field random: uint8 [rows, row_bytes]."""
-    t = gguf_quant.TYPES[qtype]
-    rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, size=(rows * cols // t.block, t.nbytes), dtype=np.uint8)
-    for at in F16_AT[qtype]:
-        raw[:, at:at + 2] = rng.uniform(-0.02, 0.02, size=(len(raw), 1)).astype(np.float16).view(np.uint8)
-    return torch.from_numpy(raw.reshape(rows, -1))
 
 
 def compiled():
@@ -48,7 +36,7 @@ def compiled():
 
 @pytest.mark.parametrize("qtype", sorted(gguf_quant.TYPES))
 def test_dequantize_equals_gguf_to_the_bit(qtype):
-    w = random_blocks(qtype, 6, 512)
+    w = gguf_quant.random_blocks(qtype, 6, 512)
     ours = gguf_quant.dequantize(w, qtype, 512).numpy()
     theirs = gguf_dequantize(w.numpy(), GGMLQuantizationType[qtype]).reshape(6, 512)
     assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))
@@ -59,7 +47,7 @@ def test_compiled_kernel_matches_its_twin_and_is_batch_invariant(qtype):
     ops = compiled()
     t = gguf_quant.TYPES[qtype]
     n, k = 48, 768
-    w = random_blocks(qtype, n, k, seed=1)
+    w = gguf_quant.random_blocks(qtype, n, k, seed=1)
     x = torch.randn(64, k, generator=torch.Generator().manual_seed(2))
     x[3, 5] = 40.0                                  # an outlier: its block's scale, not the row's
     y = ops.gguf_linear(x, w, t.id)
@@ -76,7 +64,7 @@ def test_compiled_kernel_matches_its_twin_and_is_batch_invariant(qtype):
 
 def test_unknown_type_or_shape_is_refused():
     ops = compiled()
-    w = random_blocks("Q8_0", 4, 64)
+    w = gguf_quant.random_blocks("Q8_0", 4, 64)
     with pytest.raises(RuntimeError, match="unknown type"):
         ops.gguf_linear(torch.randn(1, 64), w, 9)
     with pytest.raises(RuntimeError, match="w uint8"):
@@ -183,3 +171,16 @@ def test_gguf_precision_on_a_float_checkpoint_is_refused(tmp_path):
     shutil.copy(resolve(str(tmp_path / "t.gguf"), progress=False) / "tokenizer.json", tmp_path / "hf")
     with pytest.raises(ValueError, match="int8 or int4"):
         LLMEngine(EngineConfig(models={"m": ModelEntry(str(tmp_path / "hf"), quant="gguf")}), progress=False)
+
+
+@triton_only
+@pytest.mark.parametrize("qtype", sorted(gguf_quant.TYPES))
+def test_triton_gguf_matmul_matches_its_reference(qtype):
+    """The GPU's kernel, interpreted on the CPU in float32, against the dense reference over the
+    same blocks dequantized; N not a multiple of the output tile, M not of the row tile."""
+    from kernels import gguf_quant_triton
+    w = gguf_quant.random_blocks(qtype, 40, 512, seed=3)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(4))
+    got, want = gguf_quant_triton.gguf_matmul(x, w, qtype, block_n=16), gguf_quant.gguf_matmul(x, w, qtype)
+    # float32 sums in another order: they differ in the fifth or sixth digit.
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * want.abs().max().item())

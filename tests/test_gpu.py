@@ -301,3 +301,15 @@ async def test_async_front_on_cuda_reports_cache_and_time_and_stops_cleanly(pair
             await t
     assert not gpu.requests and gpu.stats()["large"]["kv_blocks_free"] == total
     await front.stop()
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q5_0", "Q8_0", "Q4_1"])
+@pytest.mark.parametrize("M", [1, 8, 64])      # the Triton kernel up to GGUF_TRITON_ROWS, dequantized past
+def test_gguf_layers_on_cuda_match_the_cpu_reference(qtype, M):
+    from engine.quantize import GGUFLinear
+    from kernels import gguf_quant
+    w = gguf_quant.random_blocks(qtype, 1536, 1536)      # the 1.5B's o projection's shape
+    x = torch.randn(M, 1536)
+    want = gguf_quant.gguf_matmul(x, w, qtype)
+    got = GGUFLinear([(qtype, w)], None, device="cuda")(x.cuda().to(torch.bfloat16)).float().cpu()
+    assert ((got - want).norm() / want.norm()).item() < 0.01     # bf16 activations
