@@ -54,13 +54,25 @@ def unable() -> str | None:
     return None
 
 
-def compiler_error(message: str, lines: int = 30) -> str:
-    """The compiler's complaint out of the loader's message (which leads with ninja's long command
-    lines): from the first line that names an error, `lines` lines."""
+def compiler_error(message: str, lines: int = 40) -> str:
+    """The compiler's (or linker's) complaint out of the loader's message, which leads with ninja's
+    long command lines: what follows ninja's `FAILED:` line and the command it repeats, its first
+    `lines` lines; the whole message where there is none (a module that would not load, say)."""
     text = message.splitlines()
-    first = next((i for i, line in enumerate(text) if "error" in line and not line.startswith("Error building")),
-                 0)
-    return "\n".join(text[first:first + lines])
+    failed = next((i for i, line in enumerate(text) if line.startswith("FAILED:")), None)
+    return "\n".join(text if failed is None else text[failed + 2:failed + 2 + lines])
+
+
+def folder_name(name: str, sources: list[Path], flags: list[str], include: Path = CSRC) -> str:
+    """The build folder's name: `name` and a hash of the sources, every header in `include`, the
+    flags and where the sources are. Processes of two versions of Sluice on one host (a server kept
+    running through an upgrade), or of two checkouts (whose build files name their own paths),
+    would otherwise rebuild one folder in turn, and one could load the other's operators; an
+    edited header rebuilds every extension."""
+    digest = hashlib.sha256(" ".join([*flags, str(include.resolve())]).encode())
+    for path in [*sources, *sorted(include.glob("*.h"))]:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return f"{name}_{digest.hexdigest()[:12]}"
 
 
 def build(name: str, sources: list[Path], what: str, use_vnni: bool = False) -> bool:
@@ -79,25 +91,18 @@ def build(name: str, sources: list[Path], what: str, use_vnni: bool = False) -> 
     if use_vnni and vnni():
         flags += ["-mavx512vnni", "-mavx512vl", "-DSLUICE_VNNI"]
         isa = "AVX-512 VNNI"
-    # Named by a hash of the sources, every header, the flags and where the sources are: processes
-    # of two versions of Sluice on one host (a server kept running through an upgrade), or two
-    # checkouts (whose build files name their own paths), would otherwise rebuild one build folder
-    # in turn, and one could load the other's operators. A header edited rebuilds every extension.
-    digest = hashlib.sha256(" ".join(flags + [str(CSRC.resolve())]).encode())
-    for path in [*sources, *sorted(CSRC.glob("*.h"))]:
-        digest.update(path.name.encode() + b"\0" + path.read_bytes())
     record = Build(name, tuple(path.name for path in sources), isa)
     try:
         from torch.utils.cpp_extension import load
         if shutil.which("ninja") is None:     # the pinned ninja package's binary, off PATH in a bare venv
             import ninja
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-        load(f"{name}_{digest.hexdigest()[:12]}", [str(path) for path in sources], extra_cflags=flags,
+        load(folder_name(name, sources, flags), [str(path) for path in sources], extra_cflags=flags,
              extra_ldflags=["-fopenmp"], extra_include_paths=[str(CSRC)], is_python_module=False)
     except Exception as e:
         BUILDS[name] = replace(record, error=compiler_error(str(e)))
-        log.error("the compiled CPU kernels %s (%s) failed to build for %s; %s:\n%s", name,
-                  ", ".join(record.sources), isa, what, BUILDS[name].error)
+        log.error("the compiled CPU kernels %s (%s) failed to build for %s; %s: %s", name,
+                  ", ".join(record.sources), isa, what, e)
         return False
     BUILDS[name] = record
     return True
