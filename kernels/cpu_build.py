@@ -1,38 +1,39 @@
-"""Building the compiled CPU kernels (quant_matmul_cpu.py, layer_cpu.py): torch's C++ extension
-loader, once per host (a C++ compiler and ninja; about a minute on 2 cores, cached under
+"""Building the compiled CPU kernels: C++ sources under kernels/csrc/ (common.h shared, a .cpp per
+extension: quant_matmul.cpp, layer.cpp, decoder.cpp), compiled by torch's extension loader once per
+host (a C++ compiler and ninja; about a minute each on 2 cores, cached under
 ~/.cache/torch_extensions). Their operators register in torch's dispatcher as torch.ops.sluice.*:
-a few microseconds a call, and seen by the profiler under their names."""
+a few microseconds a call, and seen by the profiler under their names.
+
+Where the host cannot build them (no AVX2, no C++ compiler) the PyTorch twins serve, logged. A
+build that fails where the host can is a defect in the sources, not a host without kernels: it is
+logged as an error with the compiler's message, the twins serve, and BUILDS keeps the message for
+the tests to fail on (tests/conftest.py)."""
 from __future__ import annotations
 
 import hashlib
 import logging
 import os
 import shutil
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
 log = logging.getLogger(__name__)
-# What every source starts with: the includes, and a float32 vector's horizontal sum and max.
-PRELUDE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <immintrin.h>
-#include <cmath>
+CSRC = Path(__file__).parent / "csrc"       # the sources, and the include folder of their headers
 
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
-static inline float hmax(__m256 v) {
-    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_max_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-"""
+@dataclass(frozen=True)
+class Build:
+    """One extension's build in this process: for which instructions, and the compiler's message
+    where it failed."""
+    name: str
+    sources: tuple[str, ...]
+    isa: str                        # "AVX2" or "AVX-512 VNNI"
+    error: str | None = None
+
+
+BUILDS: dict[str, Build] = {}       # by extension name, as tried in this process
 
 
 def vnni() -> bool:
@@ -42,30 +43,66 @@ def vnni() -> bool:
     return torch.cpu._is_vnni_supported() and os.environ.get("SLUICE_CPU_VNNI", "1") != "0"
 
 
-def build(name: str, source: str, what: str, use_vnni: bool = False) -> bool:
-    """Compile and load PRELUDE + `source` as the extension `name` for AVX2 and FMA (and, with
-    `use_vnni` where `vnni()`, AVX-512 VNNI with SLUICE_VNNI defined); False (logged, naming
-    `what` falls back) where this host cannot."""
+def unable() -> str | None:
+    """Why this host cannot build the kernels, or None where it can: AVX2, and the C++ compiler
+    torch's loader runs ($CXX, else c++) on PATH."""
     if not torch.cpu._is_avx2_supported():
+        return "this CPU has no AVX2"
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler}) on PATH"
+    return None
+
+
+def compiler_error(message: str, lines: int = 40) -> str:
+    """The compiler's (or linker's) complaint out of the loader's message, which leads with ninja's
+    long command lines: what follows ninja's `FAILED:` line and the command it repeats, its first
+    `lines` lines; the whole message where there is none (a module that would not load, say)."""
+    text = message.splitlines()
+    failed = next((i for i, line in enumerate(text) if line.startswith("FAILED:")), None)
+    return "\n".join(text if failed is None else text[failed + 2:failed + 2 + lines])
+
+
+def folder_name(name: str, sources: list[Path], flags: list[str], include: Path = CSRC) -> str:
+    """The build folder's name: `name` and a hash of the sources, every header in `include`, the
+    flags and where the sources are. Processes of two versions of Sluice on one host (a server kept
+    running through an upgrade), or of two checkouts (whose build files name their own paths),
+    would otherwise rebuild one folder in turn, and one could load the other's operators; an
+    edited header rebuilds every extension."""
+    digest = hashlib.sha256(" ".join([*flags, str(include.resolve())]).encode())
+    for path in [*sources, *sorted(include.glob("*.h"))]:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return f"{name}_{digest.hexdigest()[:12]}"
+
+
+def build(name: str, sources: list[Path], what: str, use_vnni: bool = False) -> bool:
+    """Compile and load `sources` (with CSRC's headers) as the extension `name` for AVX2 and FMA
+    (and, with `use_vnni` where `vnni()`, AVX-512 VNNI with SLUICE_VNNI defined); False where it
+    is not built, logged, naming `what` falls back."""
+    reason = unable()
+    if reason:
+        log.warning("the compiled CPU kernels %s are not built here (%s); %s", name, reason, what)
         return False
+    # at::parallel_for is OpenMP inlined into the module: without -fopenmp it runs on one
+    # thread. No contraction: where a kernel is equal to its twin to the bit, a * b - c * d
+    # must round as PyTorch's separate operators do (the kernels' FMAs are written out).
+    flags = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]
+    isa = "AVX2"
+    if use_vnni and vnni():
+        flags += ["-mavx512vnni", "-mavx512vl", "-DSLUICE_VNNI"]
+        isa = "AVX-512 VNNI"
+    record = Build(name, tuple(path.name for path in sources), isa)
     try:
-        from torch.utils.cpp_extension import load_inline
+        from torch.utils.cpp_extension import load
         if shutil.which("ninja") is None:     # the pinned ninja package's binary, off PATH in a bare venv
             import ninja
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-        # at::parallel_for is OpenMP inlined into the module: without -fopenmp it runs on one
-        # thread. No contraction: where a kernel is equal to its twin to the bit, a * b - c * d
-        # must round as PyTorch's separate operators do (the kernels' FMAs are written out).
-        # Named by the source's and flags' hash: processes of two versions of Sluice on one host
-        # (a server kept running through an upgrade) would otherwise rebuild one build folder in
-        # turn, and one could load the other's operators.
-        flags = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]
-        if use_vnni and vnni():
-            flags += ["-mavx512vnni", "-mavx512vl", "-DSLUICE_VNNI"]
-        code = PRELUDE + source
-        digest = hashlib.sha256((code + " ".join(flags)).encode()).hexdigest()[:12]
-        load_inline(f"{name}_{digest}", [code], is_python_module=False, extra_cflags=flags, extra_ldflags=["-fopenmp"])
-        return True
-    except Exception as e:          # no compiler, no ninja: the PyTorch twins serve instead
-        log.warning("the compiled CPU kernels %s could not be built (%s); %s", name, e, what)
+        load(folder_name(name, sources, flags), [str(path) for path in sources], extra_cflags=flags,
+             extra_ldflags=["-fopenmp"], extra_include_paths=[str(CSRC)], is_python_module=False)
+    except Exception as e:
+        BUILDS[name] = replace(record, error=compiler_error(str(e)))
+        log.error("the compiled CPU kernels %s (%s) failed to build for %s; %s: %s", name,
+                  ", ".join(record.sources), isa, what, e)
         return False
+    BUILDS[name] = record
+    return True

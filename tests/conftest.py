@@ -12,6 +12,46 @@ torch.set_num_threads(2)
 TINY_VOCAB = 128
 
 
+# ---- the compiled CPU kernels: built once before any test, and a build that fails fails the run ----
+
+def pytest_sessionstart(session):
+    """Build (or load from the cache) every compiled CPU kernel, so that the header can say which
+    build runs and a broken one stops the run before any test could skip over it."""
+    from kernels import decoder_cpu, layer_cpu, quant_matmul_cpu
+    quant_matmul_cpu.load(), layer_cpu.load(), decoder_cpu.load()
+
+
+def _cpu_kernels_line() -> str:
+    from kernels import cpu_build
+    reason = cpu_build.unable()
+    if reason:
+        return f"compiled CPU kernels: none ({reason}); the PyTorch twins serve and their tests skip"
+    return "compiled CPU kernels: " + ", ".join(f"{b.name} {'FAILED to build' if b.error else 'built'} for {b.isa}"
+                                                for b in cpu_build.BUILDS.values())
+
+
+def pytest_report_header(config):
+    return _cpu_kernels_line()
+
+
+def pytest_terminal_summary(terminalreporter):
+    if terminalreporter.verbosity < 0:          # -q (make test) shows no header: say it here
+        terminalreporter.write_line(_cpu_kernels_line())
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection(session):
+    """On a host with AVX2 and a C++ compiler, a kernel that does not build is an error in its
+    source: the run fails here, naming it and the compiler's message, rather than every test of
+    it skipping as on a host without them."""
+    from kernels import cpu_build
+    failed = [b for b in cpu_build.BUILDS.values() if b.error]
+    if failed and cpu_build.unable() is None:
+        pytest.exit("\n".join(f"the compiled CPU kernel {b.name} ({', '.join(b.sources)}, {b.isa}) failed to build "
+                              f"on a host that can build it:\n{b.error}" for b in failed),
+                    returncode=pytest.ExitCode.TESTS_FAILED)
+
+
 def write_word_tokenizer(folder: Path, vocab_size: int) -> None:
     """A word-level tokenizer ("t0".."tN", "<eos>") so tiny models can take text prompts."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
