@@ -1,16 +1,17 @@
 """Decode steps on the CPU as one compiled call (kernels/decoder_cpu.py), where CUDA replays a
 graph: the same operators on the same tensors, without Python between them. It takes a step
-whose every token is a decode and whose every projection would run the integer kernels (or a
-float32 GEMM) at that many rows; any other step, and a model with layers it does not know
-(Qwen3's q/k norms, torch's packed or `_int_mm` matmuls), run CausalLM.forward."""
+whose every token is a decode and whose every projection would run the integer kernels (int8,
+int4 or a GGUF's own blocks; or a float32 GEMM) at that many rows; any other step, and a model
+with layers it does not know (Qwen3's q/k norms, torch's packed or `_int_mm` matmuls), run
+CausalLM.forward."""
 from __future__ import annotations
 
 import torch
 
 import kernels
 from engine.model import CausalLM, Linear, StepBatch
-from engine.quantize import QuantLinear
-from kernels import decoder_cpu, quant_matmul
+from engine.quantize import GGUFLinear, QuantLinear
+from kernels import decoder_cpu, gguf_quant, quant_matmul
 
 
 class CPUStep:
@@ -35,6 +36,12 @@ class CPUStep:
                     decoder.add_proj(0, proj.weight_t, None, None, proj.bias, 0)
                     continue
                 b = proj._buffers
+                if isinstance(proj, GGUFLinear):
+                    if proj.compiled is None:
+                        return None
+                    decoder.add_gguf_proj([b[f"w{i}"] for i in range(len(proj.types))],
+                                          [gguf_quant.TYPES[t].id for t in proj.types], b["bias"])
+                    continue
                 if not isinstance(proj, QuantLinear) or proj.dot is None or proj.dot is quant_matmul.int8_int8_matmul:
                     return None
                 if proj.mode == "int8":

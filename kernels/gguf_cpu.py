@@ -3,18 +3,15 @@ kernels/cpu_build.py; its twin is gguf_quant.py's `gguf_int8_matmul`."""
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import torch
 
-from kernels.cpu_build import build
-
-SOURCE = Path(__file__).parent / "csrc" / "gguf_linear.cpp"
+from kernels.cpu_build import CSRC, build
 
 
 @functools.cache
 def load():
     """torch.ops.sluice with `gguf_linear(x, w, type)`, or None where it cannot be built here."""
-    ok = build("sluice_gguf_linear", SOURCE.read_text(), "the gguf precision runs on dequantized weights",
+    ok = build("sluice_gguf_linear", [CSRC / "gguf_linear.cpp"], "the gguf precision runs on dequantized weights",
                use_vnni=True)
     return torch.ops.sluice if ok else None

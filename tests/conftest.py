@@ -17,8 +17,8 @@ TINY_VOCAB = 128
 def pytest_sessionstart(session):
     """Build (or load from the cache) every compiled CPU kernel, so that the header can say which
     build runs and a broken one stops the run before any test could skip over it."""
-    from kernels import decoder_cpu, layer_cpu, quant_matmul_cpu
-    quant_matmul_cpu.load(), layer_cpu.load(), decoder_cpu.load()
+    from kernels import decoder_cpu, gguf_cpu, layer_cpu, quant_matmul_cpu
+    quant_matmul_cpu.load(), layer_cpu.load(), decoder_cpu.load(), gguf_cpu.load()
 
 
 def _cpu_kernels_line() -> str:

@@ -17,9 +17,11 @@ static c10::TypedOperatorHandle<F> find(const char* name) {
 }
 
 struct Proj {
-    int64_t kind;                 // 0: float32 weight_t [K, N]; 1: int8 w [N, K]; 2: int4 w [N, K / 2]
+    int64_t kind;                 // 0: float32 weight_t [K, N]; 1: int8 w [N, K]; 2: int4 w [N, K / 2]; 3: gguf
     Tensor w, scales, zero_scales, bias;
     int64_t block;                // int8: activations per scale; int4: the group
+    std::vector<Tensor> parts;    // gguf: the stored blocks of each run of outputs of one type, in order
+    std::vector<int64_t> types;   // gguf: their types (gguf_linear.cpp's)
 };
 
 struct Decoder : torch::CustomClassHolder {
@@ -36,7 +38,14 @@ struct Decoder : torch::CustomClassHolder {
     void add_proj(int64_t kind, Tensor w, Optional scales, Optional zero_scales, Optional bias, int64_t block) {
         TORCH_CHECK(kind >= 0 && kind <= 2, "Decoder.add_proj: kind 0 (float32), 1 (int8) or 2 (int4)");
         projs.push_back({kind, w, scales.value_or(Tensor()), zero_scales.value_or(Tensor()),
-                         bias.value_or(Tensor()), block});
+                         bias.value_or(Tensor()), block, {}, {}});
+    }
+
+    // A projection on a GGUF's own blocks (engine/quantize.py's GGUFLinear): a fused q|k|v may
+    // mix types, each run of outputs its own call, as GGUFLinear.forward makes them.
+    void add_gguf_proj(std::vector<Tensor> parts, std::vector<int64_t> types, Optional bias) {
+        TORCH_CHECK(!parts.empty() && parts.size() == types.size(), "Decoder.add_gguf_proj: one type per part");
+        projs.push_back({3, Tensor(), Tensor(), Tensor(), bias.value_or(Tensor()), 0, parts, types});
     }
 
     void add_norm(Tensor w) { norms.push_back(w); }
@@ -53,8 +62,15 @@ struct Decoder : torch::CustomClassHolder {
         static auto int4 = find<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t)>(
             "sluice::int4_linear");
         if (p.kind == 0) return p.bias.defined() ? at::addmm(p.bias, x, p.w) : at::mm(x, p.w);
-        Tensor y = p.kind == 1 ? int8.call(x, p.w, p.scales, p.block)
-                               : int4.call(x, p.w, p.scales, p.zero_scales, p.block);
+        Tensor y;
+        if (p.kind == 3) {
+            static auto gguf = find<Tensor(const Tensor&, const Tensor&, int64_t)>("sluice::gguf_linear");
+            std::vector<Tensor> ys;
+            for (size_t i = 0; i < p.parts.size(); ++i) ys.push_back(gguf.call(x, p.parts[i], p.types[i]));
+            y = ys.size() == 1 ? ys[0] : at::cat(ys, 1);
+        } else {
+            y = p.kind == 1 ? int8.call(x, p.w, p.scales, p.block) : int4.call(x, p.w, p.scales, p.zero_scales, p.block);
+        }
         return p.bias.defined() ? y + p.bias : y;
     }
 
@@ -97,6 +113,7 @@ TORCH_LIBRARY_FRAGMENT(sluice, m) {
     m.class_<Decoder>("Decoder")
         .def(torch::init<int64_t, int64_t, int64_t, double, double>())
         .def("add_proj", &Decoder::add_proj)
+        .def("add_gguf_proj", &Decoder::add_gguf_proj)
         .def("add_norm", &Decoder::add_norm)
         .def("add_cache", &Decoder::add_cache)
         .def("decode", &Decoder::decode);

@@ -14,7 +14,13 @@
 // speculation's verify pass and plain decoding pick the same greedy tokens).
 // Twin: kernels/gguf_quant.py's `gguf_int8_matmul` (the same integer sums; float64 scaling).
 
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
 #include <cstring>
+
+#include "common.h"
 
 // F16C (every AVX2 x86 has it) converts the blocks' float16 scales in one instruction.
 #pragma GCC target("f16c")
