@@ -255,6 +255,8 @@ def test_an_answer_through_the_gateway_reaches_the_summary(seeded):
     assert after["requests"] == before["requests"] + 1
     assert after["cost"] == pytest.approx(before["cost"] + answer["cost"])
     assert after["tokens"]["completion"] == before["tokens"]["completion"] + 4
+    # /metrics counts the arm as the rollup does (not routed by arms: the answering model).
+    assert 'sluice_arm_answers_total{tenant="beta",arm="small"} 1' in client.get("/metrics").text
 
 
 def test_a_row_knows_no_answer_cache_yet_and_the_page_says_so(seeded):
