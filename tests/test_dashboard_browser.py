@@ -85,7 +85,8 @@ def test_the_page_in_chromium_shows_the_figures_without_console_errors(tmp_path,
         summary = httpx.get(f"{server.url}/v1/admin/summary?window=hour", headers=operator()).json()
         context = p.chromium.launch_persistent_context(
             str(tmp_path / "profile"), executable_path=CHROMIUM, headless=True, args=ARGS,
-            http_credentials={"username": "operator", "password": OPERATOR_KEY}, viewport={"width": 1400, "height": 900})
+            http_credentials={"username": "operator", "password": OPERATOR_KEY},
+            viewport={"width": 1400, "height": 900})
         try:
             page = context.new_page()
             page.on("console", lambda m: errors.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
