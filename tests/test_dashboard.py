@@ -127,6 +127,8 @@ def test_the_summary_adds_up_the_ledger_of_the_window(seeded):
     # The day holds the row from two hours ago too; one tenant's view holds only its own.
     day = client.get("/v1/admin/summary?window=day", headers=operator()).json()
     assert day["totals"]["requests"] == 12 and len(day["series"]) == 24
+    month = client.get("/v1/admin/summary?window=month", headers=operator()).json()
+    assert month["totals"] == day["totals"] and len(month["series"]) == 120 and month["bucket_s"] == 6 * 3600
     only = client.get("/v1/admin/summary?window=day&tenant=beta", headers=operator()).json()
     assert [f["tenant"] for f in only["tenants"]] == ["beta"] and only["totals"]["requests"] == 3
     # A past window: ending three hours ago, the last hour held nothing.
@@ -215,16 +217,21 @@ def test_the_rollup_matches_its_rows_on_every_database(ledger_at):
     ledger.db.write(rows[5:])             # a second batch adds to the same buckets
     start = int(now // 3600) * 3600 - 3 * 3600
     by_tenant: dict[str, list] = {}
-    for r in ledger.rollup(3600, start, start + 5 * 3600):
+    for r in ledger.totals(3600, start, start + 5 * 3600):
         by_tenant.setdefault(r.tenant, []).append(r)
     for tenant in ("alpha", "beta"):
         mine = [r for r in rows if r.tenant == tenant]
         assert sum(r.requests for r in by_tenant[tenant]) == len(mine)
         assert sum(r.cost for r in by_tenant[tenant]) == pytest.approx(sum(r.cost for r in mine))
         assert sum(r.completion_tokens for r in by_tenant[tenant]) == sum(r.completion_tokens for r in mine)
-    minutes = ledger.rollup(60, int(now // 60) * 60 - 3600, int(now // 60) * 60 + 60)
-    assert sum(r.requests for r in minutes) == len(rows) - 1          # not the one two hours ago
-    hist = ledger.latency(3600, start, start + 5 * 3600, "beta")
+    minute = int(now // 60) * 60
+    assert sum(r.requests for r in ledger.totals(60, minute - 3600, minute + 60)) == len(rows) - 1   # not 2 h ago
+    # Chart points of 10 minutes from minute buckets: requests, answered, billed.
+    points = ledger.series("series", 60, minute - 3600, minute + 60, 600, None)
+    assert all(t % 600 == 0 for t, *_ in points)
+    assert sum(p[1] for p in points) == len(rows) - 1 and sum(p[2] for p in points) == len(rows) - 3
+    assert sum(p[3] for p in points) == pytest.approx(sum(r.cost for r in rows if r.ts > now - 3600))
+    hist = ledger.series("latency", 3600, start, start + 5 * 3600, 3600, "beta")
     assert sum(n for _, kind, _, n in hist if kind == "total") == 3
     assert ledger.month_spend(rows[0].month)["beta"] == pytest.approx(sum(r.cost for r in rows if r.tenant == "beta"))
     ledger.close()
@@ -240,10 +247,10 @@ def test_an_older_ledger_gets_its_rollup_from_its_rows(tmp_path):
         db.execute("DROP TABLE latency")
     again = Ledger(path)
     start = int(now // 3600) * 3600 - 3 * 3600
-    assert sum(r.requests for r in again.rollup(3600, start, start + 5 * 3600)) == len(rows)
+    assert sum(r.requests for r in again.totals(3600, start, start + 5 * 3600)) == len(rows)
     assert len(again.rows()) == len(rows)
     Ledger(path)                                        # opened again: nothing is added twice
-    assert sum(r.requests for r in again.rollup(3600, start, start + 5 * 3600)) == len(rows)
+    assert sum(r.requests for r in again.totals(3600, start, start + 5 * 3600)) == len(rows)
 
 
 def test_an_answer_through_the_gateway_reaches_the_summary(seeded):

@@ -31,12 +31,12 @@ from litestar.params import Parameter
 from gateway.errors import ErrorBody, GatewayError
 from gateway.http import schemas as s
 from gateway.usage.limits import month_of
-from gateway.usage.rollup import RollupRow, percentile
+from gateway.usage.rollup import Totals, percentile
 from gateway.usage.rows import UsageRow
 from pipeline.prices import cost
 
-# window -> (seconds it spans, seconds a bucket spans)
-WINDOWS = {"hour": (3600, 60), "day": (86400, 3600), "month": (30 * 86400, 3600)}
+# window -> (seconds it spans, the rollup buckets it reads, seconds a chart point spans)
+WINDOWS = {"hour": (3600, 60, 60), "day": (86400, 3600, 3600), "month": (30 * 86400, 3600, 6 * 3600)}
 FUTURE_SLACK_S = 60          # clocks disagree a little; an `end` further ahead is refused
 SAVINGS_METHOD = ("Estimated, not measured: each request's tokens per engine call (a request the cascade answered "
                   "twice counts once: its tokens over its calls) priced at the large model's prices, against what "
@@ -94,8 +94,9 @@ def _iso(t: float) -> str:
     return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def window_bounds(window: str, end: str | None, now: float) -> tuple[int, int, int]:
-    """(start, end, bucket seconds): whole buckets, the last one holding `end` (default: now)."""
+def window_bounds(window: str, end: str | None, now: float) -> tuple[int, int, int, int]:
+    """(start, end, rollup grain, chart step): whole chart points, the last one holding `end`
+    (default: now)."""
     if window not in WINDOWS:
         raise GatewayError(422, f"query parameter 'window': expected one of {', '.join(WINDOWS)}, got {window!r}",
                            "window", "invalid_field")
@@ -110,20 +111,20 @@ def window_bounds(window: str, end: str | None, now: float) -> tuple[int, int, i
         if t > now + FUTURE_SLACK_S:
             raise GatewayError(422, f"query parameter 'end': {end} is in the future (the server's time is "
                                     f"{_iso(now)}); a window must have happened", "end", "in_future")
-    span, grain = WINDOWS[window]
-    stop = (int(t) // grain + 1) * grain
-    return stop - span, stop, grain
+    span, grain, step = WINDOWS[window]
+    stop = (int(t) // step + 1) * step
+    return stop - span, stop, grain, step
 
 
 class _Sums:
-    """One tenant's (or every tenant's) rollup rows added up."""
+    """Rollup totals (one tenant's, or every tenant's) added up."""
 
     def __init__(self):
         self.outcomes: dict[str, int] = defaultdict(int)
         self.arms: dict[str, int] = defaultdict(int)
         self.n = defaultdict(float)
 
-    def add(self, r: RollupRow) -> None:
+    def add(self, r: Totals) -> None:
         self.outcomes[r.status] += r.requests
         self.arms[r.arm] += r.requests
         for f in ("requests", "escalated", "widened", "cache_hits", "prompt_tokens", "cached_tokens",
@@ -178,19 +179,16 @@ async def summary_of(gateway, window: str, end: str | None, tenant: str | None) 
 
 def summarize(gateway, window: str, bounds: tuple[int, int, int], tenant: str | None, state: ProcessState,
               now: float) -> s.AdminSummary:
-    start, stop, grain = bounds
+    start, stop, grain, step = bounds
     ledger, config = gateway.ledger, gateway.config
     big = large_model(config)
     price = config.prices[big]
-    rows = [r for r in ledger.rollup(grain, start, stop) if tenant is None or r.tenant == tenant]
-
     per_tenant: dict[str, _Sums] = defaultdict(_Sums)
     everyone = _Sums()
-    buckets: dict[int, _Sums] = defaultdict(_Sums)
-    for r in rows:
-        per_tenant[r.tenant].add(r)
-        everyone.add(r)
-        buckets[r.bucket].add(r)
+    for r in ledger.totals(grain, start, stop):
+        if tenant is None or r.tenant == tenant:
+            per_tenant[r.tenant].add(r)
+            everyone.add(r)
     loaded = gateway.tenants.tenants
     names = [tenant] if tenant else sorted(set(loaded) | set(per_tenant))
     refused: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
@@ -212,17 +210,17 @@ def summarize(gateway, window: str, bounds: tuple[int, int, int], tenant: str | 
     hist: dict[int, dict[str, dict[int, int]]] = defaultdict(lambda: {"ttft": defaultdict(int),
                                                                      "total": defaultdict(int)})
     overall = {"ttft": defaultdict(int), "total": defaultdict(int)}
-    for bucket, kind, b, n in ledger.latency(grain, start, stop, tenant):
-        hist[bucket][kind][b] += n
+    for t, kind, b, n in ledger.series("latency", grain, start, stop, step, tenant):
+        hist[t][kind][b] += n
         overall[kind][b] += n
+    points = {r[0]: r[1:] for r in ledger.series("series", grain, start, stop, step, tenant)}
     pct = lambda counts: s.Percentiles(*(percentile(counts, q) for q in (50, 95, 99)))
     series = []
-    for b in range(start, stop, grain):
-        x, h = buckets.get(b), hist.get(b)
-        n = x.n if x else defaultdict(float)
+    for t in range(start, stop, step):
+        requests, ok, billed, *per_call = points.get(t, (0, 0, 0.0, 0.0, 0.0, 0.0))
+        h = hist.get(t)
         series.append(s.SeriesPoint(
-            b, int(n["requests"]), int(n["requests"] - (x.outcomes.get("ok", 0) if x else 0)), round(n["cost"], 6),
-            round(cost(price, n["call_prompt"], n["call_cached"], n["call_output"]), 6),
+            t, requests, requests - ok, round(billed, 6), round(cost(price, *per_call), 6),
             percentile(h["ttft"], 50) if h else None, percentile(h["total"], 50) if h else None,
             percentile(h["total"], 95) if h else None))
 
@@ -237,7 +235,7 @@ def summarize(gateway, window: str, bounds: tuple[int, int, int], tenant: str | 
                            if st["prefix_cache_queries"] else None)
               for m, st in sorted(state.engine.items())]
     return s.AdminSummary(
-        window, _iso(start), _iso(stop), grain, tenant, totals, tenants, arms,
+        window, _iso(start), _iso(stop), step, tenant, totals, tenants, arms,
         s.Savings(totals.cost, totals.large_alone_cost, totals.saved, saved_share, big, SAVINGS_METHOD),
         s.LatencyFigures(pct(overall["ttft"]), pct(overall["total"]), LATENCY_METHOD),
         state.queue, models, series,

@@ -427,9 +427,9 @@ class SeriesPoint(Struct):
 
 class AdminSummary(Struct):
     window: Window
-    start: str                     # ISO 8601 UTC; buckets are whole minutes (hour) or hours (day, month)
+    start: str                     # ISO 8601 UTC: whole series points, the last one holding `end`
     end: str
-    bucket_s: int
+    bucket_s: int                  # seconds a series point spans: 60 (hour), 3600 (day), 21600 (month)
     tenant: str | None             # the tenant asked for; None: all
     totals: TenantFigures
     tenants: list[TenantFigures]

@@ -19,7 +19,7 @@ from dataclasses import astuple
 from pathlib import Path
 
 from gateway.usage import rollup
-from gateway.usage.rollup import RollupRow
+from gateway.usage.rollup import Totals
 from gateway.usage.rows import COLUMNS, SELECT_ROWS, USAGE, USAGE_KEYS, Database, UsageRow
 
 log = logging.getLogger("sluice.ledger")
@@ -145,13 +145,13 @@ class SqliteDatabase:
         sql = SELECT_ROWS + (" WHERE tenant = ?" if tenant else "") + " ORDER BY id"
         return [_row(r) for r in self._reader().execute(sql, (tenant,) if tenant else ())]
 
-    def rollup(self, grain: int, start: int, end: int) -> list[RollupRow]:
-        sql = rollup.READ_ROLLUP.replace("%s", "?")
-        return [RollupRow(*r) for r in self._reader().execute(sql, (grain, start, end))]
+    def totals(self, grain: int, start: int, end: int) -> list[Totals]:
+        sql = rollup.READ_TOTALS.replace("%s", "?")
+        return [Totals(*r) for r in self._reader().execute(sql, (grain, start, end))]
 
-    def latency(self, grain: int, start: int, end: int, tenant: str | None = None) -> list[tuple]:
-        sql = rollup.READ_LATENCY.format(tenant="AND tenant = %s" if tenant else "").replace("%s", "?")
-        return self._reader().execute(sql, (grain, start, end) + ((tenant,) if tenant else ())).fetchall()
+    def series(self, kind: str, grain: int, start: int, end: int, step: int, tenant: str | None) -> list[tuple]:
+        sql, more = rollup.reads(kind, step, tenant)
+        return self._reader().execute(sql.replace("%s", "?"), (grain, start, end, *more)).fetchall()
 
     def month_spend(self, month: str) -> dict[str, float]:
         return dict(self._reader().execute(rollup.MONTH_SPEND.replace("%s", "?"), (month,)).fetchall())
@@ -291,13 +291,14 @@ class Ledger:
 
     # The operator's view (rollup.py): bounded reads of the running totals, never of `requests`.
 
-    def rollup(self, grain: int, start: int, end: int) -> list[RollupRow]:
-        """Every tenant's totals per bucket of `grain` seconds starting in [start, end)."""
-        return self.db.rollup(grain, start, end)
+    def totals(self, grain: int, start: int, end: int) -> list[Totals]:
+        """Every tenant's totals per arm and outcome over the buckets of `grain` seconds in [start, end)."""
+        return self.db.totals(grain, start, end)
 
-    def latency(self, grain: int, start: int, end: int, tenant: str | None = None) -> list[tuple]:
-        """(bucket, kind, bin, n) of the latency histograms in [start, end), over every tenant or one."""
-        return self.db.latency(grain, start, end, tenant)
+    def series(self, kind: str, grain: int, start: int, end: int, step: int, tenant: str | None = None) -> list[tuple]:
+        """Per point of `step` seconds: "series" (t, requests, answered, cost, prompt, cached and
+        output tokens per call) or "latency" (t, kind, bin, n), over every tenant or one."""
+        return self.db.series(kind, grain, start, end, step, tenant)
 
     def month_spend(self, month: str) -> dict[str, float]:
         """Each tenant's spend in a month, as the cap counts it."""

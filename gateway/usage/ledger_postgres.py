@@ -17,7 +17,7 @@ from dataclasses import astuple
 import psycopg
 
 from gateway.usage import rollup
-from gateway.usage.rollup import RollupRow
+from gateway.usage.rollup import Totals
 from gateway.usage.rows import COLUMNS, SELECT_ROWS, USAGE, USAGE_KEYS, UsageRow
 
 
@@ -136,12 +136,12 @@ class PostgresDatabase:
         sql = SELECT_ROWS + (" WHERE tenant = %s" if tenant else "") + " ORDER BY id"
         return [UsageRow(*r) for r in self._reader().execute(sql, (tenant,) if tenant else ())]
 
-    def rollup(self, grain: int, start: int, end: int) -> list[RollupRow]:
-        return [RollupRow(*r) for r in self._reader().execute(rollup.READ_ROLLUP, (grain, start, end))]
+    def totals(self, grain: int, start: int, end: int) -> list[Totals]:
+        return [Totals(*r) for r in self._reader().execute(rollup.READ_TOTALS, (grain, start, end))]
 
-    def latency(self, grain: int, start: int, end: int, tenant: str | None = None) -> list[tuple]:
-        sql = rollup.READ_LATENCY.format(tenant="AND tenant = %s" if tenant else "")
-        return self._reader().execute(sql, (grain, start, end) + ((tenant,) if tenant else ())).fetchall()
+    def series(self, kind: str, grain: int, start: int, end: int, step: int, tenant: str | None) -> list[tuple]:
+        sql, more = rollup.reads(kind, step, tenant)
+        return self._reader().execute(sql, (grain, start, end, *more)).fetchall()
 
     def month_spend(self, month: str) -> dict[str, float]:
         return dict(self._reader().execute(rollup.MONTH_SPEND, (month,)).fetchall())

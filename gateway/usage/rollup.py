@@ -53,11 +53,23 @@ ADD_ROLLUP = (f"INSERT INTO rollup({', '.join(KEY + SUMS)}) VALUES ({', '.join([
               + ", ".join(f"{c} = rollup.{c} + excluded.{c}" for c in SUMS))
 ADD_LATENCY = ("INSERT INTO latency(grain, bucket, tenant, kind, bin, n) VALUES (%s, %s, %s, %s, %s, %s) "
                "ON CONFLICT(grain, bucket, tenant, kind, bin) DO UPDATE SET n = latency.n + excluded.n")
-# Bounded by the primary keys' leading columns: one grain, a range of buckets.
-READ_ROLLUP = (f"SELECT bucket, tenant, arm, status, {', '.join(SUMS)} FROM rollup "
-               "WHERE grain = %s AND bucket >= %s AND bucket < %s")
-READ_LATENCY = ("SELECT bucket, kind, bin, CAST(sum(n) AS BIGINT) FROM latency "
-                "WHERE grain = %s AND bucket >= %s AND bucket < %s {tenant} GROUP BY bucket, kind, bin")
+# Every read is bounded by the primary keys' leading columns (one grain, a range of buckets)
+# and added up by the database, which hands back a few dozen rows, or one per chart point.
+# (PostgreSQL sums integers as numeric: cast back. `{tenant}` is "" or "AND tenant = %s".)
+_INT_SUMS = SUMS[:8]
+_total = lambda c: f"CAST(sum({c}) AS BIGINT)" if c in _INT_SUMS else f"sum({c})"
+RANGE = "grain = %s AND bucket >= %s AND bucket < %s"
+READ_TOTALS = (f"SELECT tenant, arm, status, {', '.join(map(_total, SUMS))} FROM rollup WHERE {RANGE} "
+               "GROUP BY tenant, arm, status")
+# Per chart point of `step` seconds: requests, answered (ok), billed, and the tokens per call
+# of what was billed (an engine failure is not).
+_billed = lambda c: f"sum(CASE WHEN status <> 'error' THEN {c} ELSE 0 END)"
+READ_SERIES = ("SELECT (bucket / {step}) * {step} AS t, CAST(sum(requests) AS BIGINT), "
+               "CAST(sum(CASE WHEN status = 'ok' THEN requests ELSE 0 END) AS BIGINT), sum(cost), "
+               f"{_billed('call_prompt')}, {_billed('call_cached')}, {_billed('call_output')} "
+               f"FROM rollup WHERE {RANGE} {{tenant}} GROUP BY t")
+READ_LATENCY = ("SELECT (bucket / {step}) * {step} AS t, kind, bin, CAST(sum(n) AS BIGINT) FROM latency "
+                f"WHERE {RANGE} {{tenant}} GROUP BY t, kind, bin")
 MONTH_SPEND = "SELECT tenant, cost FROM spend WHERE month = %s"
 
 
@@ -95,8 +107,8 @@ def fold(rows: list[UsageRow]) -> tuple[list[tuple], list[tuple]]:
 
 
 @dataclass
-class RollupRow:
-    bucket: int
+class Totals:
+    """One tenant's rows of one arm and outcome in a window, added up."""
     tenant: str
     arm: str
     status: str
@@ -112,6 +124,12 @@ class RollupRow:
     call_prompt: float
     call_cached: float
     call_output: float
+
+
+def reads(kind: str, step: int, tenant: str | None) -> tuple[str, tuple]:
+    """READ_SERIES or READ_LATENCY at chart points of `step` seconds, for one tenant or all."""
+    sql = {"series": READ_SERIES, "latency": READ_LATENCY}[kind]
+    return sql.format(step=int(step), tenant="AND tenant = %s" if tenant else ""), (tenant,) if tenant else ()
 
 
 def percentile(counts: dict[int, int], q: float) -> float | None:
