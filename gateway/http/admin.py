@@ -36,7 +36,7 @@ from gateway.usage.rows import UsageRow
 from pipeline.prices import cost
 
 # window -> (seconds it spans, the rollup buckets it reads, seconds a chart point spans)
-WINDOWS = {"hour": (3600, 60, 60), "day": (86400, 3600, 3600), "month": (30 * 86400, 3600, 6 * 3600)}
+WINDOWS = {"hour": (3600, 60, 60), "day": (86400, 3600, 3600), "month": (30 * 86400, 86400, 86400)}
 FUTURE_SLACK_S = 60          # clocks disagree a little; an `end` further ahead is refused
 SAVINGS_METHOD = ("Estimated, not measured: each request's tokens per engine call (a request the cascade answered "
                   "twice counts once: its tokens over its calls) priced at the large model's prices, against what "

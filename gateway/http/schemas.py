@@ -429,7 +429,7 @@ class AdminSummary(Struct):
     window: Window
     start: str                     # ISO 8601 UTC: whole series points, the last one holding `end`
     end: str
-    bucket_s: int                  # seconds a series point spans: 60 (hour), 3600 (day), 21600 (month)
+    bucket_s: int                  # seconds a series point spans: 60 (hour), 3600 (day), 86400 (month)
     tenant: str | None             # the tenant asked for; None: all
     totals: TenantFigures
     tenants: list[TenantFigures]

@@ -1,10 +1,10 @@
 """Running totals of the ledger by time bucket, for the operator's view (docs/gateway.md).
 
-Every committed row also adds itself, in the same transaction, to a minute bucket and an
-hour bucket of `rollup` (one row per tenant, arm and outcome) and of `latency` (a histogram
-of TTFT and total time per tenant). The dashboard then reads at most a few thousand rollup
-rows for any window, whatever the ledger holds: a month is 720 hour buckets, not every
-request of that month. Both databases (ledger.py, ledger_postgres.py) run this SQL; it is
+Every committed row also adds itself, in the same transaction, to a minute, an hour and a day
+bucket of `rollup` (one row per tenant, arm and outcome) and of `latency` (a histogram of
+TTFT and total time per tenant). The dashboard then reads at most a few thousand rows for
+any window, whatever the ledger holds: an hour is 60 minute buckets, a day 24 hour buckets,
+a month 30 day buckets, not every request of that month. Both databases (ledger.py, ledger_postgres.py) run this SQL; it is
 written with %s, PostgreSQL's placeholder, and SQLite's ? is substituted in.
 
 Dollars saved are estimated from the tokens, not stored: each row adds its tokens per engine
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from gateway.usage.rows import UsageRow
 
-GRAINS = (60, 3600)                 # seconds a bucket spans: minutes for an hour, hours for longer
+GRAINS = (60, 3600, 86400)          # seconds a bucket spans: minutes for an hour, hours for a day, days for a month
 # Latency bins grow by 25%: bin 0 is under 1 ms, bin k >= 1 holds [1.25^(k-1), 1.25^k) ms.
 # A percentile read from them is the bin's geometric middle, within 12% of the true value.
 BIN_RATIO = 1.25
