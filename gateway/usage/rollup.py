@@ -4,8 +4,9 @@ Every committed row also adds itself, in the same transaction, to a minute, an h
 bucket of `rollup` (one row per tenant, arm and outcome) and of `latency` (a histogram of
 TTFT and total time per tenant). The dashboard then reads at most a few thousand rows for
 any window, whatever the ledger holds: an hour is 60 minute buckets, a day 24 hour buckets,
-a month 30 day buckets, not every request of that month. Both databases (ledger.py, ledger_postgres.py) run this SQL; it is
-written with %s, PostgreSQL's placeholder, and SQLite's ? is substituted in.
+a month 30 day buckets, not every request of that month. Both databases (ledger.py,
+ledger_postgres.py) run this SQL; it is written with %s, PostgreSQL's placeholder, and
+SQLite's ? is substituted in.
 
 Dollars saved are estimated from the tokens, not stored: each row adds its tokens per engine
 call (a request the cascade answered twice counts once), and the reader prices those at the
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 
 from gateway.usage.rows import UsageRow
 
-GRAINS = (60, 3600, 86400)          # seconds a bucket spans: minutes for an hour, hours for a day, days for a month
+GRAINS = (60, 3600, 86400)          # seconds a bucket spans: minutes (an hour), hours (a day), days (a month)
 # Latency bins grow by 25%: bin 0 is under 1 ms, bin k >= 1 holds [1.25^(k-1), 1.25^k) ms.
 # A percentile read from them is the bin's geometric middle, within 12% of the true value.
 BIN_RATIO = 1.25
