@@ -10,11 +10,11 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[dev,triton,ray]'
 	touch $@
 
-.PHONY: run test lint test-slow test-ray services bench soak router context-curve eval-report thinking-table
+.PHONY: run test lint test-slow test-ray services browser dashboard-screenshot bench soak router context-curve eval-report thinking-table
 run: $(VENV)/.installed
 	$(VENV)/bin/sluice serve --demo
 
-test: $(VENV)/.installed services
+test: $(VENV)/.installed services browser
 	$(PY) -m pytest -q
 
 lint: $(VENV)/.installed
@@ -29,6 +29,18 @@ services:
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql redis-server; } \
 		|| echo "make services: could not install postgresql and redis-server; the shared-storage tests will skip"; \
 	fi
+
+# Debian's Chromium for tests/test_dashboard_browser.py (Playwright drives it; Playwright's own
+# browser download is not used). In CI (CI=true) that test fails rather than skips without it.
+browser:
+	@if ! command -v chromium >/dev/null; then \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } \
+		|| echo "make browser: could not install chromium; the browser test will skip (and fail where CI=true)"; \
+	fi
+
+# docs/dashboard.png: the browser test's screenshot of /dashboard over its seeded ledger.
+dashboard-screenshot: $(VENV)/.installed browser
+	SLUICE_DASHBOARD_SCREENSHOT=docs/dashboard.png $(PY) -m pytest -q tests/test_dashboard_browser.py
 
 test-slow: $(VENV)/.installed
 	$(PY) -m pytest -q -m slow

@@ -105,6 +105,9 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     limits: Annotated[str, msgspec.Meta(pattern=r"^(memory|rediss?://.*|unix://.+)$")] = "memory"
     max_body_bytes: Positive = 8 * 2**20
     replicas: ReplicaConfig = ReplicaConfig()
+    # The operator's view (/dashboard, /v1/admin/*): sha256 of the keys that open it, never a
+    # tenant's. Empty: the view is closed to everyone (401).
+    operator_key_sha256: list[Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]] = []
 
     def __post_init__(self) -> None:
         if self.replicas.min > self.replicas.max:

@@ -145,6 +145,8 @@ class GatewayMetrics:
         self.routes = r.add(Counter("sluice_route_decisions_total", "first-call routes by tenant, model, difficulty "
                                     "and what chose them (client, no_router, classifier, policy, fallback)",
                                     ("tenant", "model", "difficulty", "source")))
+        self.arms = r.add(Counter("sluice_arm_answers_total", "answers by tenant and the router's arm (not routed "
+                                  "by arms: the answering model)", ("tenant", "arm")))
         r.add(Sampled("sluice_escalation_rate", "escalated answers over all answers", (),
                       lambda: {(): self.escalations.values.get((), 0.0) / max(1.0, sum(self.answers.values.values()))}))
         self.latency = r.add(Histogram("sluice_request_seconds", "ask latency, arrival to last token", ("model",)))

@@ -352,6 +352,7 @@ class Gateway:
         m.passages.inc(tenant_id, "selected" if job.plan.terms.selection else "whole",
                        amount=len(job.plan.context.citations))
         m.routes.inc(tenant_id, calls[0][0] if calls else job.plan.route.model, d.difficulty or "none", d.source)
+        m.arms.inc(tenant_id, d.arm or model)         # as the ledger's rollup counts arms
         for name, *counts in calls:
             for kind, n in zip(("prompt", "cached", "completion"), counts[:3]):
                 m.tokens.inc(tenant_id, name, kind, amount=n)

@@ -46,7 +46,8 @@ def test_every_endpoint_documents_its_statuses_in_the_error_shape_it_sends(schem
         ("/v1/collections/{name}/documents/{doc_id}", "delete"): ["200", "401", "404", "422", "429", "503"],
         ("/v1/collections", "get"): ["200", "401", "429", "503"],
         ("/v1/usage", "get"): ["200", "401", "422", "429", "503"],
-        ("/healthz", "get"): ["200"], ("/readyz", "get"): ["200", "503"], ("/metrics", "get"): ["200"]}
+        ("/healthz", "get"): ["200"], ("/readyz", "get"): ["200", "503"], ("/metrics", "get"): ["200"],
+        ("/v1/admin/summary", "get"): ["200", "401", "403", "404", "422"]}
     for (path, method), codes in statuses.items():
         for code in codes:
             response = schema["paths"][path][method]["responses"][code]
@@ -141,6 +142,6 @@ def test_schemathesis_finds_nothing_in_the_served_schema(tmp_path, llm, embedder
     with capsys.disabled():                            # in CI's output, even under pytest -q
         print(f"\nschemathesis over the served schema ({wall:.0f} s):\n{summary}\n"
               f"{total} responses, {limited} rate-limited ({limited / total:.1%}):\n{table}")
-    assert "Tested: 10" in summary and "Selected: 10/10" in summary
-    assert len(by_operation) == 10 and limited < 0.2 * total
+    assert "Tested: 11" in summary and "Selected: 11/11" in summary
+    assert len(by_operation) == 11 and limited < 0.2 * total
     assert all(len(statuses) > statuses.count(429) for statuses in by_operation.values())

@@ -32,7 +32,9 @@ from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.errors import HANDLERS, GatewayError, body, clause, documented, explain, on_openai_error
 from gateway.http import schemas as s
+from gateway.http.admin import admin_summary
 from gateway.http.auth import authenticate, current_tenant
+from gateway.http.dashboard import dashboard
 from gateway.http.openapi import ASK_EVENTS, CHAT_EVENTS, make_truthful
 from gateway.metrics import CONTENT_TYPE
 from gateway.service import Done, Gateway, Meta, Token
@@ -360,7 +362,10 @@ def create_app(gateway: Gateway, banner: str | None = None, debug: bool = False)
                             description="A workload-aware RAG gateway. Authenticate with "
                                         "`Authorization: Bearer <key>`.",
                             components=Components(security_schemes={"bearer": SecurityScheme(
-                                type="http", scheme="bearer", description="the tenant's API key")}))
+                                type="http", scheme="bearer", description="the tenant's API key"),
+                                "operator": SecurityScheme(type="http", scheme="bearer",
+                                                           description="an operator key (the server config's "
+                                                                       "operator_key_sha256), never a tenant's")}))
     pending: set[asyncio.Task] = set()      # a task must be referenced until it is done
 
     async def start() -> None:
@@ -377,7 +382,8 @@ def create_app(gateway: Gateway, banner: str | None = None, debug: bool = False)
             return
         print(banner, flush=True)
 
-    app = Litestar([v1, healthz, readyz, metrics], on_startup=[start], on_shutdown=[gateway.stop],
+    operator = [admin_summary, dashboard]      # the operator's view (admin.py, dashboard.py)
+    app = Litestar([v1, healthz, readyz, metrics, *operator], on_startup=[start], on_shutdown=[gateway.stop],
                    exception_handlers=HANDLERS, openapi_config=openapi, middleware=[metrics_middleware],
                    request_max_body_size=gateway.config.max_body_bytes, state=State({"gateway": gateway}),
                    debug=debug)

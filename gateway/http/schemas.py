@@ -337,3 +337,106 @@ class Health(Struct):
     status: str
     detail: str | None = None
     models: list[str] = msgspec.field(default_factory=list)
+
+
+# ---------------------------------------------------------------- the operator's view
+# GET /v1/admin/summary (gateway/http/admin.py), and the /dashboard page drawn from it.
+
+Window = Literal["hour", "day", "month"]
+
+
+class Tokens(Struct):
+    prompt: int          # cached included
+    cached: int
+    completion: int      # thinking included
+    thinking: int
+
+
+class TenantFigures(Struct):
+    """One tenant's figures in the window (`tenant` "*": every tenant's together)."""
+    tenant: str
+    requests: int                  # that reached the engine (the ledger's rows)
+    answers: int                   # of those, answered in full (status ok)
+    outcomes: dict[str, int]       # ledger status (ok, cancelled, error, timeout) -> requests
+    refused: dict[str, int]        # HTTP status >= 400 -> responses, since this process started
+    cost: float                    # US dollars, as billed
+    large_alone_cost: float        # the same requests answered by the large model alone (estimated)
+    saved: float                   # large_alone_cost - cost
+    month_spend: float             # this calendar month (UTC), as the spend cap counts it
+    spend_cap: float | None        # the tenant file's monthly cap; None for a tenant no longer loaded
+    tokens: Tokens
+    arms: dict[str, int]           # arm (or the model, where not routed by arms) -> requests
+    escalations: int               # to another model
+    widenings: int                 # to the same model with a wider context
+    cache_hits: int                # answered from the answer cache
+
+
+class ArmShare(Struct):
+    arm: str
+    requests: int
+    share: float
+
+
+class Savings(Struct):
+    cost: float
+    large_alone_cost: float
+    saved: float
+    saved_share: float | None      # saved / large_alone_cost
+    large_model: str
+    method: str
+
+
+class Percentiles(Struct):
+    p50: float | None
+    p95: float | None
+    p99: float | None
+
+
+class LatencyFigures(Struct):
+    ttft_ms: Percentiles
+    total_ms: Percentiles
+    method: str
+
+
+class ModelState(Struct):
+    """Now, from the engine (as /metrics reads it)."""
+    model: str
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    kv_used_share: float | None
+    prefix_cache_hit_share: float | None    # full blocks found cached over looked up, since start
+
+
+class QueueState(Struct):
+    inflight: int        # holding an engine slot
+    queued: int          # waiting for one
+
+
+class SeriesPoint(Struct):
+    start: int           # unix seconds the bucket starts
+    requests: int
+    errors: int          # status other than ok
+    cost: float
+    large_alone_cost: float
+    ttft_p50_ms: float | None
+    total_p50_ms: float | None
+    total_p95_ms: float | None
+
+
+class AdminSummary(Struct):
+    window: Window
+    start: str                     # ISO 8601 UTC: whole series points, the last one holding `end`
+    end: str
+    bucket_s: int                  # seconds a series point spans: 60 (hour), 3600 (day), 86400 (month)
+    tenant: str | None             # the tenant asked for; None: all
+    totals: TenantFigures
+    tenants: list[TenantFigures]
+    arms: list[ArmShare]
+    savings: Savings
+    latency: LatencyFigures
+    queue: QueueState
+    models: list[ModelState]
+    series: list[SeriesPoint]
+    answer_cache: bool             # whether the ledger records answer-cache hits

@@ -18,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import astuple
 from pathlib import Path
 
+from gateway.usage import rollup
+from gateway.usage.rollup import Totals
 from gateway.usage.rows import COLUMNS, SELECT_ROWS, USAGE, USAGE_KEYS, Database, UsageRow
 
 log = logging.getLogger("sluice.ledger")
@@ -52,6 +54,8 @@ CREATE TABLE IF NOT EXISTS spend(
 INSERT = f"INSERT INTO requests({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
 ADD_SPEND = ("INSERT INTO spend(tenant, month, cost) VALUES (?, ?, ?) "
              "ON CONFLICT(tenant, month) DO UPDATE SET cost = cost + excluded.cost")
+ADD_ROLLUP, ADD_LATENCY = (q.replace("%s", "?") for q in (rollup.ADD_ROLLUP, rollup.ADD_LATENCY))
+BACKFILL_BATCH = 10_000
 
 
 class SqliteDatabase:
@@ -70,6 +74,32 @@ class SqliteDatabase:
         db.close()
         self._local = threading.local()          # one reading connection per thread
         self._writer: sqlite3.Connection | None = None
+        self._add_rollups()
+
+    def _add_rollups(self) -> None:
+        """The operator view's running totals; a ledger written before them gets them from
+        its rows, once, in the transaction that creates them."""
+        db = self._connect()
+        try:
+            db.execute("BEGIN IMMEDIATE")       # two processes opening one ledger backfill it once
+            if db.execute("SELECT 1 FROM sqlite_master WHERE name = 'rollup'").fetchone():
+                return
+            for statement in rollup.TABLES.split(";")[:-1]:
+                db.execute(statement)
+            cursor = db.execute(SELECT_ROWS + " ORDER BY id")
+            while batch := cursor.fetchmany(BACKFILL_BATCH):
+                self._add_to_rollups(db, [_row(r) for r in batch])
+            db.execute("COMMIT")
+        finally:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            db.close()
+
+    @staticmethod
+    def _add_to_rollups(db: sqlite3.Connection, rows: list[UsageRow]) -> None:
+        sums, counts = rollup.fold(rows)
+        db.executemany(ADD_ROLLUP, sums)
+        db.executemany(ADD_LATENCY, counts)
 
     def _connect(self) -> sqlite3.Connection:
         db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=30)
@@ -90,6 +120,7 @@ class SqliteDatabase:
             for row in rows:
                 db.execute(INSERT, astuple(row))
                 db.execute(ADD_SPEND, (row.tenant, row.month, row.cost))
+            self._add_to_rollups(db, rows)
             db.execute("COMMIT")
         except BaseException:
             if db.in_transaction:
@@ -112,8 +143,23 @@ class SqliteDatabase:
 
     def rows(self, tenant: str | None = None) -> list[UsageRow]:
         sql = SELECT_ROWS + (" WHERE tenant = ?" if tenant else "") + " ORDER BY id"
-        return [UsageRow(*r[:-3], bool(r[-3]), *r[-2:])
-                for r in self._reader().execute(sql, (tenant,) if tenant else ())]
+        return [_row(r) for r in self._reader().execute(sql, (tenant,) if tenant else ())]
+
+    def totals(self, grain: int, start: int, end: int) -> list[Totals]:
+        sql = rollup.READ_TOTALS.replace("%s", "?")
+        return [Totals(*r) for r in self._reader().execute(sql, (grain, start, end))]
+
+    def series(self, kind: str, grain: int, start: int, end: int, step: int, tenant: str | None) -> list[tuple]:
+        sql, more = rollup.reads(kind, step, tenant)
+        return self._reader().execute(sql.replace("%s", "?"), (grain, start, end, *more)).fetchall()
+
+    def month_spend(self, month: str) -> dict[str, float]:
+        return dict(self._reader().execute(rollup.MONTH_SPEND.replace("%s", "?"), (month,)).fetchall())
+
+
+def _row(r: tuple) -> UsageRow:
+    """A requests row as read from SQLite, where `escalated` is stored as 0 or 1."""
+    return UsageRow(*r[:-3], bool(r[-3]), *r[-2:])
 
 
 def open_database(where: str | Path, synchronous: str = "NORMAL") -> Database:
@@ -242,6 +288,21 @@ class Ledger:
 
     def rows(self, tenant: str | None = None) -> list[UsageRow]:
         return self.db.rows(tenant)
+
+    # The operator's view (rollup.py): bounded reads of the running totals, never of `requests`.
+
+    def totals(self, grain: int, start: int, end: int) -> list[Totals]:
+        """Every tenant's totals per arm and outcome over the buckets of `grain` seconds in [start, end)."""
+        return self.db.totals(grain, start, end)
+
+    def series(self, kind: str, grain: int, start: int, end: int, step: int, tenant: str | None = None) -> list[tuple]:
+        """Per point of `step` seconds: "series" (t, requests, answered, cost, prompt, cached and
+        output tokens per call) or "latency" (t, kind, bin, n), over every tenant or one."""
+        return self.db.series(kind, grain, start, end, step, tenant)
+
+    def month_spend(self, month: str) -> dict[str, float]:
+        """Each tenant's spend in a month, as the cap counts it."""
+        return self.db.month_spend(month)
 
 
 def _settle(done: asyncio.Future, error: Exception | None) -> None:

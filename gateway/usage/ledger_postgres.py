@@ -11,13 +11,27 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import astuple
 
 import psycopg
 
+from gateway.usage import rollup
+from gateway.usage.rollup import Totals
 from gateway.usage.rows import COLUMNS, SELECT_ROWS, USAGE, USAGE_KEYS, UsageRow
 
-MIGRATIONS: list[tuple[int, list[str]]] = [
+
+def _backfill_rollups(db: psycopg.Connection) -> None:
+    """The operator view's running totals of the rows written before they existed."""
+    with db.cursor(name="backfill") as rows, db.cursor() as out:
+        rows.execute(SELECT_ROWS + " ORDER BY id")
+        while batch := rows.fetchmany(10_000):
+            sums, counts = rollup.fold([UsageRow(*r) for r in batch])
+            out.executemany(rollup.ADD_ROLLUP, sums)
+            out.executemany(rollup.ADD_LATENCY, counts)
+
+
+MIGRATIONS: list[tuple[int, list[str | Callable[[psycopg.Connection], None]]]] = [
     (1, ["""CREATE TABLE requests(
             id BIGSERIAL PRIMARY KEY,
             request_id TEXT NOT NULL UNIQUE,
@@ -42,6 +56,7 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
          """CREATE TABLE spend(tenant TEXT NOT NULL, month TEXT NOT NULL, cost DOUBLE PRECISION NOT NULL,
             PRIMARY KEY(tenant, month))"""]),
     (2, ["ALTER TABLE requests ADD COLUMN arm TEXT"]),          # the router's arm; NULL: not routed by arms
+    (3, [*rollup.TABLES.split(";")[:-1], _backfill_rollups]),   # the operator view's running totals
 ]
 MIGRATION_LOCK = 0x511CE                 # the pg_advisory_lock key migrations hold
 INSERT = f"INSERT INTO requests({', '.join(COLUMNS)}) VALUES ({', '.join(['%s'] * len(COLUMNS))})"
@@ -63,7 +78,7 @@ def migrate(url: str) -> list[int]:
                     continue
                 with db.transaction():
                     for sql in statements:
-                        db.execute(sql)
+                        sql(db) if callable(sql) else db.execute(sql)
                     db.execute("INSERT INTO sluice_schema_migrations(version) VALUES (%s)", (version,))
                 applied.append(version)
         finally:
@@ -99,6 +114,9 @@ class PostgresDatabase:
         with self._writer.transaction(), self._writer.cursor() as cur:
             cur.executemany(INSERT, [astuple(row) for row in rows])
             cur.executemany(ADD_SPEND, [(t, m, c) for (t, m), c in sorted(spend.items())])
+            sums, counts = rollup.fold(rows)          # sorted by key, like the spend rows
+            cur.executemany(rollup.ADD_ROLLUP, sums)
+            cur.executemany(rollup.ADD_LATENCY, counts)
 
     def close_writer(self) -> None:
         if self._writer is not None:
@@ -117,3 +135,13 @@ class PostgresDatabase:
     def rows(self, tenant: str | None = None) -> list[UsageRow]:
         sql = SELECT_ROWS + (" WHERE tenant = %s" if tenant else "") + " ORDER BY id"
         return [UsageRow(*r) for r in self._reader().execute(sql, (tenant,) if tenant else ())]
+
+    def totals(self, grain: int, start: int, end: int) -> list[Totals]:
+        return [Totals(*r) for r in self._reader().execute(rollup.READ_TOTALS, (grain, start, end))]
+
+    def series(self, kind: str, grain: int, start: int, end: int, step: int, tenant: str | None) -> list[tuple]:
+        sql, more = rollup.reads(kind, step, tenant)
+        return self._reader().execute(sql, (grain, start, end, *more)).fetchall()
+
+    def month_spend(self, month: str) -> dict[str, float]:
+        return dict(self._reader().execute(rollup.MONTH_SPEND, (month,)).fetchall())
