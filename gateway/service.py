@@ -126,8 +126,8 @@ class Served:
     def meta(self) -> Meta:
         e, how = self.hit.entry, ("a near duplicate" if self.hit.match == "near" else "the same question")
         similarity = f", similarity {self.hit.similarity}" if self.hit.similarity is not None else ""
-        route = Route(e.model, f"answered from the answer cache: {how} (age {self.hit.age_s:.1f} s{similarity}); "
-                               f"first answered: {e.reason}", e.difficulty, confidence=e.confidence,
+        route = Route(e.model, f"answered from the answer cache: {how} (age {self.hit.age_s:.1f} s{similarity}), "
+                               f"first answered as {e.request_id}: {e.reason}", e.difficulty, confidence=e.confidence,
                       escalated=e.escalated, arm=e.arm, source="cache")
         citations = [s.Citation(c.number, c.chunk_id, c.doc_id, c.title, c.score) for c in e.citations]
         return Meta(self.request_id, route, citations, s.Trimmed(*e.trimmed), "hit", round(self.hit.age_s, 3))

@@ -358,7 +358,7 @@ class Pipeline:
         tokens = tuple(sum(f(c) for c in answer.calls) for f in (
             lambda c: len(c.prompt_token_ids), lambda c: c.num_cached_tokens, lambda c: len(c.token_ids),
             lambda c: c.num_thinking_tokens))
-        entry = Entry(lookup.tenant, lookup.collection, lookup.revision, lookup.question, last.text,
+        entry = Entry(lookup.tenant, lookup.collection, lookup.revision, plan.request_id, lookup.question, last.text,
                       last.finish_reason, r.model, r.reason, r.difficulty, r.confidence, r.escalated, r.arm, citations,
                       ctx.cited(last.text), (len(t.chunks), len(t.dropped), t.tokens, t.budget), tokens,
                       answer.cost(), time.time())

@@ -60,6 +60,7 @@ class Entry(msgspec.Struct, array_like=True):
     tenant: str
     collection: str | None
     revision: str | None                 # the collection's when it was looked up, before retrieval
+    request_id: str                      # of the request that made it
     question: str                        # as asked
     text: str
     finish_reason: str
