@@ -371,7 +371,8 @@ class Gateway:
         then sent as a fresh one is, in one piece."""
         tenant, e, price = served.tenant, served.hit.entry, served.tenant.terms.cache.hit_price
         meta = served.meta()
-        self.spend.reserve(tenant, price)
+        if price:
+            self.spend.reserve(tenant, price)
         try:
             total = round((time.monotonic() - served.start) * 1000, 3)
             timings = s.Timings(round(served.retrieval_s * 1000, 3), 0.0, total, 0.0, total)
@@ -385,7 +386,8 @@ class Gateway:
                 raise retry_after(503, f"the usage ledger takes no writes now ({err}); this request's answer is "
                                        f"withheld rather than given unbilled", 1, "ledger_unavailable") from None
         finally:
-            self.spend.release(tenant, price)
+            if price:
+                self.spend.release(tenant, price)
         m = self.metrics
         m.answers.inc(e.model, "cached")
         m.cost.inc(tenant.id, e.model, amount=price)
