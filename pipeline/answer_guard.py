@@ -54,6 +54,15 @@ COMPARATIVES = frozenset({
 AUXILIARIES = frozenset({"is", "are", "was", "were", "am", "be", "been", "being", "do", "does", "did", "has", "have",
                          "had", "will", "would", "can", "could", "shall", "should", "may", "might", "must"})
 QUESTION_WORDS = frozenset({"who", "whom", "whose", "what", "when", "where", "which", "why", "how", "whether", "if"})
+# Words a question starts with that are no names: question words, auxiliaries, articles,
+# prepositions, pronouns, request verbs.
+OPENING = QUESTION_WORDS | AUXILIARIES | ARTICLES | frozenset({
+    "in", "on", "at", "for", "from", "to", "by", "during", "after", "before", "of", "with", "as", "according",
+    "since", "under", "over", "along", "about", "between", "through", "into", "upon", "within", "without", "among",
+    "besides", "other", "apart", "aside", "this", "that", "these", "those", "there", "it", "he", "she", "they", "we",
+    "i", "you", "his", "her", "its", "their", "our", "my", "your", "name", "list", "give", "tell", "describe",
+    "explain", "please", "approximately", "roughly", "around", "besides", "not", "no", "one", "some", "most", "many",
+    "much", "each", "every", "all", "both", "either", "neither", "while", "although", "because", "once", "prior"})
 WORD = re.compile(r"[^\W_]+(?:[.,:/-][^\W_]+)*")
 
 
@@ -87,11 +96,11 @@ def _strip(text: str, phrases: list[str], at_start: bool) -> str:
 
 def signature(question: str) -> Signature:
     text = unicodedata.normalize("NFKC", question).replace("\u2019", "'")
-    # Entities as written: a capitalised word past the first, or any word with a capital or
-    # digit inside (iPhone, COVID-19); the first word is capitalised whatever it is.
+    # Entities as written: a capitalised word, or any word with a capital inside (iPhone); the
+    # first word is capitalised whatever it is, so there a function word does not count.
     written = WORD.findall(text)
-    entities = frozenset(w.casefold() for i, w in enumerate(written)
-                         if any(c.isupper() for c in w[1:]) or (i > 0 and w[:1].isupper()))
+    entities = frozenset(w.casefold() for i, w in enumerate(written) if any(c.isupper() for c in w[1:])
+                         or w[:1].isupper() and (i > 0 or w.casefold() not in OPENING))
     low = text.casefold()
     for pattern, repl in CONTRACTIONS:
         low = pattern.sub(repl, low)
