@@ -22,12 +22,12 @@ lint: $(VENV)/.installed
 
 # PostgreSQL and Redis for the shared-storage tests (tests/services.py starts throwaway
 # servers on loopback), from the system packages when missing: CI runs as root on a fresh
-# Debian. Without them those tests skip and say why.
+# Debian. Without them those tests skip and say why; in CI (CI=true) they fail.
 services:
 	@if ! command -v redis-server >/dev/null || \
 	    ! { command -v initdb >/dev/null || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; }; then \
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql redis-server; } \
-		|| echo "make services: could not install postgresql and redis-server; the shared-storage tests will skip"; \
+		|| echo "make services: could not install postgresql and redis-server; the shared-storage tests will skip (fail in CI)"; \
 	fi
 
 # Debian's Chromium for tests/test_dashboard_browser.py (Playwright drives it; Playwright's own

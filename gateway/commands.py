@@ -198,12 +198,19 @@ def cmd_tenants_check(args, config: ServerConfig) -> int:
         print(f"ok     {t.id}: models {'/'.join(s.allowed_models)} (default {s.default_model}), "
               f"context {s.context_budget}, output {s.output_budget} tokens, {lim.requests_per_minute} req/min, "
               f"{lim.tokens_per_minute} tokens/min, cap ${lim.monthly_spend_cap_usd:.2f}/month, "
-              f"{len(s.api_key_sha256)} key(s)")
+              f"{len(s.api_key_sha256)} key(s){_answer_cache(s.answer_cache)}")
     for error in errors.values():
         print(f"error  {error}", file=sys.stderr)
     if not tenants and not errors:
         raise UsageError(f"{args.dir}: no tenant files (*.toml)")
     return 2 if errors else 0
+
+
+def _answer_cache(c) -> str:
+    if not c.enabled:
+        return ""
+    near = f", near duplicates at similarity {c.similarity:g}" if c.near_duplicates else ""
+    return f", answer cache {c.ttl_s:g} s{near}"
 
 
 def cmd_models_fetch(args, config: ServerConfig) -> int:

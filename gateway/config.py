@@ -104,6 +104,11 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Rate limits and in-flight spend: this process's memory, or Redis that replicas share.
     limits: Annotated[str, msgspec.Meta(pattern=r"^(memory|rediss?://.*|unix://.+)$")] = "memory"
     max_body_bytes: Positive = 8 * 2**20
+    # Where the answer cache keeps answers: "memory" (this process, at most answer_cache_bytes,
+    # least recently used out first), a Redis URL that replicas share, or "limits": the `limits`
+    # Redis when there is one, else memory. Tenants turn the cache on in their files.
+    answer_cache: Annotated[str, msgspec.Meta(pattern=r"^(memory|limits|rediss?://.*|unix://.+)$")] = "limits"
+    answer_cache_bytes: Positive = 256 * 2**20
     replicas: ReplicaConfig = ReplicaConfig()
     # The operator's view (/dashboard, /v1/admin/*): sha256 of the keys that open it, never a
     # tenant's. Empty: the view is closed to everyone (401).

@@ -223,5 +223,21 @@ class GatewayMetrics:
         r.add(Sampled("sluice_tenant_reloads_total", "tenant file reads by result", ("result",),
                       lambda: {(k,): v for k, v in tenant_state()[2].items()}, "counter"))
 
+        # The answer cache (pipeline/answer_cache.py); `answer_cache_state` is set once the
+        # pipeline is built: (its store's {"bytes", "entries"} where it can say, store failures).
+        self.answer_cache_state: Callable[[], tuple[dict[str, int], int]] = lambda: ({}, 0)
+        self.answer_cache = r.add(Counter("sluice_answer_cache_lookups_total", "answer cache lookups by tenant and "
+                                          "result (hit, near_hit, miss)", ("tenant", "result")))
+        self.answer_cache_stored = r.add(Counter("sluice_answer_cache_stored_total", "finished answers filed in the "
+                                                 "answer cache", ("tenant",)))
+        self.answer_cache_saved = r.add(Counter("sluice_answer_cache_saved_usd_total", "dollars hits saved: what the "
+                                                "cached answers cost to make, less the hit price", ("tenant",)))
+        r.add(Sampled("sluice_answer_cache_bytes", "bytes of answers the in-memory answer cache holds", (),
+                      lambda: {(): v for k, v in self.answer_cache_state()[0].items() if k == "bytes"}))
+        r.add(Sampled("sluice_answer_cache_entries", "entries the in-memory answer cache holds", (),
+                      lambda: {(): v for k, v in self.answer_cache_state()[0].items() if k == "entries"}))
+        r.add(Sampled("sluice_answer_cache_errors_total", "answer cache store failures (Redis unreachable), each "
+                      "answered uncached", (), lambda: {(): self.answer_cache_state()[1]}, "counter"))
+
     def render(self) -> str:
         return self.registry.render()

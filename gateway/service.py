@@ -6,7 +6,9 @@ engine, collections) and the ask pipeline that /v1/ask, /v1/chat/completions and
     -> reserve tokens and spend -> wait for an engine slot -> generate -> ledger row -> done
 
 `Gateway.run` is an async generator of events: `Meta` once the request holds a slot, a
-`Token` per text delta, and `Done` after its ledger row is committed. Everything that
+`Token` per text delta, and `Done` after its ledger row is committed. A question the tenant's
+answer cache holds (pipeline/answer_cache.py) skips the engine: its own ledger row (no
+tokens; the tenant's hit price), then `Meta`, the stored answer as one `Token`, and `Done`. Everything that
 refuses a request raises GatewayError before `Meta`, so an HTTP handler that takes the
 first event before it answers can still reply with the right status.
 """
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
+import msgspec
 
 from engine import AsyncEngine, EngineFailure, LLMEngine, Stopped
 from gateway.config import ServerConfig
@@ -34,6 +37,8 @@ from gateway.usage.limits import Admission, month_of
 from gateway.usage.rows import UsageRow
 from gateway.usage.storage import open_storage
 from pipeline import Answer, DeadlineExceeded, Judged, Models, Pipeline, Plan, Progress, Query, Refused, cost, drive
+from pipeline.answer_cache import AnswerCache, Hit, Lookup
+from pipeline.answer_store import MemoryStore, RedisStore
 from retrieval import CollectionStore, Embedder, RetrievalError
 from router.data import RouterError
 from router.model import RouterModel
@@ -57,6 +62,8 @@ class Meta:
     decision: Route
     citations: list[s.Citation]
     trimmed: s.Trimmed
+    cache: str | None = None                # hit | miss; None: the tenant's answer cache is off
+    cache_age_s: float | None = None        # of the answer a hit served
 
     @property
     def route(self) -> s.RouteSummary:
@@ -90,6 +97,7 @@ class Job:
     start: float
     retrieval_s: float
     engine_start: float = 0.0               # when it got its engine slot
+    lookup: Lookup | None = None            # where the answer cache files its answer; None: not cached
 
     @property
     def plan(self) -> Plan:
@@ -102,7 +110,37 @@ class Job:
         citations = [s.Citation(c.number, c.hit.chunk.id, c.hit.chunk.doc_id, c.hit.chunk.title, c.hit.score)
                      for c in ctx.citations]
         trimmed = s.Trimmed(len(ctx.trimmed.chunks), len(ctx.trimmed.dropped), ctx.trimmed.tokens, ctx.trimmed.budget)
-        return Meta(self.plan.request_id, self.answer.route, citations, trimmed)
+        return Meta(self.plan.request_id, self.answer.route, citations, trimmed, "miss" if self.lookup else None)
+
+
+@dataclass
+class Served:
+    """A request the answer cache answers."""
+    tenant: Tenant
+    query: Query
+    hit: Hit
+    request_id: str
+    start: float
+    retrieval_s: float
+
+    def meta(self) -> Meta:
+        e, how = self.hit.entry, ("a near duplicate" if self.hit.match == "near" else "the same question")
+        similarity = f", similarity {self.hit.similarity}" if self.hit.similarity is not None else ""
+        route = Route(e.model, f"answered from the answer cache: {how} (age {self.hit.age_s:.1f} s{similarity}), "
+                               f"first answered as {e.request_id}: {e.reason}", e.difficulty, confidence=e.confidence,
+                      escalated=e.escalated, arm=e.arm, source="cache")
+        citations = [s.Citation(c.number, c.chunk_id, c.doc_id, c.title, c.score) for c in e.citations]
+        return Meta(self.request_id, route, citations, s.Trimmed(*e.trimmed), "hit", round(self.hit.age_s, 3))
+
+
+def answer_cache_for(config: ServerConfig) -> AnswerCache:
+    """The server's answer cache, in the store its config names, for answers of its models."""
+    where = config.answer_cache
+    if where == "limits":
+        where = "memory" if config.limits == "memory" else config.limits
+    store = MemoryStore(config.answer_cache_bytes) if where == "memory" else RedisStore(where)
+    router = config.router.path if config.router else None
+    return AnswerCache(store, msgspec.json.encode([config.engine.models, router, config.retrieval_k]).decode())
 
 
 def pipeline_for(config: ServerConfig, models: Models, embedder) -> Pipeline:
@@ -118,7 +156,7 @@ def pipeline_for(config: ServerConfig, models: Models, embedder) -> Pipeline:
     by_price = sorted(config.engine.models, key=lambda m: config.prices[m].output)
     pair = (by_price[0], by_price[-1]) if config.router is not None else None
     return Pipeline(models, config.prices, router, router_error, embedder, pair, config.retrieval_k,
-                    config.max_input_chars)
+                    config.max_input_chars, answer_cache_for(config))
 
 
 class Gateway:
@@ -181,6 +219,8 @@ class Gateway:
             self.embedder = Embedder()
         self.collection_store = CollectionStore(self.data_dir / "collections", self.embedder)
         self.pipeline = pipeline_for(config, self.engine, self.embedder)
+        cache = self.pipeline.cache
+        self.metrics.answer_cache_state = lambda: (cache.stats(), cache.errors)
 
     async def stop(self) -> None:
         if self._loading:
@@ -218,6 +258,10 @@ class Gateway:
 
     async def run(self, tenant: Tenant, query: Query) -> AsyncIterator[Meta | Token | Done]:
         job = await self._plan(tenant, query)
+        if isinstance(job, Served):
+            async for event in self._serve(job):
+                yield event
+            return
         answer = job.answer
         est_tokens, est_cost = self.pipeline.estimate(job.plan)
         self.rates.take_tokens(tenant, est_tokens)
@@ -281,9 +325,10 @@ class Gateway:
         finally:
             release()
 
-    async def _plan(self, tenant: Tenant, q: Query) -> Job:
+    async def _plan(self, tenant: Tenant, q: Query) -> Job | Served:
         """The pipeline's plan, with the gateway's own refusals (limits, a missing collection)
-        where they cost least: after the pipeline's cheap checks, before retrieval."""
+        where they cost least: after the pipeline's cheap checks, before retrieval; or the
+        answer cache's hit (an exact one before retrieval, a near duplicate after it)."""
         start = time.monotonic()
         self._require_ready()
         if self.ledger.unavailable:
@@ -306,12 +351,52 @@ class Gateway:
                                    "collection_not_found") from None
         t = time.monotonic()
         request_id = f"req_{uuid.uuid4().hex[:24]}"
-        with refusals():
-            if q.collection is None and not self.pipeline.routes_by_classifier(terms, q):
-                plan = self.pipeline.plan(terms, q, None, request_id)    # counting tokens: too quick for a thread
-            else:                        # embedding, searching, counting passages, classifying: CPU
-                plan = await anyio.to_thread.run_sync(self.pipeline.plan, terms, q, collection, request_id)
-        return Job(tenant, q, self.pipeline.answer(plan), start, time.monotonic() - t)
+        lookup, plan = self.pipeline.lookup(terms, q, collection)      # plan: an exact hit, or None
+        if plan is None:
+            with refusals():
+                if q.collection is None and not self.pipeline.routes_by_classifier(terms, q):
+                    plan = self.pipeline.plan(terms, q, None, request_id, lookup)    # counting tokens: quick
+                else:                    # embedding, searching, counting passages, classifying: CPU
+                    plan = await anyio.to_thread.run_sync(self.pipeline.plan, terms, q, collection, request_id,
+                                                          lookup)
+        if lookup is not None:
+            result = "miss" if not isinstance(plan, Hit) else "hit" if plan.match == "exact" else "near_hit"
+            self.metrics.answer_cache.inc(tenant.id, result)
+        if isinstance(plan, Hit):
+            return Served(tenant, q, plan, request_id, start, time.monotonic() - t)
+        return Job(tenant, q, self.pipeline.answer(plan), start, time.monotonic() - t, lookup=lookup)
+
+    async def _serve(self, served: Served) -> AsyncIterator[Meta | Token | Done]:
+        """A cached answer: billed first (its own ledger row: no tokens, the tenant's hit price),
+        then sent as a fresh one is, in one piece."""
+        tenant, e, price = served.tenant, served.hit.entry, served.tenant.terms.cache.hit_price
+        meta = served.meta()
+        if price:
+            self.spend.reserve(tenant, price)
+        try:
+            total = round((time.monotonic() - served.start) * 1000, 3)
+            timings = s.Timings(round(served.retrieval_s * 1000, 3), 0.0, total, 0.0, total)
+            d = meta.decision
+            try:
+                await self.ledger.record(UsageRow(
+                    served.request_id, time.time(), month_of(time.time()), tenant.id, served.query.endpoint, "ok",
+                    e.model, "cache", served.query.collection, 0, 0, 0, 0, price, timings.retrieval, 0.0, timings.ttft,
+                    timings.total, d.reason, d.difficulty, d.confidence, d.escalated, e.finish_reason, d.arm))
+            except LedgerUnavailable as err:
+                raise retry_after(503, f"the usage ledger takes no writes now ({err}); this request's answer is "
+                                       f"withheld rather than given unbilled", 1, "ledger_unavailable") from None
+        finally:
+            if price:
+                self.spend.release(tenant, price)
+        m = self.metrics
+        m.answers.inc(e.model, "cached")
+        m.cost.inc(tenant.id, e.model, amount=price)
+        m.answer_cache_saved.inc(tenant.id, amount=max(0.0, e.cost - price))
+        m.latency.observe(time.monotonic() - served.start, "cache")
+        yield meta
+        yield Token(e.text)
+        yield Done(served.request_id, e.text, s.Usage(0, 0, 0, 0), s.Usage(0, 0, 0, 0), price, timings,
+                   e.finish_reason, e.cited)
 
     async def _settle(self, job: Job, p: Progress, queued: float, status: str) -> Done:
         """Write the ledger row (the request counts as answered only once it is committed)
@@ -344,6 +429,8 @@ class Gateway:
         except LedgerUnavailable as e:     # kept, and written when the store is back; not answered now
             raise retry_after(503, f"the usage ledger takes no writes now ({e}); this request's answer is withheld "
                                    f"rather than given unbilled", 1, "ledger_unavailable") from None
+        if status == "ok" and self.pipeline.remember(job.lookup, answer):
+            self.metrics.answer_cache_stored.inc(tenant_id)
         m = self.metrics
         m.answers.inc(model, status)
         m.escalations.inc(amount=int(d.escalated))

@@ -21,7 +21,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from gateway.config import ConfigError, NonNegative, Positive, load_toml
-from pipeline import Terms
+from pipeline import CacheTerms, Terms
 from pipeline.prices import Dollars
 from router.policy import Policy
 
@@ -71,6 +71,18 @@ class Limits(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     request_timeout_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
 
 
+class AnswerCacheSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """The answer cache (docs/gateway.md): a repeated question answered from a finished answer
+    to it, made from the same documents, for this tenant alone."""
+    enabled: bool = False
+    ttl_s: Annotated[float, msgspec.Meta(gt=0)] = 86_400.0     # seconds an answer is served for
+    # true: also a question that asks the same in other framing ("can you tell me ...", articles,
+    # contractions) over the same passages, its embedding within `similarity` (cosine) of the cached one's
+    near_duplicates: bool = False
+    similarity: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.9
+    hit_price_usd: Dollars = 0.0         # billed for an answer served from the cache
+
+
 class TenantSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     """What a tenant file holds. Every field is documented in examples/tenants/demo.toml."""
     name: str = ""
@@ -88,6 +100,7 @@ class TenantSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, froze
     prefix_cache_salt: Annotated[str, msgspec.Meta(min_length=8)]
     router: RouterSettings = RouterSettings()
     limits: Limits
+    answer_cache: AnswerCacheSettings = AnswerCacheSettings()
 
     def __post_init__(self) -> None:
         if self.default_model not in self.allowed_models:
@@ -110,7 +123,10 @@ class Tenant:
                         spec.escalation_threshold, r.classifier, r.escalation, r.models, r.max_thinking_budget,
                         r.classifier_timeout_ms / 1000, r.early_escalation, r.arm_margin, r.closed_book_arm_margin,
                         r.widen, r.widen_from_cache)
-        return Terms(self.id, policy, spec.context_budget, spec.output_budget, self.salt, spec.passage_selection)
+        c = spec.answer_cache
+        cache = CacheTerms(c.enabled, c.ttl_s, c.near_duplicates, c.similarity, c.hit_price_usd)
+        return Terms(self.id, policy, spec.context_budget, spec.output_budget, self.salt, spec.passage_selection,
+                     cache)
 
 
 def load_tenant(path: Path, served_models: set[str]) -> Tenant:

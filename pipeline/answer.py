@@ -14,15 +14,21 @@ its own arm reads (`large`'s from the context curve, within the tenant's); with 
 one's and the prefix cache serves that part. The gateway and evals both drive an Answer
 through the async engine with `pipeline.driver.drive`; neither decides anything itself, so
 what evals measure is what is served.
+
+With an answer cache (the gateway's; evals run without one), `Pipeline.lookup` finds the
+request's exact key before any work, `plan` may return a near duplicate's `Hit` once
+retrieval has run, and `Pipeline.remember` files a finished answer (answer_cache.py).
 """
 from __future__ import annotations
 
+import time
 import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from engine import Completion, Prompter, SamplingParams, StepOutput
+from engine import MIN_TEMPERATURE, Completion, Prompter, SamplingParams, StepOutput
+from pipeline.answer_cache import AnswerCache, CachedPassage, CacheTerms, Entry, Hit, Lookup, normalize
 from pipeline.prices import Price, cost
 from retrieval import OverBudget, RagContext, RetrievalError, Selector, rag_context
 from router.arms import Arm, arm_name, retrieved
@@ -79,6 +85,7 @@ class Terms:
     output_budget: int
     salt: bytes                            # the engine's prefix-cache salt for its requests
     selection: bool = False                # the hits cut to what bears on the question (retrieval/select.py)
+    cache: CacheTerms = CacheTerms()       # the answer cache's settings (off by default)
 
     @property
     def max_thinking(self) -> int:
@@ -123,12 +130,14 @@ def call_cost(price: Price, c: Completion) -> float:
 class Pipeline:
     def __init__(self, engine: Models, prices: dict[str, Price], router: RouterModel | None = None,
                  router_error: str | None = None, embedder=None, pair: tuple[str, str] | None = None,
-                 k: int = 8, max_input_chars: int | None = None):
+                 k: int = 8, max_input_chars: int | None = None, cache: AnswerCache | None = None):
         """`pair`: the (small, large) models mode=auto routes between; None: no router installed
         (auto is the tenant's default model, no escalation). `router`: the trained classifier
         and confidence model (None: no classifier, the stated confidence rule); `router_error`
-        says why one failed to load, and every routed question falls back saying so."""
+        says why one failed to load, and every routed question falls back saying so. `cache`:
+        the answer cache (None: every question is answered anew)."""
         self.engine, self.prices, self.router, self.router_error = engine, prices, router, router_error
+        self.cache = cache
         self.embedder, self.pair, self.k, self.max_input_chars = embedder, pair, k, max_input_chars
         self.selector = Selector(top=k)
         # The router's arms name the models they were labelled with (small, large); here they
@@ -185,18 +194,39 @@ class Pipeline:
     def routes_by_classifier(self, terms: Terms, q: Query) -> bool:
         return q.mode == "auto" and self.pair is not None and terms.policy.classifier and self.router is not None
 
-    def plan(self, terms: Terms, q: Query, collection, request_id: str) -> Plan:
+    def lookup(self, terms: Terms, q: Query, collection) -> tuple[Lookup | None, Hit | None]:
+        """The request's place in the answer cache and its exact hit; (None, None) when the
+        tenant has no cache or the answer is sampled without a seed (no two are alike). Call it
+        before retrieval: the collection's revision is read now, so an ingest that lands while
+        the answer is made files it under the old revision, where nothing will look again."""
+        if self.cache is None or not terms.cache.enabled:
+            return None, None
+        if q.temperature >= MIN_TEMPERATURE and q.seed is None:
+            return None, None
+        sampled = [q.temperature, q.top_p, q.seed] if q.temperature >= MIN_TEMPERATURE else None
+        asked = None if q.messages is None else max(i for i, m in enumerate(q.messages) if m["role"] == "user")
+        history = [[m["role"], None if i == asked else normalize(m["content"])] for i, m in enumerate(q.messages or [])]
+        fields = {"terms": repr(replace(terms, cache=CacheTerms(), salt=b"")), "input": q.input_field,
+                  "history": history, "mode": q.mode, "max_tokens": q.max_output_tokens or terms.output_budget,
+                  "thinking": q.thinking_budget, "stop": list(q.stop), "sampled": sampled}
+        revision = None if collection is None else collection.revision
+        return self.cache.lookup(terms.name, terms.cache, fields, q.question, q.collection, revision,
+                                 near=collection is not None)
+
+    def plan(self, terms: Terms, q: Query, collection, request_id: str, lookup: Lookup | None = None) -> Plan | Hit:
         """Retrieve and trim, route, compose: the whole decision about a question. `collection`
-        is a retrieval Collection or None (the question alone). CPU-bound: the gateway runs it
-        in a thread."""
+        is a retrieval Collection or None (the question alone). With the request's cache
+        `lookup` and the tenant's near duplicates, a cached answer to a near duplicate (its
+        Hit) once the passages are known. CPU-bound: the gateway runs it in a thread."""
         max_tokens = self.check(terms, q)
         # The context is trimmed with the tokenizer of the model that answers first without a
         # router; the routed pair shares one tokenizer, so a route cannot change the count.
         first = q.mode if q.mode != "auto" else terms.policy.default_model
         embed, tokenizer = self.routes_by_classifier(terms, q), self.engine.prompter(first)
+        near = lookup is not None and lookup.group is not None and self.embedder is not None
         selector = self.selector if terms.selection else None
         try:
-            vector = self.embedder.encode([q.question]) if embed else None
+            vector = self.embedder.encode([q.question]) if embed or near else None
             context = rag_context(collection, q.question, terms.context_budget, tokenizer, self.k, q.messages, vector,
                                   selector=selector)
         except OverBudget as e:
@@ -204,6 +234,11 @@ class Pipeline:
                                f"budget of {terms.context_budget}", q.input_field, "over_context_budget") from None
         except RetrievalError as e:
             raise Refused(422, str(e), code="retrieval_refused") from None
+        if near:                 # the question's embedding and passages: what a near duplicate shares
+            lookup.vector, lookup.passages = vector[0], tuple(p.hit.chunk.id for p in context.citations)
+            if (hit := self.cache.near(lookup)) is not None:
+                return hit
+            vector = vector if embed else None
         scores = [h.score for h in context.hits]
         r = self.route(terms, q, self._predictor(q, vector, scores),
                        self._arm_cost(context.trimmed.tokens, retrieved(scores)), retrieved(scores))
@@ -307,6 +342,27 @@ class Pipeline:
 
     def answer(self, plan: Plan) -> Answer:
         return Answer(self, plan)
+
+    def remember(self, lookup: Lookup | None, answer: Answer) -> bool:
+        """File an answer in the cache if it is finished: every call made and the last one
+        ended by its stop or length, never cut (an error, a timeout, a client gone, a stream
+        closed midway all leave it unfinished). True if it was stored."""
+        if self.cache is None or lookup is None or not answer.calls or answer.next_call() is not None:
+            return False
+        last, plan, r = answer.calls[-1], answer.plan, answer.route
+        if last.finish_reason not in ("stop", "length"):
+            return False
+        ctx, t = plan.context, plan.context.trimmed
+        citations = [CachedPassage(c.number, c.hit.chunk.id, c.hit.chunk.doc_id, c.hit.chunk.title, c.hit.score)
+                     for c in ctx.citations]
+        tokens = tuple(sum(f(c) for c in answer.calls) for f in (
+            lambda c: len(c.prompt_token_ids), lambda c: c.num_cached_tokens, lambda c: len(c.token_ids),
+            lambda c: c.num_thinking_tokens))
+        entry = Entry(lookup.tenant, lookup.collection, lookup.revision, plan.request_id, lookup.question, last.text,
+                      last.finish_reason, r.model, r.reason, r.difficulty, r.confidence, r.escalated, r.arm, citations,
+                      ctx.cited(last.text), (len(t.chunks), len(t.dropped), t.tokens, t.budget), tokens,
+                      answer.cost(), time.time())
+        return self.cache.remember(lookup, entry)
 
 
 class Answer:

@@ -8,6 +8,10 @@ of the vectors, named by the version recorded in SQLite when its content last ch
 open, a missing or mismatched file is rebuilt from the vectors in SQLite. A collection is
 therefore never served half-written.
 
+Every committed write (an ingest, a delete) gives the collection a new `revision`, a random
+id recorded in SQLite, so that anything made from its content (the answer cache's entries)
+can be keyed on what it was made from and is never taken for the content that followed.
+
 Deleted chunks stay in the faiss index as tombstones (HNSW cannot remove vectors): searches
 skip them with an ID selector, and the index is rebuilt without them once they make up a
 quarter of it.
@@ -94,6 +98,7 @@ class Collection:
                 raise RetrievalError(f"collection {self.path.name!r} exists with {self.config}, not {config}")
         with self.lock:
             self._load_index()
+            self.revision = self._meta("revision") or self._new_revision()
 
     # ---- writes ----
 
@@ -119,6 +124,8 @@ class Collection:
                 removed = self._remove(doc_ids)
                 ids = self._insert(chunks, vectors)
                 version = self._new_version()
+                revision = self._new_revision()
+            self.revision = revision
             self.dead.update(removed)
             self.index.add_with_ids(vectors, np.array(ids, np.int64))
             self._after_write(version)
@@ -129,6 +136,8 @@ class Collection:
         with self.lock:
             with self._transaction():
                 removed = self._remove([doc_id])
+                revision = self._new_revision() if removed else self.revision
+            self.revision = revision
             self.dead.update(removed)
             self._after_write(None)  # the index itself is unchanged: its deleted ids are now dead
         return len(removed)
@@ -314,6 +323,12 @@ class Collection:
 
     def _set_meta(self, key: str, value: str):
         self.db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", (key, value))
+
+    def _new_revision(self) -> str:
+        # Random, not a counter: a collection dropped and made again never repeats an old one.
+        revision = uuid.uuid4().hex
+        self._set_meta("revision", revision)
+        return revision
 
     def _new_version(self) -> str:
         # Random, not a counter: a file left by a rolled-back write can never match a later one.

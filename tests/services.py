@@ -1,7 +1,9 @@
 """Real PostgreSQL and Redis servers for the shared-storage tests and benchmarks (no mocks):
 the system packages' binaries (`make services` installs them), started once per process on
 loopback in a temporary folder and stopped at exit. Each test gets a fresh database; a test
-that needs a server that cannot start here is skipped with the reason.
+that needs a server that cannot start here is skipped with the reason, except in CI (the
+environment variable CI set to true, as CI services set it), where it fails: a missing
+server there is a broken build, not a reason to leave the shared-state tests unrun.
 """
 from __future__ import annotations
 
@@ -92,15 +94,19 @@ class Postgres:
 
 class Redis:
     def __init__(self):
-        binary = find_binary("redis-server")
-        if not binary:
+        self.binary = find_binary("redis-server")
+        if not self.binary:
             raise ServiceError("redis-server not found (install the redis-server package: `make services`)")
         self.root = Path(tempfile.mkdtemp(prefix="sluice-redis-"))
         self.port = free_port()
-        self.process = subprocess.Popen([binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+        self.url = f"redis://127.0.0.1:{self.port}"
+        self.start()
+
+    def start(self) -> None:
+        """Start the server (again, after `kill`: on the same port, empty)."""
+        self.process = subprocess.Popen([self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                                          "--appendonly", "no", "--dir", str(self.root)],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.url = f"redis://127.0.0.1:{self.port}"
         import redis
         deadline = time.monotonic() + 30
         while True:
@@ -111,6 +117,11 @@ class Redis:
                 if self.process.poll() is not None or time.monotonic() > deadline:
                     raise ServiceError(f"redis-server did not start (exit code {self.process.poll()})") from None
                 time.sleep(0.05)
+
+    def kill(self) -> None:
+        """Stop the server at once, as a crash would (what it held is gone)."""
+        self.process.kill()
+        self.process.wait(timeout=30)
 
     def fresh_database(self, db: int = 0) -> str:
         """The URL of logical database `db` (0-15), emptied."""
@@ -125,6 +136,10 @@ class Redis:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
+def in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
+
+
 def _user_exists(name: str) -> bool:
     import pwd
     try:
@@ -135,7 +150,8 @@ def _user_exists(name: str) -> bool:
 
 
 def server(kind: type[Postgres] | type[Redis]):
-    """This process's one server of that kind, started on first use; skips the test if it cannot start."""
+    """This process's one server of that kind, started on first use; skips the test if it cannot
+    start (fails it in CI)."""
     if kind not in _servers:
         try:
             _servers[kind] = kind()
@@ -144,6 +160,8 @@ def server(kind: type[Postgres] | type[Redis]):
             _servers[kind] = e
     found = _servers[kind]
     if isinstance(found, Exception):
+        if in_ci():
+            pytest.fail(f"{kind.__name__} cannot start in CI: {found}", pytrace=False)
         pytest.skip(f"{kind.__name__} cannot start here: {found}")
     return found
 

@@ -167,7 +167,7 @@ def _ask_done(meta: Meta, done: Done) -> s.AskResponse:
     d = meta.decision
     return s.AskResponse(done.request_id, done.answer, meta.citations, done.cited, d.model, d.escalated,
                          d.difficulty, d.confidence, d.reason, done.usage, done.cost, done.timings, meta.trimmed,
-                         done.finish_reason, d.arm)
+                         done.finish_reason, d.arm, meta.cache, meta.cache_age_s)
 
 
 @post("/ask", status_code=200, summary="Answer a question, from a collection or not", opt={"sse": ASK_EVENTS},
@@ -190,7 +190,8 @@ async def ask(request: Request, data: JSONBody[s.AskRequest], tenant: NamedDepen
         return sse(s.DoneEvent(event.request_id, event.usage, event.cost, event.timings, event.finish_reason,
                                event.cited), "done")
 
-    first = sse(s.MetaEvent(meta.request_id, meta.route, meta.citations, meta.trimmed), "meta")
+    first = sse(s.MetaEvent(meta.request_id, meta.route, meta.citations, meta.trimmed, meta.cache, meta.cache_age_s),
+                "meta")
     error = lambda e: sse(body(e.status, e.message, e.param, e.code), "error")
     return sse_response(_relay(first, events, render, error), meta.request_id)
 
@@ -233,7 +234,8 @@ async def chat(request: Request, data: JSONBody[s.ChatRequest], tenant: NamedDep
     gateway, created = gateway_of(request), int(time.time())
     if not data.stream:
         meta, done = await until_disconnect(request, gateway.ask(tenant, query))
-        info = s.SluiceInfo(meta.route, meta.citations, meta.trimmed, done.cost, done.timings)
+        info = s.SluiceInfo(meta.route, meta.citations, meta.trimmed, done.cost, done.timings, meta.cache,
+                            meta.cache_age_s)
         return s.ChatCompletion(f"chatcmpl-{done.request_id}", "chat.completion", created, meta.decision.model,
                                 [s.Choice(0, s.AssistantMessage(done.answer), done.finish_reason)],
                                 _chat_usage(done), info)
@@ -249,7 +251,8 @@ async def chat(request: Request, data: JSONBody[s.ChatRequest], tenant: NamedDep
     def render(event) -> bytes:
         if isinstance(event, Token):
             return chunk(s.Delta(content=event.text))
-        info = s.SluiceInfo(meta.route, meta.citations, meta.trimmed, event.cost, event.timings)
+        info = s.SluiceInfo(meta.route, meta.citations, meta.trimmed, event.cost, event.timings, meta.cache,
+                            meta.cache_age_s)
         frames = chunk(s.Delta(), event.finish_reason, sluice=info)
         if include_usage:     # OpenAI's usage chunk: no choices, then [DONE]
             frames += sse(s.ChatCompletionChunk(cid, "chat.completion.chunk", created, model, [],

@@ -56,6 +56,14 @@ class AskRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     seed: Seed | None = None
 
 
+# The answer cache (docs/gateway.md): "hit" for an answer served from it (no tokens; usage 0),
+# "miss" for one made now, absent when the tenant's cache is off or the request is not cacheable.
+CacheStatus = Annotated[Literal["hit", "miss"] | None, Meta(description=(
+    "hit: served from the tenant's answer cache (usage 0, cost the tenant's hit price); miss: made now and "
+    "filed there; null: no cache for this request"))]
+CacheAge = Annotated[float | None, Meta(description="seconds since the cached answer was made (hits only)")]
+
+
 class Citation(Struct):
     number: int          # as the model cites it: [1]
     chunk_id: str
@@ -114,6 +122,8 @@ class AskResponse(Struct):
     trimmed: Trimmed
     finish_reason: str
     arm: str | None = None   # the router's arm (small, large, large+think256, ...); None: not routed by arms
+    cache: CacheStatus = None
+    cache_age_s: CacheAge = None
 
 
 # SSE events of a streamed /v1/ask: meta, then token..., then done (or error).
@@ -123,6 +133,8 @@ class MetaEvent(Struct):
     route: RouteSummary
     citations: list[Citation]
     trimmed: Trimmed
+    cache: CacheStatus = None
+    cache_age_s: CacheAge = None
 
 
 class TokenEvent(Struct):
@@ -223,6 +235,8 @@ class SluiceInfo(Struct):
     trimmed: Trimmed
     cost: float | None = None
     timings: Timings | None = None
+    cache: CacheStatus = None
+    cache_age_s: CacheAge = None
 
 
 class ChatCompletion(Struct):
