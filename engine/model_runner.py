@@ -196,9 +196,12 @@ class ModelRunner:
             (decodes if item.is_decode else chunks).append(item)
         bs, pad = self.block_size, max(pad_to - len(decodes), 0)
         ids, positions, slots = [], [], []
+        # Positions are the cache's own: a window's dropped tokens do not count, so rotary
+        # positions, slots and context lengths all stay within what the cache holds.
         for item in decodes:            # the newest token of each, which samples
-            seq, pos = item.seq, item.seq.num_computed_tokens
-            ids.append(seq.token_ids[pos])
+            seq = item.seq
+            pos = seq.num_computed_tokens - seq.num_dropped
+            ids.append(seq.token_ids[seq.num_computed_tokens])
             positions.append(pos)
             slots.append(seq.block_table[pos // bs] * bs + pos % bs)
         head_rows, sampling = list(range(len(decodes))), list(decodes)
@@ -209,9 +212,10 @@ class ModelRunner:
                 head_rows += range(len(ids) + item.num_tokens - 1 - item.num_draft, len(ids) + item.num_tokens)
                 sampling.append(item)
             ids += seq.tokens(start, end)
-            positions += range(start, end)
-            slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
-        tables, lens = [s.seq.block_table for s in decodes], [len(s.seq) for s in decodes]
+            cached = range(start - seq.num_dropped, end - seq.num_dropped)
+            positions += cached
+            slots += [seq.block_table[p // bs] * bs + p % bs for p in cached]
+        tables, lens = [s.seq.block_table for s in decodes], [len(s.seq) - s.seq.num_dropped for s in decodes]
         if pad:
             ids += [0] * pad
             positions += [0] * pad
@@ -223,7 +227,7 @@ class ModelRunner:
             fields += [_padded(tables), lens]
         if chunks:
             fields += [_padded([s.seq.block_table for s in chunks]),
-                       [s.seq.num_computed_tokens + s.num_tokens for s in chunks],
+                       [s.seq.num_computed_tokens - s.seq.num_dropped + s.num_tokens for s in chunks],
                        list(itertools.accumulate((s.num_tokens for s in chunks), initial=0))]
         input_ids, positions, slot_mapping, head_rows, *rest = self.device.upload(_int64(fields))
         batch = StepBatch(slot_mapping, len(decodes) + pad, self.kv_caches)
@@ -234,6 +238,28 @@ class ModelRunner:
             tables, batch.prefill_context_lens, batch.prefill_query_start = rest
             batch.prefill_block_tables = tables.view(len(chunks), -1)
         return input_ids, positions, batch, (head_rows, sampling)
+
+    @torch.inference_mode()
+    def shift(self, scheduled: list[ScheduledSeq]) -> None:
+        """Apply what windows dropped before this step: copy the kept blocks a sequence no
+        longer shares, then rotate its kept keys after the sinks back by the tokens dropped
+        (RoPE composes: a key rotated for position p, rotated by -d, is the key for p - d), so
+        they sit at the cache positions its new tokens continue from."""
+        for item in scheduled:
+            if item.copies:
+                src, dst = (torch.tensor(ids, device=self.device.device) for ids in zip(*item.copies))
+                for t in (t for layer in self.kv_caches for t in layer if t is not None):
+                    t.index_copy_(0, dst, t.index_select(0, src))
+            if not item.shift:
+                continue
+            seq, bs = item.seq, self.block_size
+            first = seq.window.sink_tokens(bs) // bs
+            held = -(-(seq.num_computed_tokens - seq.num_dropped) // bs)
+            blocks = torch.tensor(seq.block_table[first:held], device=self.device.device)
+            rotary = self.model.rotary
+            cos, sin = rotary.cos[item.shift], -rotary.sin[item.shift]
+            for k, _, k_scale, _ in self.kv_caches:
+                kernels.rotate_keys(k, blocks, cos, sin, k_scale)
 
     @torch.inference_mode()
     def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
@@ -307,6 +333,7 @@ class ModelRunner:
     def logprobs(self, item: ScheduledSeq, skip: int = 0) -> torch.Tensor:
         """Log-probability of the token after each position of one chunk (scoring), from its
         row `skip` on, on the host: the LM head and softmax only for the rows asked for."""
+        self.shift([item])
         input_ids, positions, batch, _ = self.prepare([item])
         hidden = self.model(input_ids, positions, batch)[skip:]
         seq, start = item.seq, item.seq.num_computed_tokens + skip
@@ -322,6 +349,7 @@ class ModelRunner:
         sampled from (for the rejection rule); with `vocab`, tokens come from it only. A
         sequence whose share fails (non-finite logits, a sampling error) gets its `error` set
         and no entry."""
+        self.shift(scheduled)
         bucket = self._bucket(scheduled)
         input_ids, positions, batch, (head_rows, sampling) = self.prepare(scheduled, bucket)
         hidden = self._forward(input_ids, positions, batch, bucket)
