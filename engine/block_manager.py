@@ -7,11 +7,11 @@ serves wrong KV. Unreferenced blocks keep contents and hash until reused, least 
 freed first: the LRU eviction of the prefix cache.
 
 A sequence with a KV window (sequence.KVWindow) drops whole blocks after its sinks as it grows
-(`evict`); its kept blocks past the gap are then re-rotated in place by the model runner, so
-they no longer hold the KV their hash names: they leave the prefix cache at the first drop
-(one another sequence still holds is copied first, copy on write), and the sequence registers
-no block after it. Its sinks stay cached and shareable; a dropped block keeps its hash if it
-still had one (its KV was never re-rotated).
+(`evict`). Its other blocks are never written again, so those it registered before the first
+drop stay valid cache entries; at that drop its sinks move to fresh blocks, which the model
+runner rewrites at each drop as rotated copies of the original sink blocks (those stay held,
+untouched and cached: `sink_source`). Blocks it computes after the first drop hold KV of
+windowed attention, which no hash of their prefix describes: they are never registered.
 """
 from __future__ import annotations
 
@@ -121,36 +121,30 @@ class BlockManager:
         if block.ref_count == 0:
             self.free[block_id] = None
 
-    def evict(self, seq: Sequence, position: int) -> tuple[int, list[tuple[int, int]]] | None:
+    def evict(self, seq: Sequence, position: int) -> int | None:
         """Drop what the sequence's window no longer shows the token at `position` (whole blocks
-        after the sinks). Returns the tokens dropped now (the runner re-rotates the kept keys
-        after the sinks back by that many positions) and the (source, copy) blocks the runner
-        must copy first: kept blocks another sequence shares, which this one now owns a copy of.
-        None, and nothing changed, when there are not enough free blocks for those copies."""
+        after the sinks). Returns the tokens dropped now; the runner then rewrites the sinks'
+        blocks (step.shift). At the first drop the sinks get fresh blocks for that, and the
+        originals become `sink_source`. None, and nothing changed, when there are no free
+        blocks for those."""
         w, bs = seq.window, self.block_size
         shift = 0 if w is None else w.dropped(position, bs) - seq.num_dropped
         if shift <= 0:
-            return 0, []
+            return 0
         first, n = w.sink_tokens(bs) // bs, shift // bs
-        dropped, kept = seq.block_table[first:first + n], seq.block_table[first + n:]
-        shared = [b for b in kept if self.blocks[b].ref_count > 1]
-        if len(shared) > self.num_free + sum(self.blocks[b].ref_count == 1 for b in dropped):
+        dropped = seq.block_table[first:first + n]
+        fresh = 0 if seq.sink_source else first
+        if fresh > self.num_free + sum(self.blocks[b].ref_count == 1 for b in dropped):
             return None
         del seq.block_table[first:first + n]
         for block_id in dropped:
             self._release(block_id)
+        if fresh:
+            seq.sink_source = seq.block_table[:first]
+            seq.block_table[:first] = [self._evict_and_take() for _ in range(first)]
         seq.num_dropped += shift
         seq.num_evicted = max(seq.num_evicted, seq.num_dropped)
-        copies = []
-        for i, block_id in enumerate(kept, start=first):
-            if block_id in shared:
-                seq.block_table[i] = self._evict_and_take()
-                self._release(block_id)
-                copies.append((block_id, seq.block_table[i]))
-            else:
-                self._uncache(self.blocks[block_id])
-        seq.num_hashed_blocks = min(seq.num_hashed_blocks, first)
-        return shift, copies
+        return shift
 
     def register_computed(self, seq: Sequence) -> None:
         """Enter blocks that became full and computed into the prefix cache."""
@@ -177,8 +171,11 @@ class BlockManager:
     def free_seq(self, seq: Sequence, forget: bool = False) -> list[int]:
         """Give the sequence's blocks back. With `forget` (its step failed, its KV may hold
         NaNs) the blocks no other sequence holds also leave the prefix cache; returns those."""
-        blocks = list(seq.block_table)
+        blocks = list(seq.block_table) + seq.sink_source
         self.resize(seq, 0)          # tail first, so the tail is evicted before the shared prefix
+        for block_id in seq.sink_source:
+            self._release(block_id)
+        seq.sink_source = []
         seq.num_computed_tokens = seq.num_hashed_blocks = seq.num_dropped = 0
         forgotten = [b for b in blocks if forget and self.blocks[b].ref_count == 0]
         for block_id in forgotten:

@@ -241,10 +241,10 @@ class LLMEngine:
             for start in range(min(seq.num_cached_tokens, first - 1), len(seq) - 1, chunk):
                 seq.num_computed_tokens = start
                 n = min(len(seq) - 1 - start, chunk)
-                evicted = bm.evict(seq, start)
-                if evicted is None or not bm.resize(seq, len(seq) if full else start + n):
+                shift = bm.evict(seq, start)
+                if shift is None or not bm.resize(seq, len(seq) if full else start + n):
                     raise ValueError("not enough free KV blocks to score this sequence now")
-                item = ScheduledSeq(seq, n, shift=evicted[0], copies=evicted[1])
+                item = ScheduledSeq(seq, n, shift=shift)
                 out += worker.runner.logprobs(item, max(first - 1 - start, 0)).tolist()
                 seq.num_computed_tokens = start + item.num_tokens
                 bm.register_computed(seq)

@@ -196,14 +196,14 @@ class ModelRunner:
             (decodes if item.is_decode else chunks).append(item)
         bs, pad = self.block_size, max(pad_to - len(decodes), 0)
         ids, positions, slots = [], [], []
-        # Positions are the cache's own: a window's dropped tokens do not count, so rotary
-        # positions, slots and context lengths all stay within what the cache holds.
+        # A window's dropped tokens hold no slot: a token's slot and a sequence's context length
+        # count what its cache holds, while its rotary position stays its own (shift).
         for item in decodes:            # the newest token of each, which samples
-            seq = item.seq
-            pos = seq.num_computed_tokens - seq.num_dropped
-            ids.append(seq.token_ids[seq.num_computed_tokens])
+            seq, pos = item.seq, item.seq.num_computed_tokens
+            ids.append(seq.token_ids[pos])
             positions.append(pos)
-            slots.append(seq.block_table[pos // bs] * bs + pos % bs)
+            c = pos - seq.num_dropped
+            slots.append(seq.block_table[c // bs] * bs + c % bs)
         head_rows, sampling = list(range(len(decodes))), list(decodes)
         for item in chunks:
             seq, start = item.seq, item.seq.num_computed_tokens
@@ -212,9 +212,9 @@ class ModelRunner:
                 head_rows += range(len(ids) + item.num_tokens - 1 - item.num_draft, len(ids) + item.num_tokens)
                 sampling.append(item)
             ids += seq.tokens(start, end)
-            cached = range(start - seq.num_dropped, end - seq.num_dropped)
-            positions += cached
-            slots += [seq.block_table[p // bs] * bs + p % bs for p in cached]
+            positions += range(start, end)
+            slots += [seq.block_table[c // bs] * bs + c % bs for c in range(start - seq.num_dropped,
+                                                                             end - seq.num_dropped)]
         tables, lens = [s.seq.block_table for s in decodes], [len(s.seq) - s.seq.num_dropped for s in decodes]
         if pad:
             ids += [0] * pad
@@ -241,25 +241,27 @@ class ModelRunner:
 
     @torch.inference_mode()
     def shift(self, scheduled: list[ScheduledSeq]) -> None:
-        """Apply what windows dropped before this step: copy the kept blocks a sequence no
-        longer shares, then rotate its kept keys after the sinks back by the tokens dropped
-        (RoPE composes: a key rotated for position p, rotated by -d, is the key for p - d), so
-        they sit at the cache positions its new tokens continue from."""
+        """Rewrite the sinks of sequences whose window dropped tokens before this step. Their
+        new tokens and kept keys stay at their own rotary positions, so the distance from a
+        query to a kept key is what StreamingLLM's positions within the cache give; a sink's
+        is that less the tokens dropped, so its key is its original one rotated forward by
+        them (RoPE composes). Rotated from the untouched original each time, an int8 or bf16
+        sink is rounded once, never again and again as rotating every kept key back at each
+        drop would do (docs/engine.md measures that drift); and one block is rotated per
+        drop rather than the whole window."""
         for item in scheduled:
-            if item.copies:
-                src, dst = (torch.tensor(ids, device=self.device.device) for ids in zip(*item.copies))
-                for t in (t for layer in self.kv_caches for t in layer if t is not None):
-                    t.index_copy_(0, dst, t.index_select(0, src))
-            if not item.shift:
+            seq = item.seq
+            if not item.shift or not seq.sink_source:
                 continue
-            seq, bs = item.seq, self.block_size
-            first = seq.window.sink_tokens(bs) // bs
-            held = -(-(seq.num_computed_tokens - seq.num_dropped) // bs)
-            blocks = torch.tensor(seq.block_table[first:held], device=self.device.device)
-            rotary = self.model.rotary
-            cos, sin = rotary.cos[item.shift], -rotary.sin[item.shift]
-            for k, _, k_scale, _ in self.kv_caches:
-                kernels.rotate_keys(k, blocks, cos, sin, k_scale)
+            dev = self.device.device
+            src = torch.tensor(seq.sink_source, device=dev)
+            dst = torch.tensor(seq.block_table[:len(seq.sink_source)], device=dev)
+            d = seq.num_dropped
+            for k, v, k_scale, v_scale in self.kv_caches:
+                kernels.rotate_keys(k, src, dst, self.model.rotary.cos[d], self.model.rotary.sin[d], k_scale)
+                for t in (v, v_scale):
+                    if t is not None:
+                        t.index_copy_(0, dst, t.index_select(0, src))
 
     @torch.inference_mode()
     def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> None:

@@ -13,7 +13,7 @@ token sees the same keys with speculation as without.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence, Status, isolated
@@ -25,8 +25,7 @@ class ScheduledSeq:
     seq: Sequence
     num_tokens: int            # tokens to compute this step, from seq.num_computed_tokens
     num_draft: int = 0         # of those, draft tokens the step verifies (past the sequence's end)
-    shift: int = 0             # tokens its window dropped before this step: kept keys move back this many
-    copies: list[tuple[int, int]] = field(default_factory=list)    # (source, copy) blocks to copy first
+    shift: int = 0             # tokens its window dropped just before this step (its sinks are rewritten)
 
     @property
     def is_decode(self) -> bool:
@@ -75,8 +74,8 @@ class Scheduler:
         None when it was preempted itself."""
         start, prefill = seq.num_computed_tokens, seq.in_prefill
         n = min(len(seq) - start, budget) if prefill else 1
-        evicted = self.bm.evict(seq, start)
-        if evicted is None:             # no blocks for the copies its window needs
+        shift = self.bm.evict(seq, start)
+        if shift is None:               # no blocks for the copy of its sinks
             self._preempt(seq)
             return None
         while not self.bm.resize(seq, len(seq) if seq.window is None else start + n):
@@ -85,7 +84,7 @@ class Scheduler:
             scheduled[:] = [s for s in scheduled if s.seq is not victim]
             if victim is seq:
                 return None
-        item = ScheduledSeq(seq, n, shift=evicted[0], copies=evicted[1])
+        item = ScheduledSeq(seq, n, shift=shift)
         if not prefill:
             k = min(len(seq.draft), budget - 1)
             if seq.window is not None:

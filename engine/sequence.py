@@ -42,8 +42,11 @@ class ThinkingState:
 class KVWindow:
     """StreamingLLM's cache for one sequence: the blocks of the first `sinks` tokens (attention
     sinks) and the most recent tokens stay; whole blocks between them are dropped as it grows,
-    so that a query sees at most `size` tokens, itself included. Kept keys past the gap are
-    re-rotated back by what was dropped, so rotary positions stay within the cache."""
+    so that a query sees at most `size` tokens, itself included. Attention sees the positions
+    StreamingLLM gives (within the cache: the recent tokens right after the sinks); as RoPE
+    depends only on the distance between query and key, the engine gets there by rotating the
+    sinks' keys forward by what was dropped, from an untouched copy, instead of rotating every
+    kept key back at every drop (see BlockManager.evict)."""
     sinks: int
     size: int
 
@@ -99,6 +102,7 @@ class Sequence:
     window: KVWindow | None = None  # None: every token's KV stays
     num_dropped: int = 0            # tokens evicted from between the sinks and the window
     num_evicted: int = 0            # the most it dropped (a preempted sequence restarts at 0)
+    sink_source: list[int] = field(default_factory=list)   # its original sink blocks, once it dropped
     status: Status = Status.WAITING
     stop_ids: frozenset[int] = frozenset()     # the tokens that end its turn (StopChecker.stop_ids)
     logprobs: list[float] = field(default_factory=list)

@@ -257,13 +257,13 @@ class Speculator:
         while active:
             items = []
             for seq, sh, k in list(active):
-                # The shadow's own window; blocks for its copies are there or it drafts nothing.
-                if (evicted := self.draft.block_manager.evict(sh, sh.num_computed_tokens)) is None:
+                # The shadow's own window; blocks for its sinks' copy are there or it drafts nothing.
+                if (shift := self.draft.block_manager.evict(sh, sh.num_computed_tokens)) is None:
                     seq.draft, seq.draft_probs, seq.spec.source = [], None, None
                     self.release(seq)
                     active.remove((seq, sh, k))
                     continue
-                items.append(ScheduledSeq(sh, len(sh) - sh.num_computed_tokens, shift=evicted[0], copies=evicted[1]))
+                items.append(ScheduledSeq(sh, len(sh) - sh.num_computed_tokens, shift=shift))
             if not active:
                 break
             round_start = time.perf_counter()
