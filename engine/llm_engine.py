@@ -109,7 +109,7 @@ class LLMEngine:
 
     def _check_window(self, worker: Worker, window: KVWindow | None) -> None:
         if window is not None and (errors := window.errors(self.config.block_size, worker.scheduler.max_model_len)):
-            raise ValueError("bad KV window: " + "; ".join(errors))
+            raise ValueError("bad KV window: " + "; ".join(f"{key} {message}" for key, message in errors))
 
     def prompter(self, model: str | None = None) -> Prompter:
         """What composing `model`'s prompts needs: tokenizer, chat template, context length."""
@@ -215,16 +215,17 @@ class LLMEngine:
         return [done[i] for i in ids]
 
     def score(self, token_ids: list[int], model: str | None = None, first: int = 1,
-              window: KVWindow | None = None) -> list[float]:
+              window: KVWindow | None = None, chunk: int | None = None) -> list[float]:
         """Log-probability of each token from index `first` on, given the ones before it
         (perplexity, answer likelihoods: `first` = the prompt's length). Positions the prefix
         cache already holds are not computed again, and the LM head runs only where a score is
         asked for, so references scored after a shared prompt cost their own tokens.
-        Synchronous: call it between steps, not during one. With a `window`, each chunk of
-        max_num_batched_tokens sees its first token's window (and itself)."""
+        Synchronous: call it between steps, not during one. Chunks of `chunk` tokens (default
+        max_num_batched_tokens); with a `window`, a chunk sees its first token's window and
+        itself."""
         worker = self.worker(model)
         self._check_window(worker, window)
-        bm, chunk = worker.block_manager, self.config.max_num_batched_tokens
+        bm, chunk = worker.block_manager, chunk or self.config.max_num_batched_tokens
         seq = Sequence(list(token_ids), SamplingParams(max_tokens=1), salt=b"score", window=window)
         if len(seq) < 2 or len(seq) >= worker.scheduler.max_model_len:
             raise ValueError(f"score needs 2 to {worker.scheduler.max_model_len - 1} tokens, got {len(seq)}")

@@ -66,15 +66,15 @@ class KVWindow:
         cross an eviction)."""
         return self.dropped(position, block_size) + self.size - 1
 
-    def errors(self, block_size: int, max_model_len: int) -> list[str]:
-        """What is wrong with this window for a model, each naming its key."""
+    def errors(self, block_size: int, max_model_len: int) -> list[tuple[str, str]]:
+        """What is wrong with this window for a model: (key, what it must be) pairs."""
         least = max(self.sink_tokens(block_size), 0) + block_size
-        return [message for bad, message in (
-            (self.sinks < 0, f"sinks must be >= 0, got {self.sinks}"),
-            (self.size < least, f"window must hold the sinks (rounded up to {block_size}-token blocks) plus one "
-                                f"block: at least {least} tokens, got {self.size}"),
-            (self.size > max_model_len, f"window must be at most the model's context ({max_model_len} tokens), "
-                                        f"got {self.size}")) if bad]
+        return [(key, message) for bad, key, message in (
+            (self.sinks < 0, "sinks", f"must be >= 0, got {self.sinks}"),
+            (self.size < least, "window", f"must hold the sinks (rounded up to {block_size}-token blocks) plus "
+                                          f"one block: at least {least} tokens, got {self.size}"),
+            (self.size > max_model_len, "window", f"must be at most the model's context ({max_model_len} tokens), "
+                                                  f"got {self.size}")) if bad]
 
 
 @dataclass

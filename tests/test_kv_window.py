@@ -4,18 +4,24 @@ query attends to the sinks and its window's recent tokens, at cache-relative rot
 positions. Also int8 re-rotation's error bound, prefix caching across a drop (copy on write),
 speculative decoding, flat memory and the window's checks."""
 import math
+import re
 
 import pytest
 import torch
 import torch.nn.functional as F
+from litestar.testing import TestClient
 
 from engine import KVWindow
 from engine.sampling_params import SamplingParams
+from gateway.config import ConfigError
+from gateway.http.app import create_app
+from gateway.tenants import load_tenant
 from kernels import rotate_keys
 from kernels.attention import quantize_kv
 from kernels.norm_rope import apply_rotary
 from tests.conftest import make_tiny_model
 from tests.test_engine import make_engine
+from tests.test_gateway_support import KEYS, auth, embedder, llm, make_gateway, tenant_toml, wait_ready  # noqa: F401
 from tests.test_speculative import engine as spec_engine
 
 BS = 4          # the tiny engines' block size
@@ -236,3 +242,48 @@ def test_bad_windows_are_refused_with_the_key_named(folder):
         with pytest.raises(ValueError, match=key):
             engine.score([1, 2, 3], window=window)
     assert KVWindow(sinks=5, size=12).errors(BS, 512) == []
+    assert [key for key, _ in KVWindow(sinks=-1, size=3).errors(BS, 512)] == ["sinks", "window"]
+
+
+# ------------------------------------------------------------- the tenant policy, through HTTP
+
+def test_a_window_tenant_answers_a_30_turn_chat_past_its_budget(tmp_path, llm, embedder):
+    """A conversation that outgrows a 64-token context budget: the "window" tenant answers all
+    30 turns, saying how many tokens its KV window dropped, and the metric counts them; the
+    "reject" tenant (the default) refuses the same conversation once it is over the budget."""
+    window = tenant_toml(KEYS["alpha"], context=64, output=8) + '\n[long_context]\npolicy = "window"\nsinks = 4\n'
+    gateway = make_gateway(tmp_path, llm, embedder, {"alpha": window, "beta": tenant_toml(KEYS["beta"], context=64)})
+    messages, evicted, refused = [], [], 0
+    with TestClient(create_app(gateway)) as client:
+        wait_ready(client)
+        for turn in range(30):
+            messages.append({"role": "user", "content": f"t{turn + 1} t{turn + 2} t{turn + 3} t{turn + 4}"})
+            body = {"model": "small", "messages": messages, "max_tokens": 4}
+            r = client.post("/v1/chat/completions", json=body, headers=auth("alpha"))
+            assert r.status_code == 200, r.text
+            evicted.append(r.json()["sluice"]["evicted_tokens"])
+            messages.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})
+            other = client.post("/v1/chat/completions", json=body, headers=auth("beta"))
+            if other.status_code == 400:         # a 422 is a 400 on the OpenAI-shaped endpoint
+                assert other.json()["error"]["code"] == "over_context_budget", other.text
+                refused += 1
+            else:
+                assert other.status_code == 200
+        metrics = client.get("/metrics").text
+    assert evicted[0] is None and evicted[-1] > 0          # fits at first; later the window drops tokens
+    assert refused >= 20
+    assert sum(e is not None for e in evicted) == refused    # windowed exactly where the other was refused
+    counted = re.search(r'sluice_kv_evicted_tokens_total\{tenant="alpha",model="small"\} (\d+)', metrics)
+    assert counted and int(counted.group(1)) == sum(e or 0 for e in evicted)
+
+
+def test_long_context_keys_are_checked_by_name(tmp_path):
+    for table, key in (('policy = "window"\nsinks = -1', "long_context.sinks"),
+                       ('policy = "window"\nsinks = 20\nwindow = 40', "long_context.window"),
+                       ('policy = "stream"', "long_context.policy")):
+        path = tmp_path / "t.toml"
+        path.write_text(tenant_toml(KEYS["alpha"], context=400) + f"\n[long_context]\n{table}\n")
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            load_tenant(path, {"small", "large"})
+    path.write_text(tenant_toml(KEYS["alpha"], context=400) + '\n[long_context]\npolicy = "window"\n')
+    assert load_tenant(path, {"small", "large"}).terms.window == KVWindow(4, 400)
