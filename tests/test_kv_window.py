@@ -1,8 +1,8 @@
 """KV windows with attention sinks (StreamingLLM) on tiny random models, each checked against
 a plain-PyTorch decoder that recomputes the same windowed attention from scratch: every
 query attends to the sinks and its window's recent tokens, at cache-relative rotary
-positions. Also int8 re-rotation's error bound, prefix caching across a drop (copy on write),
-speculative decoding, flat memory and the window's checks."""
+positions. Also the int8 sinks' one rounding, a shared prefix while a window drops, speculative
+decoding, flat memory, the window's checks, and the tenant policy through HTTP."""
 import math
 import re
 
