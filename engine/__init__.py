@@ -6,7 +6,8 @@ from .config import QUANT_SCHEMES, EngineConfig, ModelEntry, SpecConfig, Thinkin
 from .llm_engine import Completion, LLMEngine, StepOutput
 from .prompter import Prompter, Prompters
 from .sampling_params import MIN_SEED, MIN_TEMPERATURE, MIN_TOP_P, SamplingParams
+from .sequence import KVWindow
 
-__all__ = ["AsyncEngine", "Completion", "EngineConfig", "EngineFailure", "LLMEngine", "MIN_SEED", "MIN_TEMPERATURE",
-           "MIN_TOP_P", "ModelEntry", "Prompter", "Prompters", "QUANT_SCHEMES", "SamplingParams", "SpecConfig",
-           "StepOutput", "Stopped", "ThinkingConfig"]
+__all__ = ["AsyncEngine", "Completion", "EngineConfig", "EngineFailure", "KVWindow", "LLMEngine", "MIN_SEED",
+           "MIN_TEMPERATURE", "MIN_TOP_P", "ModelEntry", "Prompter", "Prompters", "QUANT_SCHEMES", "SamplingParams",
+           "SpecConfig", "StepOutput", "Stopped", "ThinkingConfig"]

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from engine.llm_engine import Completion, LLMEngine, StepOutput
 from engine.sampling_params import SamplingParams
+from engine.sequence import KVWindow
 
 log = logging.getLogger("sluice.engine")
 
@@ -73,7 +74,7 @@ class AsyncEngine:
 
     async def stream(self, prompt: str | list[int], params: SamplingParams | None = None, model: str | None = None,
                      salt: bytes = b"", request_id: str | None = None, speculate: bool = True,
-                     draft: list[int] | None = None) -> AsyncIterator[StepOutput]:
+                     draft: list[int] | None = None, window: KVWindow | None = None) -> AsyncIterator[StepOutput]:
         """Yields each step's output for this request. Raises ValueError on bad input before
         anything is queued."""
         await self.start()
@@ -85,7 +86,7 @@ class AsyncEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._queues[request_id] = queue = asyncio.Queue()
         adding = loop.run_in_executor(self._stepper, self.engine.add_request, prompt, params, model, salt,
-                                      request_id, speculate, draft)
+                                      request_id, speculate, draft, window)
         try:
             await asyncio.shield(adding)
         except BaseException:     # refused, or cancelled while queueing: then it must not run unread

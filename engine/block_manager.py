@@ -5,6 +5,13 @@ block is shared only by requests with the same prefix *and* salt (tenants cannot
 other's cache by timing); a hit is confirmed by its token ids, so a hash collision never
 serves wrong KV. Unreferenced blocks keep contents and hash until reused, least recently
 freed first: the LRU eviction of the prefix cache.
+
+A sequence with a KV window (sequence.KVWindow) drops whole blocks after its sinks as it grows
+(`evict`). Its other blocks are never written again, so those it registered before the first
+drop stay valid cache entries; at that drop its sinks move to fresh blocks, which the model
+runner rewrites at each drop as rotated copies of the original sink blocks (those stay held,
+untouched and cached: `sink_source`). Blocks it computes after the first drop hold KV of
+windowed attention, which no hash of their prefix describes: they are never registered.
 """
 from __future__ import annotations
 
@@ -54,8 +61,10 @@ class BlockManager:
                 del self.cached[block.hash]
             block.hash, block.token_ids = None, []
 
-    def can_allocate(self, seq: Sequence) -> bool:
-        return self.num_free >= seq.num_blocks(self.block_size)
+    def can_allocate(self, seq: Sequence, num_tokens: int | None = None) -> bool:
+        """Room for the sequence's first `num_tokens` (all of them by default)."""
+        n = len(seq) if num_tokens is None else num_tokens
+        return self.num_free >= -(-n // self.block_size)
 
     def _cached_blocks(self, token_ids: list[int], salt: bytes) -> list[int]:
         """The cached blocks holding the leading full blocks of token_ids. The last full block
@@ -75,8 +84,9 @@ class BlockManager:
         """How many of a new sequence's tokens the prefix cache would serve now."""
         return len(self._cached_blocks(token_ids, salt)) * self.block_size
 
-    def allocate(self, seq: Sequence) -> None:
-        """Give a waiting sequence blocks for all its tokens, reusing cached prefix blocks."""
+    def allocate(self, seq: Sequence, num_tokens: int | None = None) -> None:
+        """Give a waiting sequence blocks for its first `num_tokens` (all by default; a windowed
+        one grows chunk by chunk), reusing cached prefix blocks."""
         assert not seq.block_table
         hits = self._cached_blocks(seq.token_ids, seq.salt)
         full = (len(seq) - 1) // self.block_size if self.prefix_caching else 0
@@ -88,12 +98,13 @@ class BlockManager:
         seq.block_table = list(hits)
         seq.num_hashed_blocks = len(seq.block_table)
         seq.num_cached_tokens = seq.num_computed_tokens = len(seq.block_table) * self.block_size
-        self.resize(seq, len(seq))
+        self.resize(seq, max(len(seq) if num_tokens is None else num_tokens, seq.num_computed_tokens))
 
     def resize(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow or shrink the block table to cover num_tokens (a decode's newest token, drafts
-        and their rollback); False, and nothing changed, when there are not enough free blocks."""
-        want = (num_tokens + self.block_size - 1) // self.block_size
+        and their rollback); False, and nothing changed, when there are not enough free blocks.
+        Tokens a window dropped hold no block."""
+        want = max(num_tokens - seq.num_dropped + self.block_size - 1, 0) // self.block_size
         if want == len(seq.block_table):
             return True
         if want - len(seq.block_table) > self.num_free:
@@ -101,15 +112,43 @@ class BlockManager:
         while len(seq.block_table) < want:
             seq.block_table.append(self._evict_and_take())
         while len(seq.block_table) > want:
-            block = self.blocks[seq.block_table.pop()]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free[block.block_id] = None
+            self._release(seq.block_table.pop())
         return True
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free[block_id] = None
+
+    def evict(self, seq: Sequence, position: int) -> int | None:
+        """Drop what the sequence's window no longer shows the token at `position` (whole blocks
+        after the sinks). Returns the tokens dropped now; the runner then rewrites the sinks'
+        blocks (step.shift). At the first drop the sinks get fresh blocks for that, and the
+        originals become `sink_source`. None, and nothing changed, when there are no free
+        blocks for those."""
+        w, bs = seq.window, self.block_size
+        shift = 0 if w is None else w.dropped(position, bs) - seq.num_dropped
+        if shift <= 0:
+            return 0
+        first, n = w.sink_tokens(bs) // bs, shift // bs
+        dropped = seq.block_table[first:first + n]
+        fresh = 0 if seq.sink_source else first
+        if fresh > self.num_free + sum(self.blocks[b].ref_count == 1 for b in dropped):
+            return None
+        del seq.block_table[first:first + n]
+        for block_id in dropped:
+            self._release(block_id)
+        if fresh:
+            seq.sink_source = seq.block_table[:first]
+            seq.block_table[:first] = [self._evict_and_take() for _ in range(first)]
+        seq.num_dropped += shift
+        seq.num_evicted = max(seq.num_evicted, seq.num_dropped)
+        return shift
 
     def register_computed(self, seq: Sequence) -> None:
         """Enter blocks that became full and computed into the prefix cache."""
-        if not self.prefix_caching:
+        if not self.prefix_caching or seq.num_dropped:
             return
         bs = self.block_size
         full = seq.num_computed_tokens // bs
@@ -132,9 +171,12 @@ class BlockManager:
     def free_seq(self, seq: Sequence, forget: bool = False) -> list[int]:
         """Give the sequence's blocks back. With `forget` (its step failed, its KV may hold
         NaNs) the blocks no other sequence holds also leave the prefix cache; returns those."""
-        blocks = list(seq.block_table)
+        blocks = list(seq.block_table) + seq.sink_source
         self.resize(seq, 0)          # tail first, so the tail is evicted before the shared prefix
-        seq.num_computed_tokens = seq.num_hashed_blocks = 0
+        for block_id in seq.sink_source:
+            self._release(block_id)
+        seq.sink_source = []
+        seq.num_computed_tokens = seq.num_hashed_blocks = seq.num_dropped = 0
         forgotten = [b for b in blocks if forget and self.blocks[b].ref_count == 0]
         for block_id in forgotten:
             self._uncache(self.blocks[block_id])

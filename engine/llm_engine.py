@@ -17,7 +17,7 @@ from engine.prompter import Prompter
 from engine.quantize import dot_vnni
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq
-from engine.sequence import Sequence, SpecState, isolated
+from engine.sequence import KVWindow, Sequence, SpecState, isolated
 from engine.speculative import Speculator
 from engine.worker import Worker, load_workers
 
@@ -38,6 +38,7 @@ class Completion:
     num_thinking_tokens: int = 0   # inside the span, within the budget; forced markers not counted
     error: str | None = None       # why the request failed (finish_reason "error"); others went on
     engine_s: float = 0.0          # its share of the steps it was in the engine for (each split evenly)
+    num_evicted_tokens: int = 0    # tokens its KV window dropped from the cache (0: none, or no window)
 
 
 @dataclass
@@ -77,11 +78,13 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, model: str | None = None,
                     salt: bytes = b"", request_id: str | None = None, speculate: bool = True,
-                    draft: list[int] | None = None) -> str:
+                    draft: list[int] | None = None, window: KVWindow | None = None) -> str:
         """Queue a request; bad input raises ValueError and leaves the engine untouched.
         `draft` is an external draft of the continuation (say, a small model's answer) that the
-        target verifies instead of generating from scratch; the output is unchanged by it."""
+        target verifies instead of generating from scratch; the output is unchanged by it.
+        `window`: keep only its sinks and recent tokens in the KV cache (StreamingLLM)."""
         worker = self.worker(model)
+        self._check_window(worker, window)
         ids = worker.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("prompt is empty")
@@ -93,7 +96,7 @@ class LLMEngine:
         if params.thinking_budget or worker.thinking.native:    # a native thinker is told not to, at 0
             ids, thinking = worker.stop.open_span(ids, params.thinking_budget)
         seq = Sequence(ids, params, salt=salt, request_id=request_id or "", stop_ids=worker.stop.stop_ids(params),
-                       thinking=thinking)
+                       thinking=thinking, window=window)
         if seq.request_id in self.requests:
             raise ValueError(f"request id {seq.request_id!r} is already in use")
         if draft and not (self.speculator and worker is self.speculator.target):
@@ -103,6 +106,10 @@ class LLMEngine:
         worker.scheduler.add(seq)
         self.requests[seq.request_id] = (worker, seq)
         return seq.request_id
+
+    def _check_window(self, worker: Worker, window: KVWindow | None) -> None:
+        if window is not None and (errors := window.errors(self.config.block_size, worker.scheduler.max_model_len)):
+            raise ValueError("bad KV window: " + "; ".join(f"{key} {message}" for key, message in errors))
 
     def prompter(self, model: str | None = None) -> Prompter:
         """What composing `model`'s prompts needs: tokenizer, chat template, context length."""
@@ -191,7 +198,7 @@ class LLMEngine:
                           "".join(seq.text), list(seq.logprobs), seq.finish_reason or "", seq.num_cached_tokens,
                           (seq.first_token_time or now) - seq.arrival, now - seq.arrival,
                           worker.tokenizer.decode(seq.token_ids[th.start:th.start + n_think]) if th else "",
-                          n_think, seq.error, seq.engine_s)
+                          n_think, seq.error, seq.engine_s, seq.num_evicted)
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
                  model: str | None = None, salt: bytes = b"", progress: bool = False) -> list[Completion]:
@@ -207,34 +214,43 @@ class LLMEngine:
                         bar.update(1)
         return [done[i] for i in ids]
 
-    def score(self, token_ids: list[int], model: str | None = None, first: int = 1) -> list[float]:
+    def score(self, token_ids: list[int], model: str | None = None, first: int = 1,
+              window: KVWindow | None = None, chunk: int | None = None) -> list[float]:
         """Log-probability of each token from index `first` on, given the ones before it
         (perplexity, answer likelihoods: `first` = the prompt's length). Positions the prefix
         cache already holds are not computed again, and the LM head runs only where a score is
         asked for, so references scored after a shared prompt cost their own tokens.
-        Synchronous: call it between steps, not during one."""
+        Synchronous: call it between steps, not during one. Chunks of `chunk` tokens (default
+        max_num_batched_tokens); with a `window`, a chunk sees its first token's window and
+        itself."""
         worker = self.worker(model)
-        seq = Sequence(list(token_ids), SamplingParams(max_tokens=1), salt=b"score")
+        self._check_window(worker, window)
+        bm, chunk = worker.block_manager, chunk or self.config.max_num_batched_tokens
+        seq = Sequence(list(token_ids), SamplingParams(max_tokens=1), salt=b"score", window=window)
         if len(seq) < 2 or len(seq) >= worker.scheduler.max_model_len:
             raise ValueError(f"score needs 2 to {worker.scheduler.max_model_len - 1} tokens, got {len(seq)}")
         if not 1 <= first < len(seq):
             raise ValueError(f"score: first must be 1 to {len(seq) - 1} (a token with one before it), got {first}")
-        if not worker.block_manager.can_allocate(seq):
+        full = window is None
+        if not bm.can_allocate(seq, len(seq) if full else min(len(seq), window.size + chunk)):
             raise ValueError("not enough free KV blocks to score this sequence now")
-        worker.block_manager.allocate(seq)
+        bm.allocate(seq, None if full else 0)
         out: list[float] = []
-        chunk = self.config.max_num_batched_tokens
         try:
             # The position before `first` predicts it, so that one is computed even when cached.
             # The last token predicts nothing, so its position is never computed.
             for start in range(min(seq.num_cached_tokens, first - 1), len(seq) - 1, chunk):
                 seq.num_computed_tokens = start
-                item = ScheduledSeq(seq, min(len(seq) - 1 - start, chunk))
+                n = min(len(seq) - 1 - start, chunk)
+                shift = bm.evict(seq, start)
+                if shift is None or not bm.resize(seq, len(seq) if full else start + n):
+                    raise ValueError("not enough free KV blocks to score this sequence now")
+                item = ScheduledSeq(seq, n, shift=shift)
                 out += worker.runner.logprobs(item, max(first - 1 - start, 0)).tolist()
                 seq.num_computed_tokens = start + item.num_tokens
-                worker.block_manager.register_computed(seq)
+                bm.register_computed(seq)
         finally:
-            worker.block_manager.free_seq(seq)
+            bm.free_seq(seq)
         return out
 
     def stats(self) -> dict[str, dict]:

@@ -196,11 +196,14 @@ class ModelRunner:
             (decodes if item.is_decode else chunks).append(item)
         bs, pad = self.block_size, max(pad_to - len(decodes), 0)
         ids, positions, slots = [], [], []
+        # A window's dropped tokens hold no slot: a token's slot and a sequence's context length
+        # count what its cache holds, while its rotary position stays its own (shift).
         for item in decodes:            # the newest token of each, which samples
             seq, pos = item.seq, item.seq.num_computed_tokens
             ids.append(seq.token_ids[pos])
             positions.append(pos)
-            slots.append(seq.block_table[pos // bs] * bs + pos % bs)
+            c = pos - seq.num_dropped
+            slots.append(seq.block_table[c // bs] * bs + c % bs)
         head_rows, sampling = list(range(len(decodes))), list(decodes)
         for item in chunks:
             seq, start = item.seq, item.seq.num_computed_tokens
@@ -210,8 +213,9 @@ class ModelRunner:
                 sampling.append(item)
             ids += seq.tokens(start, end)
             positions += range(start, end)
-            slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
-        tables, lens = [s.seq.block_table for s in decodes], [len(s.seq) for s in decodes]
+            slots += [seq.block_table[c // bs] * bs + c % bs for c in range(start - seq.num_dropped,
+                                                                             end - seq.num_dropped)]
+        tables, lens = [s.seq.block_table for s in decodes], [len(s.seq) - s.seq.num_dropped for s in decodes]
         if pad:
             ids += [0] * pad
             positions += [0] * pad
@@ -223,7 +227,7 @@ class ModelRunner:
             fields += [_padded(tables), lens]
         if chunks:
             fields += [_padded([s.seq.block_table for s in chunks]),
-                       [s.seq.num_computed_tokens + s.num_tokens for s in chunks],
+                       [s.seq.num_computed_tokens - s.seq.num_dropped + s.num_tokens for s in chunks],
                        list(itertools.accumulate((s.num_tokens for s in chunks), initial=0))]
         input_ids, positions, slot_mapping, head_rows, *rest = self.device.upload(_int64(fields))
         batch = StepBatch(slot_mapping, len(decodes) + pad, self.kv_caches)
@@ -234,6 +238,30 @@ class ModelRunner:
             tables, batch.prefill_context_lens, batch.prefill_query_start = rest
             batch.prefill_block_tables = tables.view(len(chunks), -1)
         return input_ids, positions, batch, (head_rows, sampling)
+
+    @torch.inference_mode()
+    def shift(self, scheduled: list[ScheduledSeq]) -> None:
+        """Rewrite the sinks of sequences whose window dropped tokens before this step. Their
+        new tokens and kept keys stay at their own rotary positions, so the distance from a
+        query to a kept key is what StreamingLLM's positions within the cache give; a sink's
+        is that less the tokens dropped, so its key is its original one rotated forward by
+        them (RoPE composes). Rotated from the untouched original each time, an int8 or bf16
+        sink is rounded once, never again and again as rotating every kept key back at each
+        drop would do (docs/engine.md measures that drift); and one block is rotated per
+        drop rather than the whole window."""
+        for item in scheduled:
+            seq = item.seq
+            if not item.shift or not seq.sink_source:
+                continue
+            dev = self.device.device
+            src = torch.tensor(seq.sink_source, device=dev)
+            dst = torch.tensor(seq.block_table[:len(seq.sink_source)], device=dev)
+            d = seq.num_dropped
+            for k, v, k_scale, v_scale in self.kv_caches:
+                kernels.rotate_keys(k, src, dst, self.model.rotary.cos[d], self.model.rotary.sin[d], k_scale)
+                for t in (v, v_scale):
+                    if t is not None:
+                        t.index_copy_(0, dst, t.index_select(0, src))
 
     @torch.inference_mode()
     def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
@@ -307,6 +335,7 @@ class ModelRunner:
     def logprobs(self, item: ScheduledSeq, skip: int = 0) -> torch.Tensor:
         """Log-probability of the token after each position of one chunk (scoring), from its
         row `skip` on, on the host: the LM head and softmax only for the rows asked for."""
+        self.shift([item])
         input_ids, positions, batch, _ = self.prepare([item])
         hidden = self.model(input_ids, positions, batch)[skip:]
         seq, start = item.seq, item.seq.num_computed_tokens + skip
@@ -322,6 +351,7 @@ class ModelRunner:
         sampled from (for the rejection rule); with `vocab`, tokens come from it only. A
         sequence whose share fails (non-finite logits, a sampling error) gets its `error` set
         and no entry."""
+        self.shift(scheduled)
         bucket = self._bucket(scheduled)
         input_ids, positions, batch, (head_rows, sampling) = self.prepare(scheduled, bucket)
         hidden = self._forward(input_ids, positions, batch, bucket)

@@ -4,6 +4,11 @@ Every step takes decodes first (one token each), then prefill chunks up to the s
 budget (chunked prefill), so a long prompt never stalls the streams already running. When
 blocks run out, the most recently admitted sequence is preempted and later recomputed
 (its prefix blocks usually still sit in the prefix cache, so recompute is cheap).
+
+A sequence with a KV window (sequence.KVWindow) gets blocks chunk by chunk rather than for its
+whole prompt, and before each of its steps drops what its window no longer shows the step's
+first token (BlockManager.evict); a verified draft is cut where the window would move, so a
+token sees the same keys with speculation as without.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ class ScheduledSeq:
     seq: Sequence
     num_tokens: int            # tokens to compute this step, from seq.num_computed_tokens
     num_draft: int = 0         # of those, draft tokens the step verifies (past the sequence's end)
+    shift: int = 0             # tokens its window dropped just before this step (its sinks are rewritten)
 
     @property
     def is_decode(self) -> bool:
@@ -50,48 +56,61 @@ class Scheduler:
 
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.max_num_batched_tokens
-        decodes: list[ScheduledSeq] = []
-        chunks: list[ScheduledSeq] = []
+        scheduled: list[ScheduledSeq] = []
         for seq in list(self.running):
             if seq.status is not Status.RUNNING or budget == 0:
                 continue
-            if seq.in_prefill:
-                chunks.append(ScheduledSeq(seq, min(len(seq) - seq.num_computed_tokens, budget)))
-                budget -= chunks[-1].num_tokens
-                continue
-            while not self.bm.resize(seq, len(seq)):                # a slot for the newest token
-                victim = self.running[-1]
-                self._preempt(victim)
-                decodes = [s for s in decodes if s.seq is not victim]
-                chunks = [s for s in chunks if s.seq is not victim]
-                if victim is seq:
-                    break
-            else:
-                k = min(len(seq.draft), budget - 1)
-                if k and not self.bm.resize(seq, len(seq) + k):     # and for the draft's
-                    k = 0
-                decodes.append(ScheduledSeq(seq, 1 + k, num_draft=k))
-                budget -= 1 + k
-        budget = self.max_num_batched_tokens - sum(s.num_tokens for s in decodes + chunks)
-        self._admit(budget, chunks)
-        return decodes + chunks
+            if item := self._plan(seq, budget, scheduled):
+                scheduled.append(item)
+                budget -= item.num_tokens
+        scheduled.sort(key=lambda s: s.seq.in_prefill)          # decodes first
+        budget = self.max_num_batched_tokens - sum(s.num_tokens for s in scheduled)
+        self._admit(budget, scheduled)
+        return scheduled
+
+    def _plan(self, seq: Sequence, budget: int, scheduled: list[ScheduledSeq]) -> ScheduledSeq | None:
+        """A running sequence's share of the step: a prefill chunk, or its newest token and a
+        draft to verify; blocks for it (preempting the latest admitted when they run out).
+        None when it was preempted itself."""
+        start, prefill = seq.num_computed_tokens, seq.in_prefill
+        n = min(len(seq) - start, budget) if prefill else 1
+        shift = self.bm.evict(seq, start)
+        if shift is None:               # no blocks for the copy of its sinks
+            self._preempt(seq)
+            return None
+        while not self.bm.resize(seq, len(seq) if seq.window is None else start + n):
+            victim = self.running[-1]
+            self._preempt(victim)
+            scheduled[:] = [s for s in scheduled if s.seq is not victim]
+            if victim is seq:
+                return None
+        item = ScheduledSeq(seq, n, shift=shift)
+        if not prefill:
+            k = min(len(seq.draft), budget - 1)
+            if seq.window is not None:
+                k = min(k, seq.window.last_position(start, self.bm.block_size) - start)
+            if k and not self.bm.resize(seq, len(seq) + k):     # and blocks for the draft's
+                k = 0
+            item.num_tokens, item.num_draft = 1 + k, k
+        return item
 
     def _admit(self, budget: int, chunks: list[ScheduledSeq]) -> None:
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
-            if not self.bm.can_allocate(seq):
+            if not self.bm.can_allocate(seq, len(seq) if seq.window is None else min(len(seq), budget)):
                 seq.waited_steps += 1
                 # Aging: once overtaken long enough, later requests wait so its blocks can free up.
                 if seq.waited_steps >= self.max_wait_steps:
                     break
                 continue
             self.waiting.remove(seq)
-            self.bm.allocate(seq)
+            self.bm.allocate(seq, None if seq.window is None else 0)
             seq.status = Status.RUNNING
             self.running.append(seq)
-            chunks.append(ScheduledSeq(seq, min(len(seq) - seq.num_computed_tokens, budget)))
-            budget -= chunks[-1].num_tokens
+            if item := self._plan(seq, budget, chunks):
+                chunks.append(item)
+                budget -= item.num_tokens
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -38,6 +38,45 @@ class ThinkingState:
         return length - self.start if self.end is None else self.end - self.start - self.num_forced
 
 
+@dataclass(frozen=True)
+class KVWindow:
+    """StreamingLLM's cache for one sequence: the blocks of the first `sinks` tokens (attention
+    sinks) and the most recent tokens stay; whole blocks between them are dropped as it grows,
+    so that a query sees at most `size` tokens, itself included. Attention sees the positions
+    StreamingLLM gives (within the cache: the recent tokens right after the sinks); as RoPE
+    depends only on the distance between query and key, the engine gets there by rotating the
+    sinks' keys forward by what was dropped, from an untouched copy, instead of rotating every
+    kept key back at every drop (see BlockManager.evict)."""
+    sinks: int
+    size: int
+
+    def sink_tokens(self, block_size: int) -> int:
+        """The sinks rounded up to whole blocks: what stays at the front of the cache."""
+        return -(-self.sinks // block_size) * block_size
+
+    def dropped(self, position: int, block_size: int) -> int:
+        """Tokens evicted before the token at `position` is computed: the fewest whole blocks
+        after the sinks that leave it at most `size` tokens to attend to. A function of the
+        position alone, so a token sees the same keys however steps are cut (decode, verify)."""
+        over = position + 1 - self.size
+        return 0 if over <= 0 else -(-over // block_size) * block_size
+
+    def last_position(self, position: int, block_size: int) -> int:
+        """The last position that sees the same keys as `position` (a verified draft may not
+        cross an eviction)."""
+        return self.dropped(position, block_size) + self.size - 1
+
+    def errors(self, block_size: int, max_model_len: int) -> list[tuple[str, str]]:
+        """What is wrong with this window for a model: (key, what it must be) pairs."""
+        least = max(self.sink_tokens(block_size), 0) + block_size
+        return [(key, message) for bad, key, message in (
+            (self.sinks < 0, "sinks", f"must be >= 0, got {self.sinks}"),
+            (self.size < least, "window", f"must hold the sinks (rounded up to {block_size}-token blocks) plus "
+                                          f"one block: at least {least} tokens, got {self.size}"),
+            (self.size > max_model_len, "window", f"must be at most the model's context ({max_model_len} tokens), "
+                                                  f"got {self.size}")) if bad]
+
+
 @dataclass
 class SpecState:
     """Speculation, per sequence: the external draft (a continuation of the prompt), and
@@ -60,6 +99,10 @@ class Sequence:
     num_cached_tokens: int = 0      # of those, how many came from the prefix cache
     block_table: list[int] = field(default_factory=list)
     num_hashed_blocks: int = 0      # leading full blocks already registered in the prefix cache
+    window: KVWindow | None = None  # None: every token's KV stays
+    num_dropped: int = 0            # tokens evicted from between the sinks and the window
+    num_evicted: int = 0            # the most it dropped (a preempted sequence restarts at 0)
+    sink_source: list[int] = field(default_factory=list)   # its original sink blocks, once it dropped
     status: Status = Status.WAITING
     stop_ids: frozenset[int] = frozenset()     # the tokens that end its turn (StopChecker.stop_ids)
     logprobs: list[float] = field(default_factory=list)
@@ -111,7 +154,7 @@ class Sequence:
         return len(self.token_ids) - self.num_computed_tokens > 1
 
     def num_blocks(self, block_size: int) -> int:
-        return (len(self.token_ids) + block_size - 1) // block_size
+        return (len(self.token_ids) - self.num_dropped + block_size - 1) // block_size
 
 
 class isolated:

@@ -255,7 +255,17 @@ class Speculator:
         start = time.perf_counter()
         active = [(seq, sh, k) for seq, k in wanted if (sh := self._sync_shadow(seq, k)) is not None]
         while active:
-            items = [ScheduledSeq(sh, len(sh) - sh.num_computed_tokens) for _, sh, _ in active]
+            items = []
+            for seq, sh, k in list(active):
+                # The shadow's own window; blocks for its sinks' copy are there or it drafts nothing.
+                if (shift := self.draft.block_manager.evict(sh, sh.num_computed_tokens)) is None:
+                    seq.draft, seq.draft_probs, seq.spec.source = [], None, None
+                    self.release(seq)
+                    active.remove((seq, sh, k))
+                    continue
+                items.append(ScheduledSeq(sh, len(sh) - sh.num_computed_tokens, shift=shift))
+            if not active:
+                break
             round_start = time.perf_counter()
             sampled, rows = self.draft.runner.run(items, return_probs=True, vocab=self.draft_vocab)
             self._observe_draft_round(time.perf_counter() - round_start, items)
@@ -295,8 +305,16 @@ class Speculator:
         blocks for k more tokens; None (and no draft) when the draft model has no room."""
         bm = self.draft.block_manager
         shadow = self.shadows.get(seq.seq_id)
+        if shadow is not None and shadow.num_dropped:
+            # A window cannot roll back into what it dropped: then the shadow starts afresh.
+            common = next((i for i, (a, b) in enumerate(zip(shadow.token_ids, seq.token_ids)) if a != b),
+                          min(len(shadow), len(seq)))
+            if common < shadow.window.sink_tokens(bm.block_size) + shadow.num_dropped:
+                self.release(seq)
+                shadow = None
         if shadow is None:
-            shadow = Sequence(list(seq.token_ids), seq.params, salt=seq.salt, request_id=f"draft-{seq.request_id}")
+            shadow = Sequence(list(seq.token_ids), seq.params, salt=seq.salt, request_id=f"draft-{seq.request_id}",
+                              window=seq.window)
             if not bm.can_allocate(shadow):
                 seq.spec.source = None
                 return None

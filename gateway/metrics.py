@@ -135,6 +135,9 @@ class GatewayMetrics:
         self.tokens = r.add(Counter("sluice_tokens_total", "tokens by tenant, model and kind "
                                     "(prompt includes cached)", ("tenant", "model", "kind")))
         self.cost = r.add(Counter("sluice_cost_usd_total", "spend in US dollars", ("tenant", "model")))
+        self.evicted_tokens = r.add(Counter("sluice_kv_evicted_tokens_total", "tokens of conversations over the "
+                                            "context budget that a KV window dropped (long_context = window)",
+                                            ("tenant", "model")))
         self.escalations = r.add(Counter("sluice_escalations_total", "answers escalated to the large model"))
         self.early_escalations = r.add(Counter("sluice_early_escalations_total", "escalations decided on the "
                                                "first answer's first tokens, cutting it short"))

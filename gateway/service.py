@@ -86,6 +86,7 @@ class Done:
     timings: s.Timings
     finish_reason: str
     cited: list[int]
+    evicted: int | None = None              # tokens a KV window dropped (None: no window)
 
 
 @dataclass
@@ -450,10 +451,14 @@ class Gateway:
         m.retrieval.observe(job.retrieval_s)
         if p.first_token:
             m.ttft.observe(p.first_token - job.start, model)
+        evicted = None
+        if job.plan.window is not None:
+            evicted = last.num_evicted_tokens if last else 0
+            m.evicted_tokens.inc(tenant_id, model, amount=sum(c.num_evicted_tokens for c in answer.calls))
         cited = job.plan.context.cited(text)
         returned = s.Usage(*calls[-1][1:]) if calls else s.Usage(0, 0, 0, 0)
         return Done(job.plan.request_id, text, s.Usage(prompt, cached, produced, thinking), returned, spent, timings,
-                    finish, cited)
+                    finish, cited, evicted)
 
     async def ask(self, tenant: Tenant, query: Query) -> tuple[Meta, Done]:
         """The whole answer at once."""

@@ -20,6 +20,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from engine import KVWindow
 from gateway.config import ConfigError, NonNegative, Positive, load_toml
 from pipeline import CacheTerms, Terms
 from pipeline.prices import Dollars
@@ -63,6 +64,23 @@ class RouterSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     widen_from_cache: bool = False
 
 
+class LongContext(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """A chat whose conversation alone is over the context budget: "reject" answers 422
+    (over_context_budget); "window" answers it from the conversation alone (no passages) while
+    the engine keeps the KV of its first `sinks` tokens and its most recent ones, `window`
+    tokens in all (StreamingLLM's attention sinks), dropping the rest as it streams through.
+    Checked against the engine's default 16-token blocks (the engine checks its own again)."""
+    policy: Literal["reject", "window"] = "reject"
+    sinks: int = 4
+    window: Positive | None = None          # tokens a query attends to at most; None: the context budget
+
+    def kv_window(self, context_budget: int) -> KVWindow | None:
+        return KVWindow(self.sinks, self.window or context_budget) if self.policy == "window" else None
+
+
+WINDOW_BLOCK_SIZE = 16      # EngineConfig.block_size's default
+
+
 class Limits(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     requests_per_minute: Positive
     tokens_per_minute: Positive          # prompt plus output tokens
@@ -99,6 +117,7 @@ class TenantSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, froze
     escalation_threshold: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.5
     prefix_cache_salt: Annotated[str, msgspec.Meta(min_length=8)]
     router: RouterSettings = RouterSettings()
+    long_context: LongContext = LongContext()
     limits: Limits
     answer_cache: AnswerCacheSettings = AnswerCacheSettings()
 
@@ -106,6 +125,9 @@ class TenantSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, froze
         if self.default_model not in self.allowed_models:
             raise ValueError(f"field 'default_model': expected one of allowed_models "
                              f"({', '.join(self.allowed_models)}), got {self.default_model!r}")
+        window = self.long_context.kv_window(self.context_budget)
+        if window is not None and (errors := window.errors(WINDOW_BLOCK_SIZE, 2**31)):
+            raise ValueError("; ".join(f"field 'long_context.{key}': {message}" for key, message in errors))
 
 
 @dataclass(frozen=True)
@@ -126,7 +148,7 @@ class Tenant:
         c = spec.answer_cache
         cache = CacheTerms(c.enabled, c.ttl_s, c.near_duplicates, c.similarity, c.hit_price_usd)
         return Terms(self.id, policy, spec.context_budget, spec.output_budget, self.salt, spec.passage_selection,
-                     cache)
+                     cache, spec.long_context.kv_window(spec.context_budget))
 
 
 def load_tenant(path: Path, served_models: set[str]) -> Tenant:

@@ -82,6 +82,7 @@ gguf_matmul = _dispatch(gguf_quant.gguf_matmul)
 add_rms_norm = _dispatch(norm_rope.add_rms_norm)
 rotary_store_kv = _dispatch(norm_rope.rotary_store_kv)
 silu_and_mul = _dispatch(activation.silu_and_mul)
+rotate_keys = norm_rope.rotate_keys     # tensor operations on every device: nothing to dispatch
 
 __all__ = ["paged_decode_attention", "paged_prefill_attention", "int8_matmul", "int4_matmul", "gguf_matmul",
-           "add_rms_norm", "rotary_store_kv", "silu_and_mul"]
+           "add_rms_norm", "rotary_store_kv", "silu_and_mul", "rotate_keys"]

@@ -4,7 +4,7 @@ second, as `attention.store_kv` is)."""
 import torch
 import torch.nn.functional as F
 
-from kernels.attention import store_kv
+from kernels.attention import quantize_kv, store_kv
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -38,3 +38,25 @@ def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torc
     q, k = apply_rotary(torch.cat((q, k), 1), cos, sin).split([q.shape[1], k.shape[1]], 1)
     store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return q
+
+
+def rotate_keys(k_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                k_scale: torch.Tensor | None = None) -> None:
+    """Write into blocks `dst` the keys of blocks `src` rotated by one angle per frequency (cos,
+    sin [head_dim / 2]; apply_rotary's layout), computed in float32. RoPE composes, so a key
+    stored for position p and rotated by d is the key for p + d: a KV window's sinks moved up
+    to the recent tokens (llama.cpp's context shift moves the others back instead). An int8
+    cache is dequantized, rotated and quantized again: up to half a scale step per value.
+    Plain tensor operations on any device, a few per layer for a block or two per dropped
+    block, so no Triton twin is needed."""
+    k = k_cache.index_select(0, src).float()                        # [n, block_size, kv_heads, head_dim]
+    if k_scale is not None:
+        k = k * k_scale.index_select(0, src)[..., None]
+    x1, x2 = k.chunk(2, dim=-1)
+    k = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    if k_scale is None:
+        k_cache.index_copy_(0, dst, k.to(k_cache.dtype))
+        return
+    q, scale = quantize_kv(k.flatten(0, 1))
+    k_cache.index_copy_(0, dst, q.view(k.shape))
+    k_scale.index_copy_(0, dst, scale.view(k.shape[:-1]))

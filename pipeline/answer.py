@@ -27,10 +27,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from engine import MIN_TEMPERATURE, Completion, Prompter, SamplingParams, StepOutput
+from engine import MIN_TEMPERATURE, Completion, KVWindow, Prompter, SamplingParams, StepOutput
 from pipeline.answer_cache import AnswerCache, CachedPassage, CacheTerms, Entry, Hit, Lookup, normalize
 from pipeline.prices import Price, cost
-from retrieval import OverBudget, RagContext, RetrievalError, Selector, rag_context
+from retrieval import OverBudget, RagContext, RetrievalError, Selector, TrimResult, rag_context
 from router.arms import Arm, arm_name, retrieved
 from router.confidence import ConfidenceModel, EarlyExit, Verdict, judge
 from router.data import RouterError
@@ -86,6 +86,9 @@ class Terms:
     salt: bytes                            # the engine's prefix-cache salt for its requests
     selection: bool = False                # the hits cut to what bears on the question (retrieval/select.py)
     cache: CacheTerms = CacheTerms()       # the answer cache's settings (off by default)
+    # A conversation over the context budget: None refuses it (over_context_budget); a window
+    # answers it without passages, the engine keeping only the window's sinks and recent tokens.
+    window: KVWindow | None = None
 
     @property
     def max_thinking(self) -> int:
@@ -103,6 +106,7 @@ class Plan:
     prompt_ids: list[int]                  # the routed model's prompt
     params: SamplingParams
     wide: RagContext | None = None         # what a widening escalation reads; None: the route does not widen
+    window: KVWindow | None = None         # the conversation is over the budget: it runs through this KV window
 
 
 @dataclass(frozen=True)
@@ -113,6 +117,7 @@ class EngineCall:
     request_id: str
     salt: bytes                            # the tenant's prefix-cache namespace
     draft: list[int] | None = None         # an earlier answer the engine verifies instead of decoding
+    window: KVWindow | None = None         # keep only these sinks and recent tokens' KV (StreamingLLM)
 
 
 class Models(Protocol):
@@ -230,8 +235,11 @@ class Pipeline:
             context = rag_context(collection, q.question, terms.context_budget, tokenizer, self.k, q.messages, vector,
                                   selector=selector)
         except OverBudget as e:
-            raise Refused(422, f"the {e.what} is {e.tokens} tokens; tenant {terms.name!r} has a context "
-                               f"budget of {terms.context_budget}", q.input_field, "over_context_budget") from None
+            if terms.window is None or q.messages is None:
+                raise Refused(422, f"the {e.what} is {e.tokens} tokens; tenant {terms.name!r} has a context "
+                                   f"budget of {terms.context_budget}", q.input_field, "over_context_budget") from None
+            # The tenant's long_context = "window": the conversation alone, through a KV window.
+            context = RagContext(q.messages, [], [], TrimResult([], [], e.tokens, terms.context_budget))
         except RetrievalError as e:
             raise Refused(422, str(e), code="retrieval_refused") from None
         if near:                 # the question's embedding and passages: what a near duplicate shares
@@ -266,7 +274,8 @@ class Pipeline:
                                     stop=q.stop, thinking_budget=r.thinking_budget)
         except ValueError as e:
             raise Refused(422, str(e), code="bad_sampling_parameters") from None
-        return Plan(request_id, terms, r, context, self.prompt_ids(context, r.model, params), params, wide)
+        window = terms.window if context.trimmed.tokens > terms.context_budget else None
+        return Plan(request_id, terms, r, context, self.prompt_ids(context, r.model, params), params, wide, window)
 
     def route(self, terms: Terms, q: Query, predict: Callable | None,
               arm_cost: Callable[[Arm], float] | None = None, kind: bool = True) -> Route:
@@ -396,13 +405,14 @@ class Answer:
         """The next engine call, or None once the answer stands."""
         plan, r = self.plan, self.plan.route
         if not self.calls:
-            return EngineCall(r.model, plan.prompt_ids, plan.params, plan.request_id, plan.terms.salt)
+            return EngineCall(r.model, plan.prompt_ids, plan.params, plan.request_id, plan.terms.salt,
+                              window=plan.window)
         if self.verdict is None or not self.verdict.escalate or len(self.calls) > 1:
             return None
         first = self.calls[0]
         draft = list(first.token_ids) if self.pipeline.engine.verifies_drafts(r.model) and first.token_ids else None
         return EngineCall(r.model, self.pipeline.prompt_ids(plan.context, r.model, plan.params), plan.params,
-                          f"{plan.request_id}-escalated", plan.terms.salt, draft)
+                          f"{plan.request_id}-escalated", plan.terms.salt, draft, plan.window)
 
     def observe(self, out: StepOutput) -> Verdict | None:
         """An output of the call in flight; the early verdict once the first answer has its

@@ -20,7 +20,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Protocol
 
-from engine import Completion, SamplingParams, StepOutput
+from engine import Completion, KVWindow, SamplingParams, StepOutput
 from pipeline.answer import Answer, EngineCall
 from router.confidence import Verdict
 
@@ -29,7 +29,7 @@ class Engine(Protocol):
     """What a driver needs of an engine: engine.AsyncEngine."""
 
     def stream(self, prompt: list[int], params: SamplingParams, model: str, salt: bytes, request_id: str,
-               draft: list[int] | None = None) -> AsyncIterator[StepOutput]: ...
+               draft: list[int] | None = None, window: KVWindow | None = None) -> AsyncIterator[StepOutput]: ...
 
     async def cut(self, request_id: str) -> Completion | None: ...
 
@@ -69,7 +69,7 @@ async def drive(answer: Answer, engine: Engine, progress: Progress,
         # aclosing: if our consumer closes us mid-answer, the engine's stream is closed now
         # (aborting the request), not whenever it is garbage-collected.
         async with aclosing(engine.stream(call.prompt_ids, call.params, call.model, call.salt, call.request_id,
-                                          draft=call.draft)) as outputs:
+                                          draft=call.draft, window=call.window)) as outputs:
             while (out := await _next(outputs, deadline)) is not None:
                 if progress.first_token is None:
                     progress.first_token = time.monotonic()

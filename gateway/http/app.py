@@ -235,7 +235,7 @@ async def chat(request: Request, data: JSONBody[s.ChatRequest], tenant: NamedDep
     if not data.stream:
         meta, done = await until_disconnect(request, gateway.ask(tenant, query))
         info = s.SluiceInfo(meta.route, meta.citations, meta.trimmed, done.cost, done.timings, meta.cache,
-                            meta.cache_age_s)
+                            meta.cache_age_s, done.evicted)
         return s.ChatCompletion(f"chatcmpl-{done.request_id}", "chat.completion", created, meta.decision.model,
                                 [s.Choice(0, s.AssistantMessage(done.answer), done.finish_reason)],
                                 _chat_usage(done), info)
@@ -252,7 +252,7 @@ async def chat(request: Request, data: JSONBody[s.ChatRequest], tenant: NamedDep
         if isinstance(event, Token):
             return chunk(s.Delta(content=event.text))
         info = s.SluiceInfo(meta.route, meta.citations, meta.trimmed, event.cost, event.timings, meta.cache,
-                            meta.cache_age_s)
+                            meta.cache_age_s, event.evicted)
         frames = chunk(s.Delta(), event.finish_reason, sluice=info)
         if include_usage:     # OpenAI's usage chunk: no choices, then [DONE]
             frames += sse(s.ChatCompletionChunk(cid, "chat.completion.chunk", created, model, [],

@@ -237,6 +237,10 @@ class SluiceInfo(Struct):
     timings: Timings | None = None
     cache: CacheStatus = None
     cache_age_s: CacheAge = None
+    # The conversation was over the context budget and the tenant's long_context is "window":
+    # tokens of it the engine's KV window dropped (0: it ran windowed, nothing dropped yet).
+    # None: it fit the budget.
+    evicted_tokens: int | None = None
 
 
 class ChatCompletion(Struct):
