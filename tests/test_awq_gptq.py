@@ -182,6 +182,8 @@ def test_engine_serves_the_checkpoint_as_its_dequantized_float_model(tmp_path, f
     params = SamplingParams(max_tokens=1)
     assert quant_engine.generate([prompt], params)[0].token_ids == float_engine.generate([prompt], params)[0].token_ids
     assert not (tmp_path / "cache" / "derived").exists()
+    stats, float_stats = quant_engine.stats()["m"], float_engine.stats()["m"]
+    assert stats["quant"] == fmt.removesuffix("_v2") and stats["weight_bytes"] < float_stats["weight_bytes"]
     cfg, model = ModelConfig.from_folder(folder), quant_engine.workers["m"].model
     assert isinstance(model.layers[0].self_attn.qkv_proj, QuantLinear)
     want = prefill_logits(float_engine.workers["m"].model, cfg, prompt)
