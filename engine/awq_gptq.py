@@ -44,11 +44,15 @@ class Scheme:
 
 
 def scheme(folder: Path, quant: str) -> Scheme | None:
-    """The folder's stored quantization, for ModelEntry.quant `quant`: None for a float folder
-    under a float precision. A quantization the int4 kernels cannot take as stored (another method
+    """The folder's stored quantization (config.json's quantization_config, or AutoGPTQ's
+    quantize_config.json), for ModelEntry.quant `quant`: None for a float folder under a float
+    precision. A quantization the int4 kernels cannot take as stored (another method
     or bit width, a group they do not compute, another packing), or one that disagrees with
     `quant`, is an error naming the folder and the setting."""
     qc = json.loads((folder / "config.json").read_text()).get("quantization_config")
+    legacy = folder / "quantize_config.json"      # AutoGPTQ's own file, before transformers read GPTQ
+    if qc is None and legacy.is_file():
+        qc = {"quant_method": "gptq"} | json.loads(legacy.read_text())
     if qc is None:
         if quant in METHODS:
             raise ValueError(f"{folder}: quant {quant!r} serves an {quant.upper()} checkpoint's own weights, and "

@@ -235,3 +235,17 @@ def test_act_order_gptq_and_a_float_folder_are_refused(tmp_path):
         LLMEngine(EngineConfig(models={"m": ModelEntry(str(folder), quant="gptq")}), progress=False)
     with pytest.raises(ValueError, match="no quantization_config"):
         LLMEngine(EngineConfig(models={"m": ModelEntry(str(float_folder), quant="awq")}), progress=False)
+
+
+def test_autogptq_quantize_config_json_is_read(tmp_path):
+    """Checkpoints saved by AutoGPTQ before transformers read GPTQ state their quantization in
+    quantize_config.json, not in config.json."""
+    folder, _, _ = write_checkpoint(tmp_path, "gptq")
+    config = json.loads((folder / "config.json").read_text())
+    qc = config.pop("quantization_config")
+    del qc["quant_method"], qc["checkpoint_format"]
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "quantize_config.json").write_text(json.dumps(qc))
+    assert awq_gptq.scheme(folder, "gptq") == awq_gptq.Scheme("gptq", 64, zero_offset=1)
+    with pytest.raises(ValueError, match="serve it with quant 'gptq'"):
+        awq_gptq.scheme(folder, "none")
