@@ -31,6 +31,9 @@ from engine.quantize import QuantLinear, dequant_rows_default, dot_rows_default
 METHODS = ("awq", "gptq")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)     # AutoAWQ's GEMM packing: the outputs its kernel unpacks together
 GROUPS = (32, 64, 128)                  # what the int4 kernels take
+# Where the libraries' older versions state the quantization, before transformers read it from
+# config.json: AutoGPTQ's file, and AutoAWQ's (with its own key names, w_bit and q_group_size).
+LEGACY_FILES = {"quantize_config.json": "gptq", "quant_config.json": "awq"}
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
 
 
@@ -44,22 +47,23 @@ class Scheme:
 
 
 def scheme(folder: Path, quant: str) -> Scheme | None:
-    """The folder's stored quantization (config.json's quantization_config, or AutoGPTQ's
-    quantize_config.json), for ModelEntry.quant `quant`: None for a float folder under a float
-    precision. A quantization the int4 kernels cannot take as stored (another method
-    or bit width, a group they do not compute, another packing), or one that disagrees with
-    `quant`, is an error naming the folder and the setting."""
-    qc = json.loads((folder / "config.json").read_text()).get("quantization_config")
-    legacy = folder / "quantize_config.json"      # AutoGPTQ's own file, before transformers read GPTQ
-    if qc is None and legacy.is_file():
-        qc = {"quant_method": "gptq"} | json.loads(legacy.read_text())
+    """The folder's stored quantization (config.json's quantization_config, or LEGACY_FILES), for
+    ModelEntry.quant `quant`: None for a float folder under a float precision. A quantization the
+    int4 kernels cannot take as stored (another method or bit width, a group they do not compute,
+    another packing), or one that disagrees with `quant`, is an error naming the folder and the
+    setting."""
+    qc, source = json.loads((folder / "config.json").read_text()).get("quantization_config"), \
+        "config.json quantization_config"
+    for name, method in LEGACY_FILES.items():
+        if qc is None and (folder / name).is_file():
+            qc, source = {"quant_method": method} | json.loads((folder / name).read_text()), name
     if qc is None:
         if quant in METHODS:
-            raise ValueError(f"{folder}: quant {quant!r} serves an {quant.upper()} checkpoint's own weights, and "
+            raise ValueError(f"{folder}: quant {quant!r} serves a 4-bit {quant} checkpoint's own weights, and "
                              f"config.json has no quantization_config (a float checkpoint); choose int4 to "
                              f"quantize it")
         return None
-    where = f"{folder}: config.json quantization_config"
+    where = f"{folder}: {source}"
     method = str(qc.get("quant_method", "")).lower()
     if method not in METHODS:
         raise ValueError(f"{where} quant_method {method!r} is not supported; Sluice serves 4-bit awq and gptq "
@@ -84,7 +88,7 @@ def scheme(folder: Path, quant: str) -> Scheme | None:
             raise ValueError(f"{where} checkpoint_format = {fmt!r}: only gptq (v1) and gptq_v2 packings are read")
         found = Scheme("gptq", group, 1 if fmt == "gptq" else 0, bool(qc.get("desc_act")))
     if quant != method:
-        raise ValueError(f"{folder} is a 4-bit {method} checkpoint (config.json quantization_config); serve it "
+        raise ValueError(f"{folder} is a 4-bit {method} checkpoint ({source}); serve it "
                          f"with quant {method!r} (its own weights), not {quant!r}")
     return found
 

@@ -237,15 +237,19 @@ def test_act_order_gptq_and_a_float_folder_are_refused(tmp_path):
         LLMEngine(EngineConfig(models={"m": ModelEntry(str(float_folder), quant="awq")}), progress=False)
 
 
-def test_autogptq_quantize_config_json_is_read(tmp_path):
-    """Checkpoints saved by AutoGPTQ before transformers read GPTQ state their quantization in
-    quantize_config.json, not in config.json."""
-    folder, _, _ = write_checkpoint(tmp_path, "gptq")
+@pytest.mark.parametrize("fmt, legacy, renamed", [
+    ("gptq", "quantize_config.json", {}),
+    ("awq", "quant_config.json", {"bits": "w_bit", "group_size": "q_group_size"}),
+])
+def test_the_libraries_own_config_files_are_read(tmp_path, fmt, legacy, renamed):
+    """Checkpoints saved by AutoGPTQ and AutoAWQ before transformers read them state their
+    quantization in the libraries' own file (AutoAWQ's with its own key names), not config.json."""
+    folder, _, _ = write_checkpoint(tmp_path, fmt)
     config = json.loads((folder / "config.json").read_text())
-    qc = config.pop("quantization_config")
-    del qc["quant_method"], qc["checkpoint_format"]
+    qc = {renamed.get(k, k): v for k, v in config.pop("quantization_config").items()
+          if k not in ("quant_method", "checkpoint_format")}
     (folder / "config.json").write_text(json.dumps(config))
-    (folder / "quantize_config.json").write_text(json.dumps(qc))
-    assert awq_gptq.scheme(folder, "gptq") == awq_gptq.Scheme("gptq", 64, zero_offset=1)
-    with pytest.raises(ValueError, match="serve it with quant 'gptq'"):
+    (folder / legacy).write_text(json.dumps(qc))
+    assert awq_gptq.scheme(folder, fmt) == awq_gptq.Scheme(fmt, CASES[fmt][1], zero_offset=int(fmt == "gptq"))
+    with pytest.raises(ValueError, match=f"{legacy}; serve it with quant '{fmt}'"):
         awq_gptq.scheme(folder, "none")
