@@ -251,5 +251,5 @@ def test_the_libraries_own_config_files_are_read(tmp_path, fmt, legacy, renamed)
     (folder / "config.json").write_text(json.dumps(config))
     (folder / legacy).write_text(json.dumps(qc))
     assert awq_gptq.scheme(folder, fmt) == awq_gptq.Scheme(fmt, CASES[fmt][1], zero_offset=int(fmt == "gptq"))
-    with pytest.raises(ValueError, match=f"{legacy}; serve it with quant '{fmt}'"):
+    with pytest.raises(ValueError, match=rf"\({legacy}\); serve it with quant '{fmt}'"):
         awq_gptq.scheme(folder, "none")
