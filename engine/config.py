@@ -30,8 +30,9 @@ class ThinkingConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         return f"{self.nudge}{self.close}\n\n"
 
 
-# Weights: float, quantized from float (int8, int4), or the GGUF's own blocks as they ship (gguf).
-QUANT_SCHEMES = ("none", "int8", "int4", "gguf")
+# Weights: float, quantized from float (int8, int4), the GGUF's own blocks as they ship (gguf), or
+# a 4-bit AWQ or GPTQ checkpoint's own integers on the int4 kernels (awq, gptq; engine/awq_gptq.py).
+QUANT_SCHEMES = ("none", "int8", "int4", "gguf", "awq", "gptq")
 FLOAT_DTYPES = ("float32", "bfloat16")       # compute dtypes, and unquantized KV
 
 
@@ -41,8 +42,10 @@ class ModelEntry(msgspec.Struct, forbid_unknown_fields=True):
     source: str
     # Share of the KV memory this model gets, relative to the other models' shares.
     kv_share: float = 1.0
-    quant: str = "none"           # weight-only: "none" | "int8" | "int4" | "gguf" (a GGUF's own blocks)
-    group_size: int = 128         # int4 group along the input dimension: 32, 64 or 128
+    # weight-only: "none" | "int8" | "int4" | "gguf" (a GGUF's own blocks) | "awq" | "gptq" (the
+    # checkpoint's own int4 weights, in its own group size)
+    quant: str = "none"
+    group_size: int = 128         # int4 group along the input dimension, quantizing float weights: 32, 64 or 128
     # A step of at least this many tokens (a prompt chunk) multiplies densely over dequantized
     # weights instead of on the quantized kernel (int8 on the CPU, int8 and float32 int4 on CUDA);
     # 0: the quantized kernel always; None: engine/quantize.py's dequant_rows_default (DEQUANT_ROWS

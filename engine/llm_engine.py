@@ -19,7 +19,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq
 from engine.sequence import KVWindow, Sequence, SpecState, isolated
 from engine.speculative import Speculator
-from engine.worker import Worker, load_workers
+from engine.worker import Worker, load_workers, weight_bytes
 
 
 @dataclass
@@ -262,6 +262,7 @@ class LLMEngine:
                       "kernel_fallbacks": sorted(kernels.FALLBACKS),
                       "cpu_kernels": w.runner.device.device.type == "cpu" and kernels.cpu_kernels(),
                       "cpu_steps": w.runner.cpu_step.steps if w.runner.cpu_step else 0,
+                      "quant": self.config.models[name].quant, "weight_bytes": weight_bytes(w.model),
                       "dequant_rows": w.dequant_rows, "dot_rows": w.dot_rows,
                       "dot_vnni": w.dot_rows > 0 and w.runner.device.device.type == "cpu" and dot_vnni()}
                for name, w in self.workers.items()}

@@ -203,6 +203,11 @@ def fused_rows(cfg: ModelConfig) -> dict[str, tuple[str, int]]:
             "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", cfg.intermediate_size)}
 
 
+# An AWQ or GPTQ checkpoint's packed tensors of a Linear, read by engine/awq_gptq.py in place
+# of its float weight.
+PACKED_PARTS = ("qweight", "qzeros", "scales", "g_idx")
+
+
 def load_model(folder: Path, cfg: ModelConfig | None = None, linear_weights: bool = True,
                device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                embedding: bool = True) -> CausalLM:
@@ -244,7 +249,8 @@ def load_model(folder: Path, cfg: ModelConfig | None = None, linear_weights: boo
                     continue
                 name = hf_name.removeprefix("model.")
                 parts = name.split(".")
-                linear = name.endswith(".weight") and (parts[-2] in fused or f"{name[:-7]}.weight_t" in params)
+                linear = (name.endswith(".weight") and (parts[-2] in fused or f"{name[:-7]}.weight_t" in params)) \
+                    or parts[-1] in PACKED_PARTS
                 if (linear and not linear_weights) or (name == "embed_tokens.weight" and not embedding):
                     continue
                 tensor = f.get_tensor(hf_name)     # copy_ casts it to the model's dtype and device

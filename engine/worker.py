@@ -8,6 +8,7 @@ from functools import cached_property
 import torch
 
 import kernels
+from engine import awq_gptq
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig, ModelEntry, ThinkingConfig
 from engine.model import CausalLM, load_model
@@ -110,6 +111,10 @@ def _load(entry: ModelEntry, progress: bool, device: Device) -> tuple[ModelConfi
         model = load_model(folder, cfg, linear_weights=False, device=device.device, dtype=device.dtype,
                            embedding=False)
         return cfg, apply_gguf(model, folder, blocks), Tokenizer(folder)
+    stored = awq_gptq.scheme(folder, entry.quant)
+    if stored is not None:
+        model = awq_gptq.load(folder, cfg, stored, device.device, device.dtype, entry.dequant_rows, entry.dot_rows)
+        return cfg, model, Tokenizer(folder)
     cache = derived_path(folder, f"{entry.quant}-g{entry.group_size}.safetensors")
     if entry.quant != "none" and not cache.exists():
         # Quantized once, from float32 weights on the host: one stored format, whatever device

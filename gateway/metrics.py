@@ -176,6 +176,9 @@ class GatewayMetrics:
                       lambda: {(m, s["device"]): 1 for m, s in engine_stats().items()}))
         r.add(Sampled("sluice_engine_cuda_graphs", "decode batch sizes captured as CUDA graphs", ("model",),
                       lambda: {(m,): len(s["cuda_graph_batch_sizes"]) for m, s in engine_stats().items()}))
+        r.add(Sampled("sluice_engine_weight_bytes", "bytes of each model's weights as loaded, by precision "
+                      "(ModelEntry.quant)", ("model", "quant"),
+                      lambda: {(m, s["quant"]): s["weight_bytes"] for m, s in engine_stats().items()}))
         r.add(Sampled("sluice_engine_dequant_rows", "rows from which quantized matmuls dequantize to float32 "
                       "(0: never)", ("model",), lambda: {(m,): s["dequant_rows"] for m, s in engine_stats().items()}))
         r.add(Sampled("sluice_engine_dot_rows", "rows from which quantized matmuls run on integer dot products on "

@@ -305,6 +305,7 @@ def test_speculative_decoding_reports_its_acceptance_rate(tmp_path, tmp_path_fac
     assert 'sluice_engine_device{model="large",device="cpu"} 1' in text
     assert 'sluice_engine_cuda_graphs{model="small"} 0' in text
     assert 'sluice_engine_dequant_rows{model="small"} 0' in text      # float weights: nothing to dequantize
+    assert re.search(r'^sluice_engine_weight_bytes\{model="small",quant="none"\} [1-9][0-9]*$', text, re.M)
 
 
 # -------------------------------------------------------------- /v1/chat/completions
