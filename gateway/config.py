@@ -104,6 +104,8 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Rate limits and in-flight spend: this process's memory, or Redis that replicas share.
     limits: Annotated[str, msgspec.Meta(pattern=r"^(memory|rediss?://.*|unix://.+)$")] = "memory"
     max_body_bytes: Positive = 8 * 2**20
+    # A file upload's whole body (all its files); each file is held to its tenant's max_file_bytes.
+    max_upload_bytes: Positive = 64 * 2**20
     replicas: ReplicaConfig = ReplicaConfig()
 
     def __post_init__(self) -> None:

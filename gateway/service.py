@@ -34,7 +34,7 @@ from gateway.usage.limits import Admission, month_of
 from gateway.usage.rows import UsageRow
 from gateway.usage.storage import open_storage
 from pipeline import Answer, DeadlineExceeded, Judged, Models, Pipeline, Plan, Progress, Query, Refused, cost, drive
-from retrieval import CollectionStore, Embedder, RetrievalError
+from retrieval import BadFile, CollectionStore, Embedder, File, RetrievalError, read_changed
 from router.data import RouterError
 from router.model import RouterModel
 from router.policy import Route
@@ -99,7 +99,8 @@ class Job:
         """The route so far, and the context of the answer that stands (an escalation that
         widened the context cites the wider one)."""
         ctx = self.plan.context
-        citations = [s.Citation(c.number, c.hit.chunk.id, c.hit.chunk.doc_id, c.hit.chunk.title, c.hit.score)
+        citations = [s.Citation(c.number, c.hit.chunk.id, c.hit.chunk.doc_id, c.hit.chunk.title, c.hit.score,
+                                c.hit.chunk.page, c.hit.chunk.page_end, c.hit.chunk.section or None)
                      for c in ctx.citations]
         trimmed = s.Trimmed(len(ctx.trimmed.chunks), len(ctx.trimmed.dropped), ctx.trimmed.tokens, ctx.trimmed.budget)
         return Meta(self.plan.request_id, self.answer.route, citations, trimmed)
@@ -386,13 +387,34 @@ class Gateway:
         except RetrievalError:
             raise GatewayError(404, f"collection {name!r} not found", "name", "collection_not_found") from None
 
-    async def ingest(self, tenant: Tenant, name: str, documents: list) -> s.IngestResponse:
+    async def ingest(self, tenant: Tenant, name: str, documents: list, unchanged: list[str] = ()) -> s.IngestResponse:
         collection = self._collection(tenant, name, create=True)
         try:
-            report = await anyio.to_thread.run_sync(collection.ingest, documents, limiter=self._ingest)
+            report = await anyio.to_thread.run_sync(lambda: collection.ingest(documents, unchanged=unchanged),
+                                                    limiter=self._ingest)
         except RetrievalError as e:
             raise GatewayError(422, str(e), "documents", "bad_documents") from None
-        return s.IngestResponse(name, report.documents, report.chunks, report.removed, report.embedded)
+        return s.IngestResponse(name, report.documents, report.chunks, report.removed, report.embedded,
+                                report.added, report.replaced, report.unchanged)
+
+    async def ingest_files(self, tenant: Tenant, name: str, files: list[File]) -> s.IngestResponse:
+        """Files read as the CLI reads them; an unchanged one (same digest as stored) is not even
+        parsed. Every file is read before the collection is touched (or created), so one bad file
+        leaves it exactly as it was."""
+        self._require_ready()
+        try:
+            stored = self.collection_store.collection(tenant.id, name, create=False).digests()
+        except RetrievalError:
+            stored = {}
+        try:
+            docs, unchanged = await anyio.to_thread.run_sync(
+                read_changed, files, stored, tenant.spec.limits.max_file_bytes, limiter=self._ingest)
+        except BadFile as e:
+            status = {"too_large": 413, "unsupported_type": 415}.get(e.code, 422)
+            raise GatewayError(status, str(e), "files", f"file_{e.code}") from None
+        except RetrievalError as e:
+            raise GatewayError(422, str(e), "files", "bad_files") from None
+        return await self.ingest(tenant, name, docs, unchanged)
 
     async def delete(self, tenant: Tenant, name: str, doc_id: str) -> s.DeleteResponse:
         collection = self._collection(tenant, name, create=False)
