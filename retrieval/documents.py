@@ -160,7 +160,7 @@ class _Unit:
 
 
 def chunk(doc: Document, tokenizer: TokenCounter, size: int = 200, overlap: int = 32) -> list[Chunk]:
-    """Cut a document into chunks of at most `size` tokens."""
+    """Cut a document into chunks of at most `size` tokens, each knowing its page or headings."""
     # 8 tokens hold any single character, even one that a byte-level BPE spells in 4 bytes.
     if size < 8 or not 0 <= overlap < size:
         raise RetrievalError(f"chunk size must be at least 8 and overlap in [0, size), got size={size}, "
@@ -168,13 +168,15 @@ def chunk(doc: Document, tokenizer: TokenCounter, size: int = 200, overlap: int 
     text = doc.text
     count = lambda a, b: len(tokenizer.encode(text[a:b]))
     units = _units(text, count, size)
+    # A heading starts a chunk, so a chunk's heading path holds for all of it (pages do not cut).
+    sections = {s.start for s in doc.spans if s.page is None}
     chunks, start = [], 0
     while start < len(units):
         end, total = start + 1, units[start].tokens
-        while end < len(units) and total + units[end].tokens <= size:
+        while end < len(units) and total + units[end].tokens <= size and units[end].start not in sections:
             total += units[end].tokens
             end += 1
-        if end < len(units):
+        if end < len(units) and units[end].start not in sections:
             # Prefer ending at a paragraph when that keeps the chunk at least half full.
             for j in range(end - 1, start, -1):
                 if units[j].ends_paragraph and sum(u.tokens for u in units[start:j + 1]) >= size // 2:

@@ -20,7 +20,7 @@ def pdf(pages: list[list[str]], header: str | None = HEADER, footer: bool = True
     if password:
         from reportlab.lib.pdfencrypt import StandardEncryption
         encrypt = StandardEncryption(password, ownerPassword="owner-" + password)
-    c = canvas.Canvas(buf, pagesize=letter, encrypt=encrypt)
+    c = canvas.Canvas(buf, pagesize=letter, encrypt=encrypt, invariant=True)  # the same bytes every time
     c.setTitle(title)
     width, height = letter
     for n, lines in enumerate(pages):
@@ -49,7 +49,7 @@ def scanned_pdf(pages: int = 2) -> bytes:
     from reportlab.lib.pagesizes import letter
     from reportlab.pdfgen import canvas
     buf = io.BytesIO()
-    c = canvas.Canvas(buf, pagesize=letter)
+    c = canvas.Canvas(buf, pagesize=letter, invariant=True)
     for _ in range(pages):
         for i in range(20):
             c.rect(72, 700 - 14 * i, 400, 8, fill=1)
