@@ -394,6 +394,9 @@ class Gateway:
                                                     limiter=self._ingest)
         except RetrievalError as e:
             raise GatewayError(422, str(e), "documents", "bad_documents") from None
+        for outcome in ("added", "replaced", "unchanged"):
+            self.metrics.ingested.inc(tenant.id, outcome, amount=getattr(report, outcome))
+        self.metrics.embedded.inc(tenant.id, amount=report.embedded)
         return s.IngestResponse(name, report.documents, report.chunks, report.removed, report.embedded,
                                 report.added, report.replaced, report.unchanged)
 

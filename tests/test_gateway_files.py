@@ -56,8 +56,11 @@ def test_uploads_are_cited_by_page_and_heading_and_unchanged_files_are_skipped(c
 
     again = upload(client, ("manual.pdf", manual()), ("guide.docx", guide())).json()
     assert (again["unchanged"], again["embedded"], again["chunks"]) == (2, 0, first["chunks"])
-    notes = upload(client, ("notes.md", b"# Notes\n\nOtters hold hands."), ("guide.docx", guide() + b"")).json()
+    notes = upload(client, ("notes.md", b"# Notes\n\nOtters hold hands."), ("guide.docx", guide())).json()
     assert (notes["added"], notes["unchanged"]) == (1, 1)
+    metrics = client.get("/metrics").text
+    assert 'sluice_ingested_documents_total{tenant="alpha",outcome="unchanged"} 3' in metrics
+    assert f'sluice_embedded_chunks_total{{tenant="alpha"}} {first["embedded"] + notes["embedded"]}' in metrics
 
 
 @pytest.mark.parametrize("name, data, status, code, reason", [
