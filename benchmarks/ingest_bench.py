@@ -1,6 +1,6 @@
 """Ingest of real documents nobody here wrote: PDF manuals from Debian's packages.
 
-    python benchmarks/ingest_bench.py [--ask] [--out benchmarks/results/ingest_bench.json]
+    python benchmarks/ingest_bench.py [--ask] [--packages PKG ...] [--out benchmarks/results/ingest_bench.json]
 
 The folder: every PDF manual under /usr/share/doc that the machine has among MANUALS
 (libtasn1-doc and shared-mime-info ship theirs as they are, the others gzipped: unpacked into
@@ -88,10 +88,12 @@ QUESTIONS = [
 KEY = "sk-ingest-bench"
 
 
-def corpus(folder: Path) -> dict[str, Path]:
+def corpus(folder: Path, packages: list[str]) -> dict[str, Path]:
     """The manuals this machine has, as PDF files in `folder`; the packages missing are named."""
     found = {}
     for package, path in MANUALS.items():
+        if package not in packages:
+            continue
         if not path.exists():
             print(f"skipped: {path} absent (Debian package {package})")
             continue
@@ -206,6 +208,8 @@ def ask(folder: Path, work: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ask", action="store_true", help="also ask QUESTIONS through /v1/ask (SmolLM2-135M)")
+    parser.add_argument("--packages", nargs="+", default=sorted(MANUALS), choices=sorted(MANUALS),
+                        help="the manuals to ingest (default: all)")
     parser.add_argument("--out", type=Path, default=RESULTS / "ingest_bench.json")
     args = parser.parse_args()
     if shutil.which("pdftotext") is None:
@@ -213,7 +217,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         (tmp / "pdf").mkdir()
-        found = corpus(tmp / "pdf")
+        found = corpus(tmp / "pdf", args.packages)
         if not found:
             raise SystemExit("no manual found: apt-get install " + " ".join(MANUALS))
         results = {"machine": machine(), "packages": sorted(found), **ingest(tmp / "pdf", tmp / "data")}
