@@ -413,7 +413,8 @@ class Gateway:
             docs, unchanged = await anyio.to_thread.run_sync(
                 read_changed, files, stored, tenant.spec.limits.max_file_bytes, limiter=self._ingest)
         except BadFile as e:
-            status = {"too_large": 413, "unsupported_type": 415}.get(e.code, 422)
+            # A file's type is no part of the request's shape: 422, as other refusals of its content.
+            status = 413 if e.code == "too_large" else 422
             raise GatewayError(status, str(e), "files", f"file_{e.code}") from None
         except RetrievalError as e:
             raise GatewayError(422, str(e), "files", "bad_files") from None

@@ -69,7 +69,7 @@ def test_uploads_are_cited_by_page_and_heading_and_unchanged_files_are_skipped(c
     ("locked.pdf", pdf([["Secret."]], password="pw"), 422, "file_unreadable", "locked.pdf: encrypted"),
     ("broken.pdf", b"%PDF-1.7 no objects at all", 422, "file_unreadable", "broken.pdf: not a readable PDF"),
     ("bomb.docx", zip_bomb(16 * 2**20), 422, "file_unreadable", "bomb.docx: refused as a ZIP bomb"),
-    ("photo.jpg", b"\xff\xd8\xff\xe0" + bytes(64), 415, "file_unsupported_type", "photo.jpg: not a type Sluice reads"),
+    ("photo.jpg", b"\xff\xd8\xff\xe0" + bytes(64), 422, "file_unsupported_type", "photo.jpg: not a type Sluice reads"),
 ])
 def test_a_bad_file_is_refused_by_name_and_the_collection_is_left_as_it_was(client, name, data, status, code, reason):
     assert upload(client, ("notes.md", b"# Notes\n\nLions sleep.")).status_code == 200
@@ -87,7 +87,13 @@ def test_a_refused_first_upload_creates_no_collection_and_limits_are_per_tenant(
     assert upload(client, big).status_code == 413
     assert client.get("/v1/collections", headers=auth()).json() == {"collections": []}
     assert upload(client, big, tenant="beta").status_code == 200            # beta keeps the default 16 MiB
-    assert client.post(URL, json={"documents": []}, headers=auth()).status_code == 400
+    assert client.post(URL, json={"documents": []}, headers=auth()).status_code == 415
+    assert client.post(URL, headers=auth()).status_code == 415
+    form = {**auth(), "Content-Type": "multipart/form-data; boundary=b"}
+    empty = client.post(URL, content=b"--b--\r\n", headers=form)
+    assert empty.status_code == 422 and empty.json()["error"]["code"] == "no_files"
+    mixed = client.post(URL, data={"note": "text"}, files=[("files", ("a.md", b"# A"))], headers=auth())
+    assert mixed.status_code == 422 and mixed.json()["error"]["code"] == "not_a_file"
     assert client.post(URL, files=[("files", ("a.md", b"x"))]).status_code == 401
 
 

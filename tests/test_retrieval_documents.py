@@ -97,9 +97,10 @@ def test_markdown_chunks_know_their_heading_path():
     [doc] = parse(text, "markdown", "guide.md")
     assert [s.section for s in doc.spans] == ["Guide", "Guide > Install", "Other"]
     chunks = chunk(doc, Words(), size=8, overlap=0)
-    # A chunk is placed where it starts; `#` inside a code fence is code.
+    # A heading starts a chunk; `#` inside a code fence is code (it only ends a paragraph).
     assert [(c.section, c.text.split("\n")[0]) for c in chunks] == [
-        ("Guide", "# Guide"), ("Guide > Install", "Run it."), ("Other", "# Other")]
+        ("Guide", "# Guide"), ("Guide > Install", "## Install"), ("Guide > Install", "# not a heading"),
+        ("Other", "# Other")]
     assert all(c.page is None for c in chunks)
 
 

@@ -124,7 +124,8 @@ def test_reingest_skips_unchanged_files_and_replaces_changed_ones(tmp_path):
     assert [d.id for d in docs] == ["notes.md"]                 # only the changed file was read
     changed = c.ingest(docs, unchanged=unchanged)
     assert (changed.added, changed.replaced, changed.unchanged, changed.removed) == (0, 1, 2, 1)
-    assert [(ch.section, "Otters" in ch.text) for ch in c.chunks("notes.md")] == [("Notes", True)]
+    assert [(ch.section, "Otters" in ch.text) for ch in c.chunks("notes.md")] == [("Notes", False),
+                                                                                   ("Notes > More", True)]
     hit = c.search("pineapple secret word", 1, "bm25")[0].chunk
     assert (hit.doc_id, hit.page) == ("manual.pdf", 3)               # pages survive storage
 

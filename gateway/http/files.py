@@ -23,18 +23,35 @@ CollectionPath = Annotated[str, Parameter(pattern=s.COLLECTION_NAME, description
 REFUSALS = {
     413: "A file is over the tenant's `limits.max_file_bytes` (code `file_too_large`), or the body is over the "
          "server's `max_upload_bytes`.",
-    415: "A file's type cannot be read (code `file_unsupported_type`): not UTF-8 text, PDF or Word, an unknown "
-         "suffix, an old binary .doc or a password-protected Word file.",
-    422: "A file is empty, a PDF is damaged, encrypted or has no text layer (a scan: no OCR), a Word file is "
-         "damaged or a ZIP bomb, a name appears twice, or a part has no file name. `message` names the file; "
-         "the collection is left exactly as it was.",
+    415: "The body is not `multipart/form-data`.",
+    422: "A file is empty, of a type that cannot be read (code `file_unsupported_type`: not UTF-8 text, PDF or "
+         "Word, an unknown suffix, an old binary .doc or a password-protected Word file), a PDF is damaged, "
+         "encrypted or has no text layer (a scan: no OCR), a Word file is damaged or a ZIP bomb, a name appears "
+         "twice, a part has no file name, or the form holds no part. `message` names the file; the collection "
+         "is left exactly as it was.",
 }
+
+
+async def _parts_first(request: Request) -> None:
+    """Refuse a body that is not a form, a form with no part, or a part that is not a named file,
+    before Litestar reads the form into the handler's list (an empty form fails inside Litestar,
+    a text part as a missing body)."""
+    if request.content_type[0] != "multipart/form-data":
+        raise GatewayError(415, "send the files as multipart/form-data", code="unsupported_media_type")
+    form = await request.form()
+    if not form:
+        raise GatewayError(422, "the form holds no files", "files", "no_files")
+    for i, (field, value) in enumerate(form.multi_items()):
+        if not isinstance(value, UploadFile) or not value.filename:
+            raise GatewayError(422, f"part {i + 1} of the form ({field!r}) is not a file with a file name", "files",
+                               "not_a_file")
 
 
 def upload_route(max_upload_bytes: int):
     """The handler, with the server's limit on a whole upload's body."""
 
     @post("/collections/{name:str}/files", status_code=200, request_max_body_size=max_upload_bytes,
+          before_request=_parts_first,
           summary="Add or replace documents uploaded as files (created on first use)",
           description="`multipart/form-data` with one or more file parts (any field name), each a document whose "
                       f"id is its file name. Types read: {', '.join(sorted(KINDS))} (by content first, then name). "
@@ -46,14 +63,7 @@ def upload_route(max_upload_bytes: int):
     async def upload_files(request: Request, name: CollectionPath, tenant: NamedDependency[Tenant],
                            data: Annotated[list[UploadFile], Body(media_type=RequestEncodingType.MULTI_PART)]
                            ) -> s.IngestResponse:
-        files = []
-        for i, upload in enumerate(data):
-            if not isinstance(upload, UploadFile) or not upload.filename:
-                raise GatewayError(422, f"part {i + 1} of the form is not a file with a file name", "files",
-                                   "not_a_file")
-            files.append(File(upload.filename, await upload.read()))
-        if not files:
-            raise GatewayError(422, "the form holds no files", "files", "no_files")
+        files = [File(upload.filename, await upload.read()) for upload in data]
         return await request.app.state.gateway.ingest_files(tenant, name, files)
 
     return upload_files
