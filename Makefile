@@ -10,11 +10,11 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[dev,triton,ray]'
 	touch $@
 
-.PHONY: run test lint test-slow test-ray services browser dashboard-screenshot bench soak router context-curve eval-report thinking-table
+.PHONY: run test lint test-slow test-ray services manuals browser dashboard-screenshot bench soak router context-curve eval-report thinking-table
 run: $(VENV)/.installed
 	$(VENV)/bin/sluice serve --demo
 
-test: $(VENV)/.installed services browser
+test: $(VENV)/.installed services manuals browser
 	$(PY) -m pytest -q
 
 lint: $(VENV)/.installed
@@ -28,6 +28,16 @@ services:
 	    ! { command -v initdb >/dev/null || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; }; then \
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql redis-server; } \
 		|| echo "make services: could not install postgresql and redis-server; the shared-storage tests will skip (fail in CI)"; \
+	fi
+
+# Real PDF manuals nobody here wrote, for the document tests and benchmarks/ingest_bench.py:
+# Debian's libtasn1-doc and shared-mime-info ship them under /usr/share/doc. Without them
+# those tests skip and say why.
+MANUALS := /usr/share/doc/libtasn1-doc/libtasn1.pdf /usr/share/doc/shared-mime-info/shared-mime-info-spec.pdf
+manuals:
+	@if ! ls $(MANUALS) >/dev/null 2>&1; then \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libtasn1-doc shared-mime-info; } \
+		|| echo "make manuals: could not install libtasn1-doc and shared-mime-info; the real-manual tests will skip"; \
 	fi
 
 # Debian's Chromium for tests/test_dashboard_browser.py (Playwright drives it; Playwright's own

@@ -54,32 +54,40 @@ def _embedder():
 
 # ---------------------------------------------------------------------- ingest
 
-def _documents(path: Path) -> list:
-    from retrieval import load
-    from retrieval.documents import KINDS
+def _files(path: Path) -> list:
+    """A file, or every file of a folder with a type Sluice reads (ids: paths within the folder)."""
+    from retrieval import File
+    from retrieval.files import KINDS
     if path.is_file():
-        return load(path)
+        return [File(path.name, path.read_bytes())]
     if not path.is_dir():
         raise UsageError(f"{path}: no such file or folder")
-    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in KINDS)
-    if not files:
+    found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in KINDS)
+    if not found:
         raise UsageError(f"{path}: holds no documents (looked for {', '.join(sorted(KINDS))})")
-    return [d for p in files for d in load(p, doc_id=str(p.relative_to(path)))]
+    return [File(str(p.relative_to(path)), p.read_bytes()) for p in found]
 
 
-def ingest_paths(store, tenant_id: str, collection: str, paths: list[Path]) -> tuple[int, int, int]:
-    """Ingest files and folders with a progress bar; returns (documents, chunks, embedded).
-    Unchanged chunks keep their vectors, so ingesting the same files again is quick."""
+def ingest_paths(store, tenant_id: str, collection: str, paths: list[Path], max_file_bytes: int | None = None):
+    """Ingest files and folders as POST /v1/collections/{name}/files does, with progress bars
+    (files read, then chunks embedded); returns the IngestReport. Every file is read before the
+    collection is touched: one bad file (exit 2, named) leaves it exactly as it was. An
+    unchanged file is not even read again, so ingesting the same folder again is quick."""
     from tqdm import tqdm
-    docs = [d for path in paths for d in _documents(path)]
-    target = store.collection(tenant_id, collection)
-    totals = [0, 0, 0]
-    with tqdm(total=len(docs), desc=f"ingest into {collection}", unit="doc", file=sys.stderr) as bar:
-        for i in range(0, len(docs), 16):        # in batches, so the bar moves and memory stays flat
-            report = target.ingest(docs[i:i + 16])
-            totals = [totals[0] + report.documents, totals[1] + report.chunks, totals[2] + report.embedded]
-            bar.update(report.documents)
-    return totals[0], totals[1], totals[2]
+
+    from retrieval import RetrievalError, read_changed
+    files = [f for path in paths for f in _files(path)]
+    try:
+        stored = store.collection(tenant_id, collection, create=False).digests()
+    except RetrievalError:
+        stored = {}
+    with tqdm(total=len(files), desc="read", unit="file", file=sys.stderr) as bar:
+        docs, unchanged = read_changed(files, stored, max_file_bytes, progress=lambda f: bar.update())
+    with tqdm(desc="embed", unit="chunk", file=sys.stderr) as bar:
+        def progress(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+        return store.collection(tenant_id, collection).ingest(docs, progress, unchanged)
 
 
 def cmd_ingest(args, config: ServerConfig) -> int:
@@ -87,10 +95,11 @@ def cmd_ingest(args, config: ServerConfig) -> int:
     tenant = _tenant(_registry(args, config), args.tenant)
     store = CollectionStore(_folders(args)[1] / "collections", _embedder())
     try:
-        docs, chunks, embedded = ingest_paths(store, tenant.id, args.collection, [Path(args.path)])
+        r = ingest_paths(store, tenant.id, args.collection, [Path(args.path)], tenant.spec.limits.max_file_bytes)
     finally:
         store.close()
-    print(f"{tenant.id}/{args.collection}: {docs} documents, {chunks} chunks ({embedded} embedded anew)")
+    print(f"{tenant.id}/{args.collection}: {r.documents} documents ({r.added} added, {r.replaced} replaced, "
+          f"{r.unchanged} unchanged), {r.chunks} chunks ({r.embedded} embedded anew)")
     return 0
 
 

@@ -109,6 +109,8 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Redis when there is one, else memory. Tenants turn the cache on in their files.
     answer_cache: Annotated[str, msgspec.Meta(pattern=r"^(memory|limits|rediss?://.*|unix://.+)$")] = "limits"
     answer_cache_bytes: Positive = 256 * 2**20
+    # A file upload's whole body (all its files); each file is held to its tenant's max_file_bytes.
+    max_upload_bytes: Positive = 64 * 2**20
     replicas: ReplicaConfig = ReplicaConfig()
     # The operator's view (/dashboard, /v1/admin/*): sha256 of the keys that open it, never a
     # tenant's. Empty: the view is closed to everyone (401).

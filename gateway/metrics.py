@@ -156,6 +156,9 @@ class GatewayMetrics:
         self.ttft = r.add(Histogram("sluice_ttft_seconds", "arrival to first token", ("model",)))
         self.queue_wait = r.add(Histogram("sluice_queue_seconds", "wait in the bounded queue", ("model",)))
         self.retrieval = r.add(Histogram("sluice_retrieval_seconds", "search and trimming", ()))
+        self.ingested = r.add(Counter("sluice_ingested_documents_total", "documents ingested, by tenant and outcome "
+                                      "(added, replaced, unchanged: skipped as stored)", ("tenant", "outcome")))
+        self.embedded = r.add(Counter("sluice_embedded_chunks_total", "chunks embedded on ingest", ("tenant",)))
         r.add(Sampled("sluice_queue_depth", "requests waiting for an engine slot", (), lambda: {(): queue()[1]}))
         r.add(Sampled("sluice_inflight", "requests holding an engine slot", (), lambda: {(): queue()[0]}))
         for key, name, help, kind in [

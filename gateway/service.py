@@ -39,7 +39,7 @@ from gateway.usage.storage import open_storage
 from pipeline import Answer, DeadlineExceeded, Judged, Models, Pipeline, Plan, Progress, Query, Refused, cost, drive
 from pipeline.answer_cache import AnswerCache, Hit, Lookup
 from pipeline.answer_store import MemoryStore, RedisStore
-from retrieval import CollectionStore, Embedder, RetrievalError
+from retrieval import BadFile, CollectionStore, Embedder, File, RetrievalError, read_changed
 from router.data import RouterError
 from router.model import RouterModel
 from router.policy import Route
@@ -108,7 +108,8 @@ class Job:
         """The route so far, and the context of the answer that stands (an escalation that
         widened the context cites the wider one)."""
         ctx = self.plan.context
-        citations = [s.Citation(c.number, c.hit.chunk.id, c.hit.chunk.doc_id, c.hit.chunk.title, c.hit.score)
+        citations = [s.Citation(c.number, c.hit.chunk.id, c.hit.chunk.doc_id, c.hit.chunk.title, c.hit.score,
+                                c.hit.chunk.page, c.hit.chunk.page_end, c.hit.chunk.section or None)
                      for c in ctx.citations]
         trimmed = s.Trimmed(len(ctx.trimmed.chunks), len(ctx.trimmed.dropped), ctx.trimmed.tokens, ctx.trimmed.budget)
         return Meta(self.plan.request_id, self.answer.route, citations, trimmed, "miss" if self.lookup else None)
@@ -479,13 +480,38 @@ class Gateway:
         except RetrievalError:
             raise GatewayError(404, f"collection {name!r} not found", "name", "collection_not_found") from None
 
-    async def ingest(self, tenant: Tenant, name: str, documents: list) -> s.IngestResponse:
+    async def ingest(self, tenant: Tenant, name: str, documents: list, unchanged: list[str] = ()) -> s.IngestResponse:
         collection = self._collection(tenant, name, create=True)
         try:
-            report = await anyio.to_thread.run_sync(collection.ingest, documents, limiter=self._ingest)
+            report = await anyio.to_thread.run_sync(lambda: collection.ingest(documents, unchanged=unchanged),
+                                                    limiter=self._ingest)
         except RetrievalError as e:
             raise GatewayError(422, str(e), "documents", "bad_documents") from None
-        return s.IngestResponse(name, report.documents, report.chunks, report.removed, report.embedded)
+        for outcome in ("added", "replaced", "unchanged"):
+            self.metrics.ingested.inc(tenant.id, outcome, amount=getattr(report, outcome))
+        self.metrics.embedded.inc(tenant.id, amount=report.embedded)
+        return s.IngestResponse(name, report.documents, report.chunks, report.removed, report.embedded,
+                                report.added, report.replaced, report.unchanged)
+
+    async def ingest_files(self, tenant: Tenant, name: str, files: list[File]) -> s.IngestResponse:
+        """Files read as the CLI reads them; an unchanged one (same digest as stored) is not even
+        parsed. Every file is read before the collection is touched (or created), so one bad file
+        leaves it exactly as it was."""
+        self._require_ready()
+        try:
+            stored = self.collection_store.collection(tenant.id, name, create=False).digests()
+        except RetrievalError:
+            stored = {}
+        try:
+            docs, unchanged = await anyio.to_thread.run_sync(
+                read_changed, files, stored, tenant.spec.limits.max_file_bytes, limiter=self._ingest)
+        except BadFile as e:
+            # A file's type is no part of the request's shape: 422, as other refusals of its content.
+            status = 413 if e.code == "too_large" else 422
+            raise GatewayError(status, str(e), "files", f"file_{e.code}") from None
+        except RetrievalError as e:
+            raise GatewayError(422, str(e), "files", "bad_files") from None
+        return await self.ingest(tenant, name, docs, unchanged)
 
     async def delete(self, tenant: Tenant, name: str, doc_id: str) -> s.DeleteResponse:
         collection = self._collection(tenant, name, create=False)

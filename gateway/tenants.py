@@ -87,6 +87,8 @@ class Limits(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     monthly_spend_cap_usd: Dollars       # calendar month, UTC
     # Seconds from arrival to the last token (504 past it); absent: the server's request_timeout_s.
     request_timeout_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    # Bytes of one file uploaded (POST /v1/collections/{name}/files) or ingested by the CLI.
+    max_file_bytes: Positive = 16 * 2**20
 
 
 class AnswerCacheSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

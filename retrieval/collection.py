@@ -8,7 +8,13 @@ of the vectors, named by the version recorded in SQLite when its content last ch
 open, a missing or mismatched file is rebuilt from the vectors in SQLite. A collection is
 therefore never served half-written.
 
-Every committed write (an ingest, a delete) gives the collection a new `revision`, a random
+Each document's digest (its file's bytes, or its text and metadata) is kept beside its chunks:
+an ingest skips a document whose digest is unchanged, and replaces a changed one's chunks in
+the same transaction that writes the new ones, under the lock searches take, so a search sees
+the old version or the new one, never a mix or neither. `_commit` is the one place a
+collection's content changes.
+
+Every committed change (in `_commit`) gives the collection a new `revision`, a random
 id recorded in SQLite, so that anything made from its content (the answer cache's entries)
 can be keyed on what it was made from and is never taken for the content that followed.
 
@@ -18,6 +24,7 @@ quarter of it.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -26,9 +33,9 @@ import sqlite3
 import threading
 import uuid
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import faiss
 import numpy as np
@@ -56,12 +63,17 @@ class CollectionConfig:
     index: str | None = None  # "flat", "hnsw" or "ivf"; None: flat, then HNSW from HNSW_FROM chunks
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class IngestReport:
     documents: int
+    added: int  # documents new to the collection
+    replaced: int  # documents whose content changed: all their old chunks replaced
+    unchanged: int  # documents skipped: the same digest as the stored version
     chunks: int  # chunks now stored for these documents
     removed: int  # chunks they replaced
-    embedded: int  # chunks embedded anew; unchanged chunks keep their vectors
+    embedded: int  # chunks embedded anew; a chunk whose text is stored already keeps its vector
+
+EMBED_BATCH = 256  # chunks per embedding call: progress moves, memory stays flat
 
 
 SCHEMA = """
@@ -69,7 +81,9 @@ CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS chunks(
     id INTEGER PRIMARY KEY AUTOINCREMENT,  -- the faiss id; AUTOINCREMENT never reuses one
     doc_id TEXT NOT NULL, position INTEGER NOT NULL, title TEXT NOT NULL, text TEXT NOT NULL,
-    metadata TEXT NOT NULL, vector BLOB NOT NULL, UNIQUE(doc_id, position));
+    metadata TEXT NOT NULL, vector BLOB NOT NULL, page INTEGER, page_end INTEGER,
+    section TEXT NOT NULL DEFAULT '', UNIQUE(doc_id, position));
+CREATE TABLE IF NOT EXISTS documents(doc_id TEXT PRIMARY KEY, digest TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS dead(id INTEGER PRIMARY KEY);  -- in the faiss index, deleted since
 CREATE VIRTUAL TABLE IF NOT EXISTS terms USING fts5(
     title, text, content='chunks', content_rowid='id', tokenize='porter unicode61');
@@ -86,6 +100,7 @@ class Collection:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=FULL")  # a commit survives power loss, not just a crash
         self.db.executescript(f"BEGIN;{SCHEMA}COMMIT;")
+        self._migrate()
         stored = self._meta("config")
         if stored is None:
             self.config = config or CollectionConfig()
@@ -102,45 +117,70 @@ class Collection:
 
     # ---- writes ----
 
-    def ingest(self, docs: Sequence[Document]) -> IngestReport:
-        """Add documents; a document whose id is already here has all its old chunks replaced."""
+    def ingest(self, docs: Sequence[Document], progress: Callable[[int, int], None] | None = None,
+               unchanged: Sequence[str] = ()) -> IngestReport:
+        """Add documents; a document whose id is already here is skipped if its digest is the
+        same, else all its old chunks are replaced. `progress(done, total)` follows embedding.
+        `unchanged`: ids the caller found unchanged already (files.read_changed), to report."""
         doc_ids = [d.id for d in docs]
-        if not docs:
+        if not docs and not unchanged:
             raise RetrievalError("nothing to ingest: no documents given")
         if len(set(doc_ids)) != len(doc_ids):
             raise RetrievalError("the same document id appears twice in one ingest")
-        chunks = [c for d in docs for c in chunk(d, self.embedder.tokenizer, self.config.chunk_size,
-                                                 self.config.chunk_overlap)]
+        docs = [d if d.digest else replace(d, digest=digest(d)) for d in docs]
+        with self.lock:
+            stored = dict(self._where_in("SELECT doc_id, digest FROM documents WHERE doc_id IN ({})", doc_ids))
+        changed = [d for d in docs if stored.get(d.id) != d.digest]
+        same = [d.id for d in docs if stored.get(d.id) == d.digest] + list(unchanged)
+        chunks = [c for d in changed for c in chunk(d, self.embedder.tokenizer, self.config.chunk_size,
+                                                    self.config.chunk_overlap)]
         with self.lock:  # unchanged chunks keep their vectors: embedding is the slow part
             known = {text: np.frombuffer(vector, np.float32) for text, vector in self._where_in(
-                "SELECT text, vector FROM chunks WHERE doc_id IN ({})", doc_ids)}
+                "SELECT text, vector FROM chunks WHERE doc_id IN ({})", [d.id for d in changed])}
         new = list(dict.fromkeys(c.text for c in chunks if c.text not in known))
         # Text alone is embedded: the title made no difference on SQuAD (recall@1 0.658 with it,
         # 0.659 without) and would take room in the 256-token window. BM25 does index titles.
-        known.update(zip(new, self.embedder.encode(new)))
-        vectors = np.stack([known[c.text] for c in chunks])
+        for i in range(0, len(new), EMBED_BATCH):
+            known.update(zip(new[i:i + EMBED_BATCH], self.embedder.encode(new[i:i + EMBED_BATCH])))
+            if progress:
+                progress(min(i + EMBED_BATCH, len(new)), len(new))
+        vectors = np.stack([known[c.text] for c in chunks]) if chunks else np.zeros((0, self.embedder.dim), np.float32)
+        removed = self._commit([d.id for d in changed], chunks, vectors, {d.id: d.digest for d in changed})
         with self.lock:
-            with self._transaction():
-                removed = self._remove(doc_ids)
-                ids = self._insert(chunks, vectors)
-                version = self._new_version()
-                revision = self._new_revision()
-            self.revision = revision
-            self.dead.update(removed)
-            self.index.add_with_ids(vectors, np.array(ids, np.int64))
-            self._after_write(version)
-        return IngestReport(len(docs), len(chunks), len(removed), len(new))
+            kept = self._where_in("SELECT count(*) FROM chunks WHERE doc_id IN ({})", same)
+        return IngestReport(documents=len(docs) + len(unchanged), added=sum(d.id not in stored for d in changed),
+                            replaced=sum(d.id in stored for d in changed), unchanged=len(same),
+                            chunks=len(chunks) + sum(n for (n,) in kept), removed=len(removed), embedded=len(new))
 
     def delete(self, doc_id: str) -> int:
         """Remove a document's chunks; returns how many there were."""
+        return len(self._commit([doc_id], [], np.zeros((0, self.embedder.dim), np.float32), {}))
+
+    def digests(self) -> dict[str, str]:
+        """Each stored document's digest, by id: what a caller compares to skip unchanged files."""
+        with self.lock:
+            return dict(self.db.execute("SELECT doc_id, digest FROM documents"))
+
+    def _commit(self, remove: list[str], chunks: list[Chunk], vectors: np.ndarray,
+                digests: dict[str, str]) -> list[int]:
+        """The one place a collection's content changes: the documents `remove` lose their chunks,
+        `chunks` are added, `digests` recorded, in one transaction under the lock searches take."""
+        if not remove and not chunks:
+            return []
         with self.lock:
             with self._transaction():
-                removed = self._remove([doc_id])
-                revision = self._new_revision() if removed else self.revision
+                removed = self._remove(remove)
+                ids = self._insert(chunks, vectors)
+                self.db.executemany("INSERT OR REPLACE INTO documents(doc_id, digest) VALUES (?, ?)",
+                                    digests.items())
+                version = self._new_version() if chunks else None
+                revision = self._new_revision() if removed or chunks else self.revision
             self.revision = revision
             self.dead.update(removed)
-            self._after_write(None)  # the index itself is unchanged: its deleted ids are now dead
-        return len(removed)
+            if chunks:
+                self.index.add_with_ids(vectors, np.array(ids, np.int64))
+            self._after_write(version)  # without new vectors the index is unchanged: its removed ids are dead
+        return removed
 
     def _remove(self, doc_ids: list[str]) -> list[int]:
         rows = self._where_in("SELECT id, title, text FROM chunks WHERE doc_id IN ({})", doc_ids)
@@ -148,14 +188,16 @@ class Collection:
         self.db.executemany("INSERT INTO terms(terms, rowid, title, text) VALUES('delete', ?, ?, ?)", rows)
         self.db.executemany("INSERT INTO dead(id) VALUES (?)", [(r[0],) for r in rows])
         self._where_in("DELETE FROM chunks WHERE doc_id IN ({})", doc_ids)
+        self._where_in("DELETE FROM documents WHERE doc_id IN ({})", doc_ids)
         return [r[0] for r in rows]
 
     def _insert(self, chunks: list[Chunk], vectors: np.ndarray) -> list[int]:
         ids = []
         for c, v in zip(chunks, vectors):
             cur = self.db.execute(
-                "INSERT INTO chunks(doc_id, position, title, text, metadata, vector) VALUES (?, ?, ?, ?, ?, ?)",
-                (c.doc_id, c.position, c.title, c.text, json.dumps(c.metadata), v.tobytes()))
+                "INSERT INTO chunks(doc_id, position, title, text, metadata, vector, page, page_end, section) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", (c.doc_id, c.position, c.title, c.text, json.dumps(c.metadata),
+                                                     v.tobytes(), c.page, c.page_end, c.section))
             self.db.execute("INSERT INTO terms(rowid, title, text) VALUES (?, ?, ?)",
                             (cur.lastrowid, c.title, c.text))
             ids.append(cur.lastrowid)
@@ -272,7 +314,7 @@ class Collection:
     def _hits(self, ranked: list[tuple[int, float]]) -> list[SearchHit]:
         ids = [i for i, _ in ranked]
         rows = {r[0]: r[1:] for r in self._where_in(
-            "SELECT id, doc_id, position, text, title, metadata FROM chunks WHERE id IN ({})", ids)}
+            f"SELECT id, {CHUNK_COLUMNS} FROM chunks WHERE id IN ({{}})", ids)}
         return [SearchHit(_chunk(rows[i]), score) for i, score in ranked]
 
     # ---- reads ----
@@ -290,7 +332,7 @@ class Collection:
     def chunks(self, doc_id: str) -> list[Chunk]:
         with self.lock:
             return [_chunk(r) for r in self.db.execute(
-                "SELECT doc_id, position, text, title, metadata FROM chunks WHERE doc_id = ? ORDER BY position",
+                f"SELECT {CHUNK_COLUMNS} FROM chunks WHERE doc_id = ? ORDER BY position",
                 (doc_id,))]
 
     def close(self):
@@ -298,6 +340,16 @@ class Collection:
             self.db.close()
 
     # ---- SQLite helpers ----
+
+    def _migrate(self):
+        """Collections made before pages, sections and digests were kept: their chunks have none,
+        and their documents an empty digest, which no ingest matches."""
+        columns = {r[1] for r in self.db.execute("PRAGMA table_info(chunks)")}
+        with self._transaction():
+            for name, kind in (("page", "INTEGER"), ("page_end", "INTEGER"), ("section", "TEXT NOT NULL DEFAULT ''")):
+                if name not in columns:
+                    self.db.execute(f"ALTER TABLE chunks ADD COLUMN {name} {kind}")
+            self.db.execute("INSERT OR IGNORE INTO documents(doc_id, digest) SELECT DISTINCT doc_id, '' FROM chunks")
 
     @contextmanager
     def _transaction(self):
@@ -434,7 +486,16 @@ def _fuse(rankings: list[list[tuple[int, float]]]) -> list[tuple[int, float]]:
     return sorted(fused.items(), key=lambda x: (-x[1], x[0]))
 
 
+CHUNK_COLUMNS = "doc_id, position, text, title, metadata, page, page_end, section"
+
+
 def _chunk(row) -> Chunk:
-    doc_id, position, text, title, metadata = row
-    return Chunk(doc_id, position, text, title, json.loads(metadata))
+    doc_id, position, text, title, metadata, page, page_end, section = row
+    return Chunk(doc_id, position, text, title, json.loads(metadata), page, page_end, section)
+
+
+def digest(doc: Document) -> str:
+    """A document's content, as re-ingest compares it (a file's reader sets its own: the bytes')."""
+    spans = [[s.start, s.page, s.section] for s in doc.spans]
+    return hashlib.sha256(json.dumps([doc.text, doc.title, doc.metadata, spans], sort_keys=True).encode()).hexdigest()
 

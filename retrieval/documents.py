@@ -1,32 +1,22 @@
 """Parse documents (plain text, Markdown, HTML, JSONL) and cut them into token-bounded chunks.
+(Files, PDF and Word among them, are read in files.py; their text comes here.)
 
 Chunks are cut at sentence ends, preferably at paragraph ends, and never hold more than
 `size` tokens of the tokenizer they were cut with. Neighbouring chunks of one paragraph
 share up to `overlap` tokens of whole sentences, so a fact that straddles a cut is still
-whole in one of them.
+whole in one of them. Each chunk keeps where it came from (page, heading path) for citations.
 """
 from __future__ import annotations
 
+import bisect
+import functools
 import json
 import re
 from dataclasses import dataclass
-from html.parser import HTMLParser
-from pathlib import Path
 
-from .types import Chunk, Document, RetrievalError, TokenCounter
+from .types import Chunk, Document, RetrievalError, Span, TokenCounter
 
-KINDS = {".txt": "text", ".text": "text", ".md": "markdown", ".markdown": "markdown",
-         ".html": "html", ".htm": "html", ".jsonl": "jsonl"}
-
-
-def load(path: str | Path, doc_id: str | None = None) -> list[Document]:
-    """Documents in a file, its type taken from the suffix; one document unless JSONL."""
-    path = Path(path)
-    kind = KINDS.get(path.suffix.lower())
-    if kind is None:
-        raise RetrievalError(f"unsupported document type {path.suffix or '(no suffix)'!r} of {path.name}: "
-                             f"use one of {', '.join(sorted(KINDS))}")
-    return parse(path.read_text(encoding="utf-8"), kind, doc_id=doc_id or path.name)
+FORMATS = ("text", "markdown", "html", "jsonl")
 
 
 def parse(content: str, kind: str, doc_id: str | None = None, title: str = "",
@@ -34,7 +24,7 @@ def parse(content: str, kind: str, doc_id: str | None = None, title: str = "",
     """Documents from raw content; JSONL carries its own ids, other kinds need `doc_id`."""
     if kind == "jsonl":
         return _parse_jsonl(content)
-    if kind not in ("text", "markdown", "html"):
+    if kind not in FORMATS:
         raise RetrievalError(f"unsupported document type {kind!r}: use text, markdown, html or jsonl")
     if not doc_id:
         raise RetrievalError(f"a {kind} document needs a document id")
@@ -42,13 +32,15 @@ def parse(content: str, kind: str, doc_id: str | None = None, title: str = "",
     if kind == "html":
         content, html_title = _html_text(content)
         title = title or html_title
-    elif kind == "markdown":
+    if kind in ("markdown", "html"):       # the extractor writes HTML's main content as Markdown
         content, md_title = _markdown(content)
-        title = title or md_title
-    return [_document(doc_id, content, title, metadata or {})]
+        return [document(doc_id, content, title or md_title, metadata or {}, sections=True)]
+    return [document(doc_id, content, title, metadata or {})]
 
 
-def _document(doc_id, text, title, metadata) -> Document:
+def document(doc_id, text, title, metadata, spans: list[Span] | tuple = (), sections: bool = False,
+             digest: str = "") -> Document:
+    """A checked Document; `sections`: its spans are the Markdown heading paths of `text`."""
     if not isinstance(doc_id, str) or not doc_id.strip():
         raise RetrievalError(f"document id must be a non-empty string, got {doc_id!r}")
     if not isinstance(text, str) or not text.strip():
@@ -57,7 +49,11 @@ def _document(doc_id, text, title, metadata) -> Document:
         raise RetrievalError(f"title of document {doc_id!r} must be a string, got {title!r}")
     if not isinstance(metadata, dict):
         raise RetrievalError(f"metadata of document {doc_id!r} must be an object, got {metadata!r}")
-    return Document(doc_id, text.strip(), title.strip(), metadata)
+    lead = len(text) - len(text.lstrip())
+    text = text.strip()
+    spans = _sections(text) if sections else tuple(
+        Span(max(0, s.start - lead), s.page, s.section) for s in spans if s.start - lead < len(text))
+    return Document(doc_id, text, title.strip(), metadata, spans, digest)
 
 
 def _parse_jsonl(content: str) -> list[Document]:
@@ -80,66 +76,69 @@ def _parse_jsonl(content: str) -> list[Document]:
         if row["id"] in seen:
             raise RetrievalError(f"JSONL line {n}: document id {row['id']!r} appears twice")
         seen.add(row["id"])
-        docs.append(_document(row["id"], row["text"], row.get("title", ""), row.get("metadata", {})))
+        docs.append(document(row["id"], row["text"], row.get("title", ""), row.get("metadata", {})))
     if not docs:
         raise RetrievalError("JSONL content holds no documents")
     return docs
 
 
-_HEADING = re.compile(r"^#{1,6}[ \t]+(.+?)[ \t#]*$", re.M)
+_HEADING = re.compile(r"^(#{1,6})[ \t]+(.+?)[ \t#]*$", re.M)
+_FENCE = re.compile(r"^(```|~~~)", re.M)
 
 
 def _markdown(text: str) -> tuple[str, str]:
     """Markdown stays Markdown (models read it well); headings are made to start paragraphs."""
     first = _HEADING.search(text)
     text = re.sub(r"\n{3,}", "\n\n", _HEADING.sub(lambda m: f"\n{m.group(0)}\n", text))
-    return text, (first.group(1) if first else "")
+    return text, (first.group(2) if first else "")
 
 
-class _HTMLText(HTMLParser):
-    SKIP = {"script", "style", "noscript", "template", "svg", "head"}
-    BLOCK = {"address", "article", "aside", "blockquote", "br", "dd", "div", "dl", "dt", "figcaption",
-             "figure", "footer", "form", "h1", "h2", "h3", "h4", "h5", "h6", "header", "hr", "li",
-             "main", "nav", "ol", "p", "pre", "section", "table", "tr", "ul"}
-
-    def __init__(self):
-        super().__init__(convert_charrefs=True)
-        self.parts: list[str] = []
-        self.title: list[str] = []
-        self.skipping = 0
-        self.in_title = False
-
-    def handle_starttag(self, tag, attrs):
-        self.in_title = self.in_title or tag == "title"
-        if tag in self.SKIP:
-            self.skipping += 1
-        elif tag in self.BLOCK:
-            self.parts.append("\n\n")
-        elif tag in ("td", "th"):  # cells of a row stay on one line, apart
-            self.parts.append(" ")
-
-    def handle_endtag(self, tag):
-        if tag == "title":
-            self.in_title = False
-        if tag in self.SKIP:
-            self.skipping = max(0, self.skipping - 1)
-        elif tag in self.BLOCK:
-            self.parts.append("\n\n")
-
-    def handle_data(self, data):
-        if self.in_title:
-            self.title.append(data)
-        elif not self.skipping:
-            self.parts.append(data)
+def _sections(text: str) -> tuple[Span, ...]:
+    """A span at each Markdown heading, naming the path of headings it opens ("Install > Linux").
+    A `#` line inside a fenced code block is code, not a heading."""
+    fences = [m.start() for m in _FENCE.finditer(text)]
+    spans, path = [], []
+    for m in _HEADING.finditer(text):
+        if bisect.bisect(fences, m.start()) % 2:
+            continue
+        level = len(m.group(1))
+        path = [p for p in path if p[0] < level] + [(level, " ".join(m.group(2).split()))]
+        spans.append(Span(m.start(), section=" > ".join(t for _, t in path)))
+    return tuple(spans)
 
 
 def _html_text(html: str) -> tuple[str, str]:
-    """(visible text with block elements as paragraphs, <title>) of an HTML page."""
-    parser = _HTMLText()
-    parser.feed(html)
-    parser.close()
-    blocks = (" ".join(b.split()) for b in "".join(parser.parts).split("\n\n"))
-    return "\n\n".join(b for b in blocks if b), " ".join("".join(parser.title).split())
+    """(the page's main content as Markdown, its <title>). trafilatura (Apache-2.0) finds the
+    main content, so navigation, footers and cookie banners stay out. A fragment with no page
+    around it is all content: it is read as an article (trafilatura drops headings, and may drop
+    short text, outside a container), and where nothing is found all visible text is kept."""
+    import lxml.html
+    import trafilatura
+    if not _PAGE.search(html):
+        html = f"<html><body><article>{html}</article></body></html>"
+    found = trafilatura.bare_extraction(html, output_format="python", include_formatting=True,
+                                        include_tables=True, include_links=False, include_images=False,
+                                        include_comments=False, favor_recall=True, config=_trafilatura_config())
+    text = found.text if found is not None and found.text else ""
+    if not text.strip():
+        text = trafilatura.html2txt(html, clean=True) or ""
+    try:
+        title = lxml.html.fromstring(html.encode()).findtext(".//title") or ""
+    except Exception:            # lxml refuses some fragments outright; the text is what matters
+        title = ""
+    return text, " ".join(title.split())
+
+
+_PAGE = re.compile(r"<(?:html|body)\b", re.I)
+
+
+@functools.cache
+def _trafilatura_config():
+    from trafilatura.settings import use_config
+    config = use_config()
+    config.set("DEFAULT", "EXTRACTION_TIMEOUT", "0")     # its timeout uses SIGALRM: main thread only
+    config.set("DEFAULT", "MIN_EXTRACTED_SIZE", "0")     # a short page is still a page
+    return config
 
 
 # ---- chunking ----
@@ -161,7 +160,7 @@ class _Unit:
 
 
 def chunk(doc: Document, tokenizer: TokenCounter, size: int = 200, overlap: int = 32) -> list[Chunk]:
-    """Cut a document into chunks of at most `size` tokens."""
+    """Cut a document into chunks of at most `size` tokens, each knowing its page or headings."""
     # 8 tokens hold any single character, even one that a byte-level BPE spells in 4 bytes.
     if size < 8 or not 0 <= overlap < size:
         raise RetrievalError(f"chunk size must be at least 8 and overlap in [0, size), got size={size}, "
@@ -169,13 +168,15 @@ def chunk(doc: Document, tokenizer: TokenCounter, size: int = 200, overlap: int 
     text = doc.text
     count = lambda a, b: len(tokenizer.encode(text[a:b]))
     units = _units(text, count, size)
+    # A heading starts a chunk, so a chunk's heading path holds for all of it (pages do not cut).
+    sections = {s.start for s in doc.spans if s.page is None}
     chunks, start = [], 0
     while start < len(units):
         end, total = start + 1, units[start].tokens
-        while end < len(units) and total + units[end].tokens <= size:
+        while end < len(units) and total + units[end].tokens <= size and units[end].start not in sections:
             total += units[end].tokens
             end += 1
-        if end < len(units):
+        if end < len(units) and units[end].start not in sections:
             # Prefer ending at a paragraph when that keeps the chunk at least half full.
             for j in range(end - 1, start, -1):
                 if units[j].ends_paragraph and sum(u.tokens for u in units[start:j + 1]) >= size // 2:
@@ -184,8 +185,8 @@ def chunk(doc: Document, tokenizer: TokenCounter, size: int = 200, overlap: int 
         # Unit counts add up only approximately for subword tokenizers: check the real span.
         while end > start + 1 and count(units[start].start, units[end - 1].end) > size:
             end -= 1
-        chunks.append(Chunk(doc.id, len(chunks), text[units[start].start:units[end - 1].end],
-                            doc.title, doc.metadata))
+        a, b = units[start].start, units[end - 1].end
+        chunks.append(Chunk(doc.id, len(chunks), text[a:b], doc.title, doc.metadata, **_where(doc, a, b)))
         if end == len(units):
             break
         # Overlap: step back over whole sentences of the same paragraph, at most `overlap`
@@ -196,6 +197,18 @@ def chunk(doc: Document, tokenizer: TokenCounter, size: int = 200, overlap: int 
             nxt -= 1
         start = nxt
     return chunks
+
+
+def _where(doc: Document, a: int, b: int) -> dict:
+    """The page (first and last) and heading path of text[a:b], from the document's spans."""
+    starts = [s.start for s in doc.spans]
+    first, last = bisect.bisect_right(starts, a) - 1, bisect.bisect_left(starts, b) - 1
+    if first < 0:               # before the first heading
+        return {}
+    span = doc.spans[first]
+    if span.page is not None:
+        return {"page": span.page, "page_end": doc.spans[last].page}
+    return {"section": span.section}
 
 
 def _units(text: str, count, size: int) -> list[_Unit]:

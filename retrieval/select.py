@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import numpy as np
@@ -146,7 +146,7 @@ def _cut(chunk: Chunk, pieces: list[Piece]) -> Chunk:
             runs[-1][1] = p.end
         else:
             runs.append([p.start, p.end])
-    return Chunk(chunk.doc_id, chunk.position, GAP.join(text[a:b] for a, b in runs), chunk.title, chunk.metadata)
+    return replace(chunk, text=GAP.join(text[a:b] for a, b in runs))
 
 
 def words(text: str) -> list[str]:

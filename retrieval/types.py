@@ -37,11 +37,24 @@ class HFTokenizer:
 
 
 @dataclass(frozen=True)
+class Span:
+    """Where the text from `start` on came from, until the next span: a page of a PDF (from 1),
+    or the path of headings it sits under ("Install > Linux") in Markdown, HTML and Word."""
+    start: int
+    page: int | None = None
+    section: str = ""
+
+
+@dataclass(frozen=True)
 class Document:
     id: str
     text: str
     title: str = ""
     metadata: dict[str, Any] = field(default_factory=dict)
+    spans: tuple[Span, ...] = ()
+    # What re-ingest compares: the file's bytes when read from one (so an unchanged file is not
+    # even read again), else the text and all that goes with it. Empty: worked out on ingest.
+    digest: str = ""
 
 
 @dataclass(frozen=True)
@@ -51,6 +64,9 @@ class Chunk:
     text: str
     title: str = ""
     metadata: dict[str, Any] = field(default_factory=dict)
+    page: int | None = None  # the page it starts on (PDF), for citations
+    page_end: int | None = None  # the page it ends on
+    section: str = ""  # the headings it sits under (Markdown, HTML, Word)
 
     @property
     def id(self) -> str:

@@ -76,8 +76,8 @@ def test_health_ready_openapi_and_metrics(client):
 
     schema = client.get("/schema/openapi.json").json()
     assert {"/v1/ask", "/v1/chat/completions", "/v1/models", "/v1/collections", "/v1/collections/{name}/documents",
-            "/v1/collections/{name}/documents/{doc_id}", "/v1/usage", "/healthz", "/readyz",
-            "/metrics"} <= set(schema["paths"])
+            "/v1/collections/{name}/files", "/v1/collections/{name}/documents/{doc_id}", "/v1/usage", "/healthz",
+            "/readyz", "/metrics"} <= set(schema["paths"])
     assert {"AskRequest", "AskResponse", "ChatRequest", "ChatCompletion",
             "UsageReport"} <= set(schema["components"]["schemas"])
     assert schema["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
@@ -187,7 +187,8 @@ def test_ask_from_a_collection_cites_passages_and_trims_to_budget(tmp_path, llm,
 
 def test_tenants_see_and_search_only_their_own_collections(client, gateway):
     assert client.post("/v1/collections/cities/documents", json=DOCS, headers=auth("alpha")).json() == {
-        "collection": "cities", "documents": 3, "chunks": 3, "removed": 0, "embedded": 3}
+        "collection": "cities", "documents": 3, "chunks": 3, "removed": 0, "embedded": 3, "added": 3, "replaced": 0,
+        "unchanged": 0}
     r = ask(client, "beta", question="capital of France?", collection="cities")
     assert r.status_code == 404 and r.json()["error"]["message"] == "collection 'cities' not found"
     assert client.get("/v1/collections", headers=auth("beta")).json() == {"collections": []}
@@ -209,7 +210,10 @@ def test_documents_add_replace_and_delete(client):
     url = "/v1/collections/cities/documents"
     assert client.post(url, json=DOCS, headers=auth()).json()["embedded"] == 3
     again = client.post(url, json=DOCS, headers=auth()).json()
-    assert (again["removed"], again["embedded"]) == (3, 0)       # unchanged chunks keep their vectors
+    assert (again["unchanged"], again["removed"], again["embedded"]) == (3, 0, 0)   # the same content: skipped
+    edited = {"documents": [{**DOCS["documents"][0], "title": "Paris, France"}]}
+    again = client.post(url, json=edited, headers=auth()).json()
+    assert (again["replaced"], again["removed"], again["embedded"]) == (1, 1, 0)   # same text: its vector kept
     nested = {"documents": [{"id": "guides/intro.md", "format": "markdown", "text": "# Intro\n\nHello there."}]}
     assert client.post(url, json=nested, headers=auth()).json()["documents"] == 1
     assert client.delete(f"{url}/guides/intro.md", headers=auth()).json() == {

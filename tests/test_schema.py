@@ -43,6 +43,7 @@ def test_every_endpoint_documents_its_statuses_in_the_error_shape_it_sends(schem
         ("/v1/chat/completions", "post"): ["200", "400", "401", "403", "404", "413", "415", "429", "500", "503", "504"],
         ("/v1/models", "get"): ["200", "401", "429", "503"],
         ("/v1/collections/{name}/documents", "post"): ["200", "400", "401", "413", "415", "422", "429", "503"],
+        ("/v1/collections/{name}/files", "post"): ["200", "400", "401", "413", "415", "422", "429", "503"],
         ("/v1/collections/{name}/documents/{doc_id}", "delete"): ["200", "401", "404", "422", "429", "503"],
         ("/v1/collections", "get"): ["200", "401", "429", "503"],
         ("/v1/usage", "get"): ["200", "401", "422", "429", "503"],

@@ -35,6 +35,7 @@ from gateway.http import schemas as s
 from gateway.http.admin import admin_summary
 from gateway.http.auth import authenticate, current_tenant
 from gateway.http.dashboard import dashboard
+from gateway.http.files import upload_route
 from gateway.http.openapi import ASK_EVENTS, CHAT_EVENTS, make_truthful
 from gateway.metrics import CONTENT_TYPE
 from gateway.service import Done, Gateway, Meta, Token
@@ -358,7 +359,8 @@ def metrics_middleware(app: ASGIApp) -> ASGIApp:
 
 def create_app(gateway: Gateway, banner: str | None = None, debug: bool = False) -> Litestar:
     """`banner` is printed once the models are loaded (`sluice serve --demo` prints its curl)."""
-    v1 = Router("/v1", route_handlers=[ask, chat, models, add_documents, delete_document, list_collections, usage],
+    v1 = Router("/v1", route_handlers=[ask, chat, models, add_documents, upload_route(gateway.config.max_upload_bytes),
+                                       delete_document, list_collections, usage],
                 guards=[authenticate], dependencies={"tenant": Provide(current_tenant, sync_to_thread=False)},
                 security=[{"bearer": []}], request_class=JSONRequest)
     openapi = OpenAPIConfig(title="Sluice", version="0.1.0", path="/schema",

@@ -70,6 +70,9 @@ class Citation(Struct):
     doc_id: str
     title: str
     score: float
+    page: int | None = None        # PDF: the page the passage starts on (from 1)
+    page_end: int | None = None    # ...and the page it ends on
+    section: str | None = None     # Markdown, HTML, Word: the headings it sits under ("Install > Linux")
 
 
 class Usage(Struct):
@@ -313,6 +316,9 @@ class IngestResponse(Struct):
     chunks: int          # chunks now stored for these documents
     removed: int         # chunks they replaced
     embedded: int        # chunks embedded anew (unchanged chunks keep their vectors)
+    added: int = 0       # documents new to the collection
+    replaced: int = 0    # documents whose content changed: their old chunks replaced in one step
+    unchanged: int = 0   # documents skipped: the same content as stored
 
 
 class DeleteResponse(Struct):
