@@ -34,7 +34,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.tenants import Tenant, TenantRegistry
 from gateway.usage.ledger import LedgerUnavailable
 from gateway.usage.limits import Admission, month_of
-from gateway.usage.rows import UsageRow
+from gateway.usage.rows import CACHE_HIT, UsageRow
 from gateway.usage.storage import open_storage
 from pipeline import Answer, DeadlineExceeded, Judged, Models, Pipeline, Plan, Progress, Query, Refused, cost, drive
 from pipeline.answer_cache import AnswerCache, Hit, Lookup
@@ -382,8 +382,9 @@ class Gateway:
             try:
                 await self.ledger.record(UsageRow(
                     served.request_id, time.time(), month_of(time.time()), tenant.id, served.query.endpoint, "ok",
-                    e.model, "cache", served.query.collection, 0, 0, 0, 0, price, timings.retrieval, 0.0, timings.ttft,
-                    timings.total, d.reason, d.difficulty, d.confidence, d.escalated, e.finish_reason, d.arm))
+                    e.model, CACHE_HIT, served.query.collection, 0, 0, 0, 0, price, timings.retrieval, 0.0,
+                    timings.ttft, timings.total, d.reason, d.difficulty, d.confidence, d.escalated, e.finish_reason,
+                    d.arm))
             except LedgerUnavailable as err:
                 raise retry_after(503, f"the usage ledger takes no writes now ({err}); this request's answer is "
                                        f"withheld rather than given unbilled", 1, "ledger_unavailable") from None

@@ -161,7 +161,9 @@ def test_a_collection_gets_a_new_revision_at_every_write_and_keeps_it_when_reope
     seen = [c.revision]
     c.ingest([Document("a", "Some text about apples.")])
     seen.append(c.revision)
-    c.ingest([Document("a", "Some text about apples.")])       # the same again is still a write
+    c.ingest([Document("a", "Some text about apples.")])       # the same again is unchanged: not a write
+    assert c.revision == seen[-1]
+    c.ingest([Document("a", "Some text about pears.")])        # a changed document is
     seen.append(c.revision)
     assert c.delete("missing") == 0 and c.revision == seen[-1]  # nothing changed: the same revision
     c.delete("a")

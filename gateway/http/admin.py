@@ -32,7 +32,6 @@ from gateway.errors import ErrorBody, GatewayError
 from gateway.http import schemas as s
 from gateway.usage.limits import month_of
 from gateway.usage.rollup import Totals, percentile
-from gateway.usage.rows import UsageRow
 from pipeline.prices import cost
 
 # window -> (seconds it spans, the rollup buckets it reads, seconds a chart point spans)
@@ -238,8 +237,7 @@ def summarize(gateway, window: str, bounds: tuple[int, int, int], tenant: str | 
         window, _iso(start), _iso(stop), step, tenant, totals, tenants, arms,
         s.Savings(totals.cost, totals.large_alone_cost, totals.saved, saved_share, big, SAVINGS_METHOD),
         s.LatencyFigures(pct(overall["ttft"]), pct(overall["total"]), LATENCY_METHOD),
-        state.queue, models, series,
-        "cache_hit" in UsageRow.__dataclass_fields__)
+        state.queue, models, series)
 
 
 WindowParam = Annotated[str, Parameter(description="hour, day or month (30 days), ending at `end`")]

@@ -96,7 +96,7 @@ def render(x: s.AdminSummary) -> str:
              ("large model alone", _usd(sv.large_alone_cost)),
              ("saved", f"{_usd(sv.saved)} ({_pct(sv.saved_share)})"),
              ("escalations", f"{t.escalations:,}"), ("widenings", f"{t.widenings:,}"),
-             ("answer-cache hits", f"{t.cache_hits:,}" if x.answer_cache else "not recorded")]
+             ("answer-cache hits", f"{t.cache_hits:,}")]
     tenants = _table("tenants", ["tenant", "requests", "answers", "errors by outcome", "refused by code (since start)",
                                  "spend", "large alone", "saved", "month spend / cap", "tokens in (cached)",
                                  "tokens out (thinking)", "escalations", "widenings", "cache hits"],

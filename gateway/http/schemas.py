@@ -463,4 +463,3 @@ class AdminSummary(Struct):
     queue: QueueState
     models: list[ModelState]
     series: list[SeriesPoint]
-    answer_cache: bool             # whether the ledger records answer-cache hits

@@ -19,7 +19,7 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass
 
-from gateway.usage.rows import UsageRow
+from gateway.usage.rows import CACHE_HIT, UsageRow
 
 GRAINS = (60, 3600, 86400)          # seconds a bucket spans: minutes (an hour), hours (a day), days (a month)
 # Latency bins grow by 25%: bin 0 is under 1 ms, bin k >= 1 holds [1.25^(k-1), 1.25^k) ms.
@@ -33,7 +33,7 @@ CREATE TABLE IF NOT EXISTS rollup(
     arm TEXT NOT NULL,                 -- the router's arm, or (not routed by arms) the answering model
     status TEXT NOT NULL,              -- the ledger's: ok | cancelled | error | timeout
     requests BIGINT NOT NULL, escalated BIGINT NOT NULL, widened BIGINT NOT NULL,
-    cache_hits BIGINT NOT NULL,        -- answered from the answer cache (the row's `cache_hit`, where it has one)
+    cache_hits BIGINT NOT NULL,        -- answered from the answer cache (models = 'cache')
     prompt_tokens BIGINT NOT NULL, cached_tokens BIGINT NOT NULL,
     completion_tokens BIGINT NOT NULL, thinking_tokens BIGINT NOT NULL,
     cost DOUBLE PRECISION NOT NULL,
@@ -93,7 +93,7 @@ def fold(rows: list[UsageRow]) -> tuple[list[tuple], list[tuple]]:
         calls = max(1, len(names))
         widened = len(names) > 1 and len(set(names)) == 1      # the same model again, with a wider context
         output = row.completion_tokens                            # thinking is part of it
-        add = (1, int(row.escalated and not widened), int(widened), int(bool(getattr(row, "cache_hit", False))),
+        add = (1, int(row.escalated and not widened), int(widened), int(row.models == CACHE_HIT),
                row.prompt_tokens, row.cached_tokens, row.completion_tokens, row.thinking_tokens, row.cost,
                row.prompt_tokens / calls, row.cached_tokens / calls, output / calls)
         for grain in GRAINS:

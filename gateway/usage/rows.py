@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Protocol
 
+# UsageRow.models of an answer served from the answer cache (no engine call).
+CACHE_HIT = "cache"
+
 
 @dataclass(frozen=True)
 class UsageRow:
