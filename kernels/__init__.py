@@ -85,4 +85,4 @@ silu_and_mul = _dispatch(activation.silu_and_mul)
 rotate_keys = norm_rope.rotate_keys     # tensor operations on every device: nothing to dispatch
 
 __all__ = ["paged_decode_attention", "paged_prefill_attention", "int8_matmul", "int4_matmul", "gguf_matmul",
-           "add_rms_norm", "rotary_store_kv", "silu_and_mul", "rotate_keys"]
+           "add_rms_norm", "rotary_store_kv", "silu_and_mul"]

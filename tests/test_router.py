@@ -441,7 +441,7 @@ def test_escalation_offers_the_small_answer_as_a_speculative_draft(tmp_path, tmp
     engine = LLMEngine(config, progress=False)
     drafts = []
     add = engine.add_request
-    engine.add_request = lambda *a, **kw: drafts.append(a[-1] if len(a) > 6 else kw.get("draft")) or add(*a, **kw)
+    engine.add_request = lambda *a, **kw: drafts.append(a[6] if len(a) > 6 else kw.get("draft")) or add(*a, **kw)
     client, _ = _client(tmp_path, engine, embedder, threshold=1.0)
     with client as c:
         wait_ready(c)
