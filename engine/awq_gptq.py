@@ -25,7 +25,7 @@ import torch
 from safetensors import safe_open
 
 from engine.config import ModelConfig
-from engine.model import CausalLM, Linear, fused_rows, load_model
+from engine.model import CausalLM, linear_sources, load_model
 from engine.quantize import QuantLinear, dequant_rows_default, dot_rows_default
 
 METHODS = ("awq", "gptq")
@@ -123,14 +123,9 @@ def load(folder: Path, cfg: ModelConfig, scheme: Scheme, device: torch.device, d
     dot = dot_rows_default() if dot_rows is None else dot_rows
     rows = dequant_rows_default(device.type, "int4", scheme.group, dot) if dequant_rows is None else dequant_rows
     model = load_model(folder, cfg, linear_weights=False, device=device, dtype=dtype)
-    fused = fused_rows(cfg)
     with _Tensors(folder) as tensors:
-        for name, module in list(model.named_modules()):
-            if not isinstance(module, Linear):
-                continue
+        for name, module, sources in linear_sources(model):
             parent, _, child = name.rpartition(".")
-            sources = [f"model.{parent}.{hf}" for hf, (into, _) in fused.items() if into == child] \
-                or ["lm_head" if name == "lm_head" else f"model.{name}"]
             packed = [f"{s}.qweight" in tensors for s in sources]
             if not any(packed):
                 module.weight_t = torch.nn.Parameter(_float_weight(model, tensors, sources).t().to(

@@ -208,6 +208,21 @@ def fused_rows(cfg: ModelConfig) -> dict[str, tuple[str, int]]:
 PACKED_PARTS = ("qweight", "qzeros", "scales", "g_idx")
 
 
+def linear_sources(model: CausalLM) -> list[tuple[str, Linear, list[str]]]:
+    """Each Linear's module name, the module, and the Hugging Face tensors (names without their
+    `.weight`/`.qweight` suffix) whose rows it holds, in order: what a loader of stored weights
+    (a GGUF's blocks, an AWQ/GPTQ checkpoint) reads for it."""
+    fused = fused_rows(model.cfg)
+    out = []
+    for name, module in model.named_modules():
+        if isinstance(module, Linear):
+            parent, _, child = name.rpartition(".")
+            sources = [f"model.{parent}.{hf}" for hf, (into, _) in fused.items() if into == child] \
+                or ["lm_head" if name == "lm_head" else f"model.{name}"]
+            out.append((name, module, sources))
+    return out
+
+
 def load_model(folder: Path, cfg: ModelConfig | None = None, linear_weights: bool = True,
                device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                embedding: bool = True) -> CausalLM:

@@ -24,7 +24,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from engine.model import CausalLM, Linear, Module, fused_rows
+from engine.model import CausalLM, Linear, Module, linear_sources
 from kernels import gguf_cpu, gguf_matmul, gguf_quant, int4_matmul, int8_matmul, quant_matmul, quant_matmul_cpu
 from kernels.cpu_build import vnni
 from kernels.quant_matmul import unpack_int4
@@ -308,7 +308,6 @@ def apply_gguf(model: CausalLM, folder: Path, blocks: Path) -> CausalLM:
     its metadata). A tensor of a type no kernel reads serves in float32 from the folder's float
     weights, with a warning naming it: slower, never wrong."""
     device, dtype = model.norm.weight.device, model.norm.weight.dtype
-    fused = fused_rows(model.cfg)
     with safe_open(blocks, framework="pt") as f:
         types = f.metadata()
         stored = set(f.keys())
@@ -326,12 +325,9 @@ def apply_gguf(model: CausalLM, folder: Path, blocks: Path) -> CausalLM:
         embed = part("model.embed_tokens.weight")
         model.embed_tokens = GGUFEmbedding(*embed, model.cfg.hidden_size, dtype) if embed is not None else \
             torch.nn.Embedding.from_pretrained(_float(folder, ["model.embed_tokens.weight"]).to(device, dtype))
-        for name, module in list(model.named_modules()):
-            if not isinstance(module, Linear):
-                continue
+        for name, module, bases in linear_sources(model):
             parent, _, child = name.rpartition(".")
-            sources = [f"model.{parent}.{hf}.weight" for hf, (into, _) in fused.items() if into == child] \
-                or ["lm_head.weight" if name == "lm_head" else f"model.{name}.weight"]
+            sources = [f"{b}.weight" for b in bases]
             if name == "lm_head" and model.cfg.tie_embeddings:
                 sources = ["model.embed_tokens.weight"]
             parts = [part(s) for s in sources]
