@@ -11,10 +11,12 @@ a temporary folder). Measured on the threads torch is given (2 here):
 - the same folder ingested again, unchanged: its time against the first, as a ratio (target >= 20x);
 - the share of chunks holding a running header or footer, or a word broken by hyphenation
   (target <= 1%), counted by a check independent of the extractor: poppler's pdftotext reads each
-  page, and a line among the two at a page's top or bottom that recurs on two pages or more
-  (digits masked, a page number at either end dropped) is a running line; a chunk is counted
-  if such a line (or its page's bare number) stands alone as a line of it, or a lowercase word
-  ends a line with "-" and the next line goes on in lowercase;
+  page, and a line at the same place among the two at a page's top or bottom (digits masked, a
+  page number at either end dropped) is a running line when it recurs there on three pages, or
+  on two if it carries a page number, and never stands in a page's middle; a chunk is counted
+  if such a line stands alone as a line of it, or a printed page number does between lines
+  that meet at a page break, or a lowercase word ends a line with "-" and the next line goes
+  on in lowercase;
 - with --ask: `sluice serve` with SmolLM2-135M answering (the citations come from retrieval, not
   from the model), the two uncompressed manuals uploaded through POST /v1/collections/{name}/files,
   and QUESTIONS asked through /v1/ask: a citation is right when the best-scored passage's pages
@@ -113,33 +115,73 @@ def pdf_pages(path: Path) -> list[str]:
     return out.stdout.split("\f")[:-1]
 
 
+PAGE_NUMBER = re.compile(r"^(\d+|[ivxlc]+)\b|\b(\d+|[ivxlc]+)$")
+
+
 def mask(line: str) -> str:
     """Digits masked, and a page number at either end dropped: "chapter #: utilities"."""
     return re.sub(r"^(?:# )+|(?: #)+$", "", re.sub(r"\d+", "#", " ".join(line.split()).lower()))
 
 
+def edges(page: str) -> list[tuple[int, str]]:
+    lines = [" ".join(x.split()).lower() for x in page.splitlines() if x.strip()]
+    return [(i, lines[i]) for i in (0, 1, -2, -1) if -len(lines) <= i < len(lines)]
+
+
 def running_lines(pages: list[str]) -> set[str]:
-    edges = Counter()
+    """Lines a page's layout repeats at the same place and the text never holds elsewhere. An API
+    manual's "Possible return values:" sits at the edge of many pages, and in their middle too:
+    content, not a header. A chapter's running head on its only two pages carries the page
+    number, and so counts."""
+    seen, numbered, body = Counter(), set(), set()
     for page in pages:
-        lines = [mask(x) for x in page.splitlines() if x.strip()]
-        edges.update(set(lines[:2] + lines[-2:]))
-    # Two pages suffice here: the check would rather count a false header than miss a true one.
-    return {k for k, n in edges.items() if n >= 2 and len(k) >= 4}
+        at_edge = edges(page)
+        for i, line in set(at_edge):
+            seen[i, mask(line)] += 1
+            if re.search(r"^\d+\s|\s\d+$", line):
+                numbered.add((i, mask(line)))
+        lines = [x for x in page.splitlines() if x.strip()]
+        body.update(mask(x) for x in lines[2:-2])
+    return {k for (i, k), n in seen.items()
+            if len(k) >= 4 and k not in body and (n >= 3 or n >= 2 and (i, k) in numbered)}
+
+
+def page_numbers(pages: list[str], running: set[str]) -> list[dict[str, set[str]]]:
+    """Per page, its printed number (an edge line that is only a number or roman numeral, or the
+    number a running line carries; not the PDF's page index: a table of contents on page 3 is
+    printed "i") -> the lines around it across the page break, masked: the last lines of its page
+    and the first of the next (or the page before, for a number at the top). A leaked page
+    number stands between them; the same figure in a table, a code listing's line numbers or a
+    contents entry does not."""
+    out: list[dict[str, set[str]]] = [{} for _ in pages]
+    text = [[x for x in page.splitlines() if x.strip()] for page in pages]
+    for q, page in enumerate(pages):
+        for i, line in edges(page):
+            if (m := PAGE_NUMBER.search(line)) and (m.group(0) == line or mask(line) in running):
+                before = text[q - 1][-3:] if q else []
+                after = text[q + 1][:3] if q + 1 < len(text) else []
+                near = (before + text[q][:3]) if i >= 0 else (text[q][-3:] + after)
+                out[q].setdefault(m.group(1) or m.group(2), set()).update(
+                    mask(x) for x in near if not PAGE_NUMBER.fullmatch(" ".join(x.split()).lower()))
+    return out
 
 
 BROKEN = re.compile(r"[a-z]{2,}-\n[a-z]{2,}")
 
 
 def check_chunks(chunks, pages: list[str]) -> dict:
-    """Chunks holding a running line as a line of their own, their page's bare number, or a
+    """Chunks holding a running line as a line of their own, their page's printed number, or a
     word broken by a hyphen at a line end."""
     running = running_lines(pages)
+    numbers_at = page_numbers(pages, running)
     heads, numbers, broken, examples = 0, 0, 0, []
     for c in chunks:
         lines = [mask(x) for x in c.text.splitlines() if x.strip()]
         head = any(x in running for x in lines)
-        own = {str(p) for p in range(c.page or 0, (c.page_end or 0) + 1)}
-        number = any(x.strip() in own for x in c.text.splitlines())
+        bare = [x.strip().lower() for x in c.text.splitlines() if x.strip()]
+        spanned = range((c.page or 1) - 1, min(c.page_end or c.page or 1, len(pages)))
+        number = any(x in numbers_at[q] and numbers_at[q][x] & set(lines[max(j - 1, 0):j] + lines[j + 1:j + 2])
+                     for q in spanned for j, x in enumerate(bare))
         hyphen = bool(BROKEN.search(c.text))
         heads, numbers, broken = heads + head, numbers + number, broken + hyphen
         if (head or number or hyphen) and len(examples) < 5:
