@@ -150,13 +150,14 @@ def test_decode_reference_matches_dense_attention(heads, kv_heads, quant):
 @pytest.mark.parametrize("quant", [False, True])
 @pytest.mark.parametrize("heads,kv_heads", HEADS)
 def test_prefill_reference_matches_dense_causal_attention(heads, kv_heads, quant):
-    ctx, chunk = zip(*PREFILL)
+    # ... and 40 cached tokens before a chunk long enough for two fused passes (SPLIT_PREFIX_ROWS)
+    ctx, chunk = zip(*PREFILL, (40 + attention.SPLIT_PREFIX_ROWS, attention.SPLIT_PREFIX_ROWS))
     p = make_paged(list(ctx), kv_heads, quant)
     q = torch.randn(sum(chunk), heads, HEAD_DIM)
     qsl = torch.tensor([0, *torch.tensor(chunk).cumsum(0).tolist()])
     out = attention.paged_prefill_attention(q, *p.caches(), p.block_tables, p.context_lens, qsl, SCALE,
                                             **p.scales())
-    for s in range(len(PREFILL)):
+    for s in range(len(ctx)):
         lo, hi = qsl[s], qsl[s + 1]
         torch.testing.assert_close(out[lo:hi], dense_attention(q[lo:hi], *p.dense(s)))
 
