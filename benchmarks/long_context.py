@@ -32,6 +32,7 @@ from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 
 console = Console()
+PARTS = ["perplexity", "blocks_held", "decode_tok_s"]
 
 
 def squad_text(data_dir: Path) -> str:
@@ -43,10 +44,12 @@ def perplexity(logprobs: list[float]) -> float:
     return math.exp(-sum(logprobs) / len(logprobs))
 
 
-def blocks_held(engine: LLMEngine, ids: list[int], window: KVWindow | None, every: int) -> list[tuple[int, int]]:
+def blocks_held(engine: LLMEngine, ids: list[int], window: KVWindow | None, every: int,
+                salt: bytes) -> list[tuple[int, int]]:
     """(tokens in, KV blocks the sequence holds) as the text streams in as a prompt, in chunks
-    of `every` tokens (the engine's step budget)."""
-    rid = engine.add_request(ids, SamplingParams(max_tokens=1), window=window)
+    of `every` tokens (the engine's step budget). Salted, one salt per run, so the prefix cache
+    (which scoring and the other run filled with this text) does not hand the prompt over."""
+    rid = engine.add_request(ids, SamplingParams(max_tokens=1), window=window, salt=salt)
     seq, out = engine.requests[rid][1], []
     while rid in engine.requests:
         engine.step()
@@ -78,6 +81,8 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--data", type=Path, default=Path(os.environ.get("SLUICE_DATA", ROOT.parent / "shared" / "data")))
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--parts", nargs="+", choices=PARTS, default=PARTS,
+                    help="what to measure; the others' rows are kept from --out's JSON")
     args = ap.parse_args()
     out = args.out or RESULTS / f"long_context_{args.model}.json"
     bs, chunk = 16, args.chunk
@@ -92,7 +97,10 @@ def main() -> None:
     results = {"model": args.model, "tokens": len(ids), "cache": args.cache, "window_size": size, "chunk": chunk,
                "block_size": bs, "sink_tokens_kept": KVWindow(args.sinks, size).sink_tokens(bs),
                "machine": machine(), "perplexity": {}, "blocks_held": {}, "decode_tok_s": {}}
-    for name, window in windows.items():
+    if set(args.parts) != set(PARTS) and out.exists():
+        kept = json.loads(out.read_text())
+        results.update({k: kept[k] for k in PARTS if k not in args.parts and k in kept})
+    for name, window in windows.items() if "perplexity" in args.parts else ():
         start = time.perf_counter()
         lp = engine.score(ids, window=window, chunk=chunk if window else 512)
         results["perplexity"][name] = {"all": perplexity(lp), "past_the_cache": perplexity(lp[args.cache:]),
@@ -100,9 +108,10 @@ def main() -> None:
         console.print(name, results["perplexity"][name])
         write_results(out, results)
     for name in ("full context", f"sinks ({args.sinks}) + window"):
-        results["blocks_held"][name] = blocks_held(engine, ids, windows[name], 500)
-        console.print(name, "blocks held", results["blocks_held"][name])
-        for at in args.decode_at:
+        if "blocks_held" in args.parts:
+            results["blocks_held"][name] = blocks_held(engine, ids, windows[name], 500, name.encode())
+            console.print(name, "blocks held", results["blocks_held"][name])
+        for at in args.decode_at if "decode_tok_s" in args.parts else ():
             results["decode_tok_s"].setdefault(name, {})[at] = decode_speed(engine, ids[:at], windows[name],
                                                                            args.decode_tokens)
             console.print(name, "decode at", at, results["decode_tok_s"][name][at])
