@@ -64,6 +64,7 @@ INSERT, ADD_ROLLUP, ADD_LATENCY, CLAIM = (q.replace("%s", "?") for q in (
 BACKFILL_BATCH = 10_000
 FOLD_BATCH = 10_000         # rows a folding transaction takes at most
 FOLD_LAG_S = 1.0            # under load, the running totals trail the ledger by about this at most
+WRITER_CHECKPOINT_PAGES = 10_000
 
 
 class SqliteDatabase:
@@ -118,7 +119,14 @@ class SqliteDatabase:
         return db
 
     def write(self, rows: list[UsageRow]) -> None:
-        db = self._writer = self._writer or self._connect()
+        # The commit that finds the log past a threshold copies it into the database (a
+        # checkpoint, with an fsync). The folding connection's threshold is SQLite's default,
+        # 1000 pages, and it folds after every commit: its commits checkpoint, after the callers
+        # are answered. This one's, ten times that, is a backstop for when folds fail.
+        if self._writer is None:
+            self._writer = self._connect()
+            self._writer.execute(f"PRAGMA wal_autocheckpoint = {WRITER_CHECKPOINT_PAGES}")
+        db = self._writer
         with _immediate(db):
             for row in rows:
                 db.execute(INSERT, astuple(row))
@@ -331,8 +339,10 @@ class Ledger:
         with self._start_lock:
             if self._writer is not None:
                 self._queue.put(None)
-                self._writer.join()
+                self._writer.join()          # it closes the writing connections as it ends
                 self._writer = None
+            else:
+                self.db.close_writer()       # the one the fold at open used
 
     # ---- reading ----
 
