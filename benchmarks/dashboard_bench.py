@@ -7,9 +7,9 @@ SQLite, and whether reloading it every second moves the serving path's overhead.
    What the rollup (gateway/usage/rollup.py) costs the writer is measured on fresh ledgers
    (`--writes-only` runs only this part): per row, the commit a caller waits for (record()
    returns once it is done) at 1 and 64 rows a commit, for a ledger without the rollup, with
-   the rollup folded in the same transaction (the former design), and with the fold after
-   it; the folding transaction's own cost at 1, 64 and 1024 rows a fold; and record() itself,
-   one caller at a time, with and without the fold.
+   the rollup folded in the same transaction (the former design), and with a fold after
+   each commit; the folding transaction's own cost at 1, 64 and 1024 rows a fold; and
+   record() itself, one caller at a time, for the three, the writer folding as it does.
 2. `sluice serve` (tiny random models, as benchmarks/gateway_bench.py) opens that ledger and
    the page and the JSON summary are loaded --loads times per window, over HTTP with the
    operator key. Baseline: the same month's per-tenant, per-arm totals by a GROUP BY over the
@@ -129,7 +129,7 @@ def bench_rows(n: int) -> list[UsageRow]:
 
 def write_cost(folder: Path, n: int = 4000, repeats: int = 5) -> list[dict]:
     """Microseconds per row in the writer thread: the commit a caller waits for, with the
-    rollup folded after it, in it, or without a rollup; and the fold after it on its own.
+    rollup folded after it, in it, or without a rollup; and a fold after each commit on its own.
     Median of `repeats` runs, the three ledgers taking turns (the machine is shared)."""
     rows = bench_rows(n)
     out = []
@@ -185,7 +185,8 @@ def fold_cost(folder: Path, n: int = 8192) -> list[dict]:
 def record_latency(folder: Path, n: int = 1000, gap_s: float = 0.005, repeats: int = 3) -> dict:
     """What Ledger.record() waits for, one caller at a time with `gap_s` between requests (an
     idle server: the previous row's fold is usually done by then): on a ledger without the
-    rollup, with the rollup in the commit, and folded after it. Medians of `repeats` runs
+    rollup, with the rollup in the commit, and folded after it as the writer does (all rows
+    committed since, at most every FOLD_EVERY_S). Medians of `repeats` runs
     taking turns. `over_8ms`: the records that waited for a checkpoint (SQLite copying its log
     into the database, 10 ms and more here; other stalls of the shared machine rarely last 8)."""
     rows = bench_rows(n)
@@ -357,11 +358,11 @@ def main() -> int:
 def print_writes(writes: dict) -> None:
     print("\nledger writer, us per row; 'caller waits' is the commit record() returns after")
     print(f"{'rows/commit':>11} {'no rollup':>10} {'in commit':>10} {'caller waits':>13} {'vs no rollup':>12} "
-          f"{'vs in commit':>12} {'fold after':>10}")
+          f"{'vs in commit':>12} {'a fold each':>11}")
     for w in writes["write_us_per_row"]:
         after = w["rollup_after_commit"]
         print(f"{w['rows_per_commit']:>11} {w['without_rollup']:>10} {w['rollup_in_commit']:>10} {after:>13} "
-              f"{after / w['without_rollup']:>11.2f}x {after / w['rollup_in_commit']:>11.2f}x {w['fold']:>10}")
+              f"{after / w['without_rollup']:>11.2f}x {after / w['rollup_in_commit']:>11.2f}x {w['fold']:>11}")
     print("folding transaction alone, us per row: " + ", ".join(
         f"{f['fold']} at {f['rows_per_fold']} a fold" for f in writes["fold_us_per_row"]))
     r = writes["record_us"]

@@ -63,6 +63,7 @@ INSERT, ADD_ROLLUP, ADD_LATENCY, CLAIM = (q.replace("%s", "?") for q in (
     INSERT, rollup.ADD_ROLLUP, rollup.ADD_LATENCY, rollup.CLAIM.format(lock="")))
 BACKFILL_BATCH = 10_000
 FOLD_BATCH = 10_000         # rows a folding transaction takes at most
+FOLD_EVERY_S = 0.1          # folds come at most this often, each taking every row committed since
 FOLD_LAG_S = 1.0            # under load, the running totals trail the ledger by about this at most
 WRITER_CHECKPOINT_PAGES = 10_000
 
@@ -214,10 +215,12 @@ class Ledger:
     the writer thread before any of its callers return (the shared spend cap counts it there).
 
     Once the callers are answered, the same thread folds the committed rows into the operator
-    view's running totals (`db.fold`), unless more rows already wait: those are committed
-    first, and the totals catch up in one bigger fold when the queue is empty, or after
-    FOLD_LAG_S at most. A fold that fails leaves its rows marked unfolded; it is tried again
-    every `retry_s`, and whatever a crash left is folded when a ledger is next opened.
+    view's running totals (`db.fold`): at most every FOLD_EVERY_S, all rows committed since in
+    one fold (a fold per commit would cost several times as much a row, and write as much
+    again to SQLite's log, whose checkpoints a caller arriving during one waits for). Rows
+    waiting to be committed go first, unless the totals are FOLD_LAG_S behind. A fold that
+    fails leaves its rows marked unfolded; it is tried again every `retry_s`, and whatever a
+    crash left is folded when a ledger is next opened.
 
     When the store itself fails (not a bad row), the rows are kept in memory, their callers
     get LedgerUnavailable, `unavailable` says why, and the writer tries them again every
@@ -235,7 +238,7 @@ class Ledger:
         self.folded = 0                  # rows this process folded into the running totals
         self.fold_failures = 0
         self._unfolded = True            # committed rows may wait for a fold (at open: a crash's)
-        self._folded_at = time.monotonic()
+        self._fold_at = time.monotonic()     # the next fold, not before
         self._fold()
 
     # ---- writing ----
@@ -257,7 +260,7 @@ class Ledger:
     def _write_loop(self) -> None:
         while True:
             try:
-                batch = [self._queue.get(timeout=self.retry_s if self._pending or self._unfolded else None)]
+                batch = [self._queue.get(timeout=self._idle_s())]
             except queue.Empty:              # time to try the kept rows, or the fold, again
                 batch = []
             while not self._queue.empty():
@@ -279,9 +282,10 @@ class Ledger:
                         loop.call_soon_threadsafe(_settle, done, error)
                     except RuntimeError:     # that caller's event loop is gone; the row is written
                         pass
-            if self._unfolded and (self._queue.empty() or time.monotonic() - self._folded_at >= FOLD_LAG_S):
+            stopping = len(items) < len(batch)
+            if self._unfolded and (stopping or self._fold_due()):
                 self._fold()
-            if len(items) < len(batch):      # close() asked us to stop
+            if stopping:                     # close() asked us to stop
                 if self._pending:
                     log.error("closing with %d usage rows the store never took", len(self._pending))
                 self.db.close_writer()
@@ -318,6 +322,19 @@ class Ledger:
             except Exception:        # the rows stand; the hook reports its own trouble
                 log.exception("after-commit hook failed")
 
+    def _fold_due(self) -> bool:
+        """FOLD_EVERY_S after the last fold, once no rows wait to be committed (they go first),
+        or FOLD_LAG_S later whatever waits."""
+        now = time.monotonic()
+        return now >= self._fold_at and (self._queue.empty() or now >= self._fold_at + FOLD_LAG_S)
+
+    def _idle_s(self) -> float | None:
+        """How long the writer may wait for rows: until kept rows are tried again, or a fold is due."""
+        waits = [self.retry_s] if self._pending else []
+        if self._unfolded:
+            waits.append(max(0.0, self._fold_at - time.monotonic()))
+        return min(waits, default=None)
+
     def _fold(self) -> None:
         """Fold committed rows into the running totals, a batch a transaction, until none are
         left or rows wait to be committed (they go first)."""
@@ -333,7 +350,9 @@ class Ledger:
         except Exception as e:       # the rows stay committed and unfolded; folded at the next try
             self.fold_failures += 1
             log.warning("folding committed rows into the operator view's totals failed; tried again later: %s", e)
-        self._folded_at = time.monotonic()
+            self._fold_at = time.monotonic() + self.retry_s
+            return
+        self._fold_at = time.monotonic() + FOLD_EVERY_S
 
     def close(self) -> None:
         with self._start_lock:
