@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from gateway.usage import rollup
-from gateway.usage.ledger import Ledger, open_database
+from gateway.usage.ledger import FOLD_EVERY_S, Ledger, open_database
 from gateway.usage.rows import Database, UsageRow
 from tests.services import ledger_at  # noqa: F401
 from tests.test_dashboard import usage_row
@@ -105,6 +105,22 @@ def test_a_caller_is_answered_before_its_row_is_folded(ledger_at):
     ledger.close()
     assert events == ["answered", "folded 1"]
     assert_totals_are_a_fresh_fold(ledger, 1)
+
+
+def test_folds_come_at_most_every_fold_every_s_whatever_the_commits(ledger_at):
+    """Rows answered one after another are folded in a few folds, each taking every row
+    committed since the last, not one fold per commit."""
+    ledger = Ledger(ledger_at)
+    fold, calls = ledger.db.fold, []
+    ledger.db.fold = lambda limit: calls.append(fold(limit)) or calls[-1]
+    start = time.monotonic()
+    for r in traffic(60):
+        asyncio.run(ledger.record(r))
+    elapsed = time.monotonic() - start
+    ledger.close()
+    assert sum(calls) == 60 and len(calls) <= 2 + elapsed / FOLD_EVERY_S     # the last one: at close
+    assert len(calls) < 60
+    assert_totals_are_a_fresh_fold(ledger, 60)
 
 
 def test_rows_a_crash_left_unfolded_are_folded_once_at_the_next_open(ledger_at):
