@@ -3,8 +3,13 @@ SQLite, and whether reloading it every second moves the serving path's overhead.
 
 1. A ledger of --rows requests spread over the last 30 days (5 tenants, the router's arms,
    escalations, a few errors) is written through the ledger's own write path, in batches of
-   500 as group commit makes them under load; the cost of a row's write with and without the
-   rollup (gateway/usage/rollup.py) is measured on a sample.
+   500 as group commit makes them under load, each folded into the rollup after its commit.
+   What the rollup (gateway/usage/rollup.py) costs the writer is measured on fresh ledgers
+   (`--writes-only` runs only this part): per row, the commit a caller waits for (record()
+   returns once it is done) at 1 and 64 rows a commit, for a ledger without the rollup, with
+   the rollup folded in the same transaction (the former design), and with a fold after
+   each commit; the folding transaction's own cost at 1, 64 and 1024 rows a fold; and
+   record() itself, one caller at a time, for the three, the writer folding as it does.
 2. `sluice serve` (tiny random models, as benchmarks/gateway_bench.py) opens that ledger and
    the page and the JSON summary are loaded --loads times per window, over HTTP with the
    operator key. Baseline: the same month's per-tenant, per-arm totals by a GROUP BY over the
@@ -12,9 +17,10 @@ SQLite, and whether reloading it every second moves the serving path's overhead.
 3. gateway_bench's /v1/ask load (one client, one output token) runs three times: alone, while
    another client loads /dashboard?window=month every --reload-s seconds, and alone again.
 
-    .venv/bin/python benchmarks/dashboard_bench.py [--rows 1000000] [--loads 20] [--requests 400]
-Prints tables; writes benchmarks/results/dashboard_bench.json. Target: a load <= 300 ms at
-1,000,000 rows; serving overhead p50 unchanged (within run-to-run noise) under reloads.
+    .venv/bin/python benchmarks/dashboard_bench.py [--rows 1000000] [--loads 20] [--requests 400] [--writes-only]
+Prints tables; writes benchmarks/results/dashboard_bench.json (--writes-only: its write-cost
+figures, the rest kept). Target: a load <= 300 ms at 1,000,000 rows; serving overhead p50
+unchanged (within run-to-run noise) under reloads.
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ import os
 import platform
 import random
 import sqlite3
+import statistics
 import sys
 import tempfile
 import threading
@@ -38,7 +45,8 @@ from common import ROOT, sluice_server
 from gateway_bench import run_load, write_setup
 
 sys.path.insert(0, str(ROOT))
-from gateway.usage.ledger import SqliteDatabase  # noqa: E402
+from gateway.usage import ledger as sqlite_ledger  # noqa: E402
+from gateway.usage.ledger import FOLD_BATCH, Ledger, SqliteDatabase  # noqa: E402
 from gateway.usage.rows import UsageRow  # noqa: E402
 
 OPERATOR_KEY = "sk-operator-bench"
@@ -85,32 +93,129 @@ def build_ledger(path: Path, rows: int, batch: int = 500) -> dict:
         chunk = synthetic_rows(min(50_000, rows - done), now, done, seed=done)
         for i in range(0, len(chunk), batch):
             db.write(chunk[i:i + batch])
+            db.fold(FOLD_BATCH)
         done += len(chunk)
         print(f"  ledger: {done:,} / {rows:,} rows ({time.perf_counter() - start:.0f} s)", flush=True)
     db.close_writer()
     return {"rows": rows, "reused": False, "build_s": round(time.perf_counter() - start, 1)}
 
 
-def write_cost(folder: Path, n: int = 4000) -> list[dict]:
-    """Microseconds a row's commit takes in the writer thread, with the rollup and without, for
-    rows arriving as they do in service (100 a second, so a batch shares its buckets): one row
-    a commit (light load) and 64 (group commit under load)."""
+def fold_in_commit(db: SqliteDatabase, rows: list[UsageRow]) -> None:
+    """The former design, as a baseline (on a ledger `without_rollup`): the rows, their spend
+    and their rollup in one transaction."""
+    db._writer = db._writer or db._connect()
+    with sqlite_ledger._immediate(db._writer):
+        for row in rows:
+            db._writer.execute(sqlite_ledger.INSERT, dataclasses.astuple(row))
+            db._writer.execute(sqlite_ledger.ADD_SPEND, (row.tenant, row.month, row.cost))
+        sqlite_ledger._add_to_rollups(db._writer, rows)
+
+
+def without_rollup(path: Path) -> SqliteDatabase:
+    """A ledger as it was before the rollup: no index of unfolded rows to keep, nothing folded,
+    and its writer checkpointing the log (SQLite's default threshold) as it commits."""
+    db = SqliteDatabase(path)
+    with sqlite3.connect(path) as c:
+        c.execute("DROP INDEX requests_unrolled")
+    db._writer = db._connect()
+    return db
+
+
+def bench_rows(n: int) -> list[UsageRow]:
+    """Rows arriving as they do in service (100 a second, so a batch shares its buckets)."""
     now = time.time()
-    rows = [dataclasses.replace(r, ts=now + i / 100) for i, r in enumerate(synthetic_rows(n, now, seed=7))]
+    return [dataclasses.replace(r, ts=now + i / 100) for i, r in enumerate(synthetic_rows(n, now, seed=7))]
+
+
+def write_cost(folder: Path, n: int = 4000, repeats: int = 5) -> list[dict]:
+    """Microseconds per row in the writer thread: the commit a caller waits for, with the
+    rollup folded after it, in it, or without a rollup; and a fold after each commit on its own.
+    Median of `repeats` runs, the three ledgers taking turns (the machine is shared)."""
+    rows = bench_rows(n)
     out = []
     for batch in (1, 64):
-        entry = {"rows_per_commit": batch}
-        for label in ("without_rollup", "with_rollup"):
-            db = SqliteDatabase(folder / f"{label}-{batch}.sqlite")
-            if label == "without_rollup":
-                db._add_to_rollups = lambda *_: None
+        runs: dict[str, list[float]] = {k: [] for k in ("without_rollup", "rollup_in_commit",
+                                                        "rollup_after_commit", "fold")}
+        for r in range(repeats):
+            db = without_rollup(folder / f"none-{batch}-{r}.sqlite")
             start = time.perf_counter()
             for i in range(0, n, batch):
                 db.write(rows[i:i + batch])
-            entry[label] = round((time.perf_counter() - start) / n * 1e6, 1)
+            runs["without_rollup"].append(time.perf_counter() - start)
             db.close_writer()
-        out.append(entry)
+            db = without_rollup(folder / f"in-commit-{batch}-{r}.sqlite")
+            start = time.perf_counter()
+            for i in range(0, n, batch):
+                fold_in_commit(db, rows[i:i + batch])
+            runs["rollup_in_commit"].append(time.perf_counter() - start)
+            db.close_writer()
+            db, commit, fold = SqliteDatabase(folder / f"after-{batch}-{r}.sqlite"), 0.0, 0.0
+            for i in range(0, n, batch):
+                start = time.perf_counter()
+                db.write(rows[i:i + batch])
+                middle = time.perf_counter()
+                assert db.fold(FOLD_BATCH) == len(rows[i:i + batch])
+                commit, fold = commit + middle - start, fold + time.perf_counter() - middle
+            runs["rollup_after_commit"].append(commit)
+            runs["fold"].append(fold)
+            db.close_writer()
+        out.append({"rows_per_commit": batch, "repeats": repeats,
+                    **{k: round(statistics.median(v) / n * 1e6, 1) for k, v in runs.items()}})
     return out
+
+
+def fold_cost(folder: Path, n: int = 8192) -> list[dict]:
+    """Microseconds per row of the folding transaction alone, by how many rows it takes at
+    once: one (an idle server), 64 (a group commit), 1024 (the writer catching up after a
+    burst: under load it commits first and folds what piled up)."""
+    rows = bench_rows(n)
+    out = []
+    for per_fold in (1, 64, 1024):
+        db = SqliteDatabase(folder / f"fold-{per_fold}.sqlite")
+        for i in range(0, n, 512):
+            db.write(rows[i:i + 512])
+        start = time.perf_counter()
+        while db.fold(per_fold):
+            pass
+        out.append({"rows_per_fold": per_fold, "fold": round((time.perf_counter() - start) / n * 1e6, 1)})
+        db.close_writer()
+    return out
+
+
+def record_latency(folder: Path, n: int = 1000, gap_s: float = 0.005, repeats: int = 3) -> dict:
+    """What Ledger.record() waits for, one caller at a time with `gap_s` between requests (an
+    idle server: the previous row's fold is usually done by then): on a ledger without the
+    rollup, with the rollup in the commit, and folded after it as the writer does (all rows
+    committed since, at most every FOLD_EVERY_S). Medians of `repeats` runs
+    taking turns. `over_8ms`: the records that waited for a checkpoint (SQLite copying its log
+    into the database, 10 ms and more here; other stalls of the shared machine rarely last 8)."""
+    rows = bench_rows(n)
+    runs: dict[str, list[tuple[float, float, int]]] = {"without_rollup": [], "rollup_in_commit": [],
+                                                       "fold_after_commit": []}
+    for r in range(repeats):
+        for label in runs:
+            ledger = Ledger(folder / f"record-{label}-{r}.sqlite")
+            if label != "fold_after_commit":
+                db = ledger.db = without_rollup(ledger.db.path)
+                db.fold = lambda limit: 0
+                if label == "rollup_in_commit":
+                    db.write = lambda rows, db=db: fold_in_commit(db, rows)
+
+            async def run() -> list[float]:
+                times = []
+                for row in rows:
+                    start = time.perf_counter()
+                    await ledger.record(row)
+                    times.append((time.perf_counter() - start) * 1e6)
+                    await asyncio.sleep(gap_s)
+                return times
+            times = asyncio.run(run())[10:]        # past the writer's start and first connection
+            ledger.close()
+            runs[label].append((percentile(times, 50), percentile(times, 99), sum(t > 8000 for t in times)))
+    keys = ("p50_us", "p99_us", "over_8ms")
+    return {"requests": n, "gap_ms": gap_s * 1000, "repeats": repeats,
+            **{label: {key: statistics.median(r[i] for r in v) for i, key in enumerate(keys)}
+               for label, v in runs.items()}}
 
 
 def group_by_baseline(path: Path, repeats: int = 3) -> float:
@@ -186,13 +291,25 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=400, help="/v1/ask requests per serving run")
     parser.add_argument("--reload-s", type=float, default=1.0)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "dashboard_bench.json"))
+    parser.add_argument("--writes-only", action="store_true", help="only the rollup's cost to the ledger's writer")
     args = parser.parse_args()
+    out = Path(args.out)
+
+    print("the rollup's cost to the ledger's writer ...")
+    with tempfile.TemporaryDirectory() as tmp:
+        writes = {"write_us_per_row": write_cost(Path(tmp)), "fold_us_per_row": fold_cost(Path(tmp)),
+                  "record_us": record_latency(Path(tmp))}
+    print_writes(writes)
+    if args.writes_only:
+        results = json.loads(out.read_text()) if out.exists() else {"benchmark": "dashboard"}
+        results.update(writes, writes_machine=machine_now(), writes_when=now_utc())
+        out.write_text(json.dumps(results, indent=2) + "\n")
+        print(f"wrote {out} (write costs only)")
+        return 0
 
     ledger = Path(args.ledger)
     print(f"building a {args.rows:,}-row ledger at {ledger} ...")
     built = build_ledger(ledger, args.rows)
-    with tempfile.TemporaryDirectory() as tmp:
-        writes = write_cost(Path(tmp))
     baseline_ms = group_by_baseline(ledger)
     with tempfile.TemporaryDirectory() as tmp:
         setup = write_setup(Path(tmp), "NORMAL")
@@ -213,12 +330,8 @@ def main() -> int:
                 else:
                     result = asyncio.run(run_load(host, int(port), 1, args.requests))
                 serving.append({"run": label, **result})
-    load = os.getloadavg()[0]
 
     print(f"\nledger: {built['rows']:,} rows over {DAYS} days, {len(TENANTS)} tenants")
-    for w in writes:
-        print(f"writer thread per row at {w['rows_per_commit']} a commit: {w['without_rollup']} us without the "
-              f"rollup, {w['with_rollup']} us with it ({w['with_rollup'] / w['without_rollup']:.2f}x)")
     print(f"baseline: the month's totals by GROUP BY over requests: {baseline_ms} ms\n")
     print(f"{'page':<18} {'window':<6} {'p50 ms':>7} {'p95 ms':>7} {'max ms':>7} {'KB':>6} {'vs GROUP BY':>11}  "
           f"target <= {TARGET_MS:.0f} ms")
@@ -233,15 +346,40 @@ def main() -> int:
     for r in serving:
         print(f"{r['run']:<12} {r['overhead_ms']['p50']:>12.2f} {r['overhead_ms']['p99']:>7.2f} "
               f"{r['overhead_ms']['p50'] / first:>7.2f}x {r.get('reloads', ''):>8} {r.get('reload_p50_ms', ''):>13}")
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "benchmark": "dashboard", "target_ms": TARGET_MS, "ledger": built, "days": DAYS, "tenants": len(TENANTS),
-        "write_us_per_row": writes, "group_by_baseline_ms": baseline_ms, "page_loads": loads, "serving": serving,
-        "machine": {"cpus": os.cpu_count(), "load_average_1m": round(load, 2), "python": platform.python_version()},
-        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=2) + "\n")
+        **writes, "group_by_baseline_ms": baseline_ms, "page_loads": loads, "serving": serving,
+        "machine": machine_now(), "when": now_utc()}, indent=2) + "\n")
     print(f"wrote {out}")
     return 0
+
+
+def print_writes(writes: dict) -> None:
+    print("\nledger writer, us per row; 'caller waits' is the commit record() returns after")
+    print(f"{'rows/commit':>11} {'no rollup':>10} {'in commit':>10} {'caller waits':>13} {'vs no rollup':>12} "
+          f"{'vs in commit':>12} {'a fold each':>11}")
+    for w in writes["write_us_per_row"]:
+        after = w["rollup_after_commit"]
+        print(f"{w['rows_per_commit']:>11} {w['without_rollup']:>10} {w['rollup_in_commit']:>10} {after:>13} "
+              f"{after / w['without_rollup']:>11.2f}x {after / w['rollup_in_commit']:>11.2f}x {w['fold']:>11}")
+    print("folding transaction alone, us per row: " + ", ".join(
+        f"{f['fold']} at {f['rows_per_fold']} a fold" for f in writes["fold_us_per_row"]))
+    r = writes["record_us"]
+    print(f"record(), one caller, {r['gap_ms']:.0f} ms apart, {r['requests']} rows, us:")
+    base = r["without_rollup"]["p50_us"]
+    for label in ("without_rollup", "rollup_in_commit", "fold_after_commit"):
+        p50, p99 = r[label]["p50_us"], r[label]["p99_us"]
+        print(f"  {label:<18} p50 {p50:>7} ({p50 / base:.2f}x)  p99 {p99:>7}  over 8 ms {r[label]['over_8ms']:>3}")
+
+
+def machine_now() -> dict:
+    return {"cpus": os.cpu_count(), "load_average_1m": round(os.getloadavg()[0], 2),
+            "python": platform.python_version()}
+
+
+def now_utc() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
 if __name__ == "__main__":

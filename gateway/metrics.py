@@ -232,6 +232,14 @@ class GatewayMetrics:
         r.add(Sampled("sluice_tenant_reloads_total", "tenant file reads by result", ("result",),
                       lambda: {(k,): v for k, v in tenant_state()[2].items()}, "counter"))
 
+        # The ledger's folds into the operator view's running totals (gateway/usage/rollup.py),
+        # after each commit: (rows folded, folds failed) by this process.
+        self.ledger_state: Callable[[], tuple[int, int]] = lambda: (0, 0)
+        r.add(Sampled("sluice_ledger_folded_rows_total", "ledger rows folded into the operator view's running "
+                      "totals", (), lambda: {(): self.ledger_state()[0]}, "counter"))
+        r.add(Sampled("sluice_ledger_fold_failures_total", "folds into the running totals that failed (their rows "
+                      "are folded by a later one)", (), lambda: {(): self.ledger_state()[1]}, "counter"))
+
         # The answer cache (pipeline/answer_cache.py); `answer_cache_state` is set once the
         # pipeline is built: (its store's {"bytes", "entries"} where it can say, store failures).
         self.answer_cache_state: Callable[[], tuple[dict[str, int], int]] = lambda: ({}, 0)

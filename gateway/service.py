@@ -174,6 +174,7 @@ class Gateway:
             lambda: self.engine.stats() if self.engine else {},
             lambda: (self.admission.running, self.admission.waiting),
             lambda: (len(tenants.tenants), tenants.errors, tenants.reloads))
+        self.metrics.ledger_state = lambda: (self.ledger.folded, self.ledger.fold_failures)
         self.engine = engine
         self.embedder = embedder
         self.async_engine: AsyncEngine | None = None     # the background loop stepping `engine`

@@ -18,7 +18,7 @@ from gateway.usage.rollup import KEY, SUMS, bin_ms, fold, latency_bin
 from gateway.usage.rows import CACHE_HIT, UsageRow
 from pipeline.prices import cost
 from tests.services import ledger_at  # noqa: F401
-from tests.test_gateway_support import KEYS, PRICES, auth, embedder, llm, make_gateway, wait_ready  # noqa: F401
+from tests.test_gateway_support import KEYS, PRICES, auth, embedder, llm, make_gateway, wait_for, wait_ready  # noqa: F401
 
 OPERATOR_KEY = "sk-operator-test"
 OPERATOR = {"operator_key_sha256": [hashlib.sha256(OPERATOR_KEY.encode()).hexdigest()]}
@@ -68,6 +68,7 @@ def seeded(tmp_path, llm, embedder):
     now = time.time()
     rows = seed(now)
     gw.ledger.db.write(rows)
+    gw.ledger.db.fold(len(rows))
     with TestClient(create_app(gw)) as client:
         wait_ready(client)
         yield client, rows, now
@@ -213,8 +214,9 @@ def test_the_rollup_matches_its_rows_on_every_database(ledger_at):
     now = time.time()
     rows = seed(now)
     ledger = Ledger(ledger_at)
-    ledger.db.write(rows[:5])
-    ledger.db.write(rows[5:])             # a second batch adds to the same buckets
+    for batch in (rows[:5], rows[5:]):    # a second batch adds to the same buckets
+        ledger.db.write(batch)
+        ledger.db.fold(len(batch))
     start = int(now // 3600) * 3600 - 3 * 3600
     by_tenant: dict[str, list] = {}
     for r in ledger.totals(3600, start, start + 5 * 3600):
@@ -255,10 +257,12 @@ def test_an_older_ledger_gets_its_rollup_from_its_rows(tmp_path):
 
 def test_an_answer_through_the_gateway_reaches_the_summary(seeded):
     client, _, _ = seeded
-    before = client.get("/v1/admin/summary?window=hour", headers=operator()).json()["totals"]
+    totals = lambda: client.get("/v1/admin/summary?window=hour", headers=operator()).json()["totals"]
+    before = totals()
     answer = client.post("/v1/ask", json={"question": "t1 t2", "mode": "small", "max_output_tokens": 4},
                          headers=auth("beta")).json()
-    after = client.get("/v1/admin/summary?window=hour", headers=operator()).json()["totals"]
+    wait_for(lambda: totals()["requests"] > before["requests"])      # folded after the answer, not before
+    after = totals()
     assert after["requests"] == before["requests"] + 1
     assert after["cost"] == pytest.approx(before["cost"] + answer["cost"])
     assert after["tokens"]["completion"] == before["tokens"]["completion"] + 4

@@ -79,7 +79,9 @@ def test_the_page_in_chromium_shows_the_figures_without_console_errors(tmp_path,
                                                 ("globex", 2000.0), ("initech", 1500.0)], start=1)}
     gw = make_gateway(tmp_path, llm, embedder, tenants, **OPERATOR)
     now = time.time()
-    gw.ledger.db.write(seed(now) + traffic(now))
+    rows = seed(now) + traffic(now)
+    gw.ledger.db.write(rows)
+    gw.ledger.db.fold(len(rows))
     errors: list[str] = []
     with Server(gw) as server, sync_playwright() as p:
         summary = httpx.get(f"{server.url}/v1/admin/summary?window=hour", headers=operator()).json()

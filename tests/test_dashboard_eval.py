@@ -22,7 +22,7 @@ from gateway.config import RouterConfig
 from gateway.http.app import create_app
 from tests.conftest import make_tiny_model
 from tests.test_dashboard import OPERATOR, operator
-from tests.test_gateway_support import PRICES, _no_eos, embedder, make_gateway, tenant_toml, wait_ready  # noqa: F401
+from tests.test_gateway_support import PRICES, _no_eos, embedder, make_gateway, tenant_toml, wait_for, wait_ready  # noqa: F401
 
 KEY = "sk-replay"
 MAX_TOKENS = 6
@@ -71,7 +71,9 @@ def test_dollars_saved_on_a_replay_match_the_evals(tmp_path, engine, embedder):
             r = client.post("/v1/ask", json={"question": q, "max_output_tokens": MAX_TOKENS},
                             headers={"Authorization": f"Bearer {KEY}"})
             assert r.status_code == 200, r.text
-        summary = client.get("/v1/admin/summary?window=hour&tenant=replay", headers=operator()).json()
+        read = lambda: client.get("/v1/admin/summary?window=hour&tenant=replay", headers=operator()).json()
+        wait_for(lambda: read()["tenants"][0]["requests"] == len(questions))     # rows are folded after answers
+        summary = read()
     figures = summary["tenants"][0]
     assert figures["escalations"] == escalated
     assert figures["cost"] == pytest.approx(runs[cascade.name]["cost"]["total"], rel=1e-6)

@@ -34,6 +34,7 @@ def row(i: int, tenant: str = "alpha", cost: float = 0.5, request_id: str | None
 @pytest.mark.anyio
 async def test_ledger_keeps_the_arm_and_adds_its_column_to_an_older_ledger(ledger_at, tmp_path):
     import dataclasses
+    import re
     import sqlite3
 
     from gateway.usage.ledger import SCHEMA
@@ -45,18 +46,19 @@ async def test_ledger_keeps_the_arm_and_adds_its_column_to_an_older_ledger(ledge
     # A SQLite ledger written before arms existed: opened, it gains the column; old rows read NULL.
     old = tmp_path / "old.sqlite"
     db = sqlite3.connect(old)
-    db.executescript(SCHEMA.replace(",\n    arm TEXT)", ")"))
+    db.executescript(re.sub(r",\n    arm TEXT,.*\n    rolled INTEGER NOT NULL DEFAULT 1\)", ")", SCHEMA))
     db.execute("INSERT INTO requests(request_id, ts, month, tenant, endpoint, status, model, models, prompt_tokens, "
                "cached_tokens, completion_tokens, thinking_tokens, cost, retrieval_ms, queue_ms, total_ms, "
                "route_reason, escalated) VALUES ('req_old', 1, '2025-06', 'alpha', 'ask', 'ok', 'small', 'small', "
                "1, 0, 1, 0, 0.1, 0, 0, 1, 'r', 0)")
     db.commit()
-    assert "arm" not in {c[1] for c in db.execute("PRAGMA table_info(requests)")}
+    assert not {"arm", "rolled"} & {c[1] for c in db.execute("PRAGMA table_info(requests)")}
     db.close()
     ledger = Ledger(old)
     await ledger.record(dataclasses.replace(row(3), arm="small"))
     assert [(r.request_id, r.arm) for r in ledger.rows()] == [("req_old", None), ("req_3", "small")]
     ledger.close()
+    assert sum(t.requests for t in ledger.totals(86400, 0, 86400)) == 2       # backfilled, then folded: once each
 
 
 @pytest.mark.anyio
@@ -94,6 +96,7 @@ def test_ledger_rows_survive_a_crash_right_after_they_are_answered(ledger_at):
     ledger = Ledger(path)
     assert [r.request_id for r in ledger.rows()] == [f"req_{i}" for i in range(50)]
     assert ledger.spent("alpha", "2025-06") == pytest.approx(25.0)
+    assert sum(t.requests for t in ledger.totals(86400, 0, 86400)) == 50     # folded before or at this open
 
 
 def test_token_bucket_refills_and_lets_an_oversized_take_run_into_debt(monkeypatch):

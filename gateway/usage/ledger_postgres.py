@@ -6,6 +6,8 @@ together apply each one once. A new schema change is a new entry at the end, nev
 
 Replicas commit at the same time into the same `spend` rows; each transaction updates its
 tenants' rows in one sorted order, so two of them can wait on each other but never deadlock.
+They fold their rows into the operator view's running totals the same way, after the commit
+(rollup.py says why no row is folded twice though any replica may fold any row).
 """
 from __future__ import annotations
 
@@ -18,7 +20,13 @@ import psycopg
 
 from gateway.usage import rollup
 from gateway.usage.rollup import Totals
-from gateway.usage.rows import COLUMNS, SELECT_ROWS, USAGE, USAGE_KEYS, UsageRow
+from gateway.usage.rows import INSERT, SELECT_ROWS, USAGE, USAGE_KEYS, UsageRow
+
+
+def _add_to_rollups(cur: psycopg.Cursor, rows: list[UsageRow]) -> None:
+    sums, counts = rollup.fold(rows)          # sorted by key, like the spend rows
+    cur.executemany(rollup.ADD_ROLLUP, sums)
+    cur.executemany(rollup.ADD_LATENCY, counts)
 
 
 def _backfill_rollups(db: psycopg.Connection) -> None:
@@ -26,9 +34,7 @@ def _backfill_rollups(db: psycopg.Connection) -> None:
     with db.cursor(name="backfill") as rows, db.cursor() as out:
         rows.execute(SELECT_ROWS + " ORDER BY id")
         while batch := rows.fetchmany(10_000):
-            sums, counts = rollup.fold([UsageRow(*r) for r in batch])
-            out.executemany(rollup.ADD_ROLLUP, sums)
-            out.executemany(rollup.ADD_LATENCY, counts)
+            _add_to_rollups(out, [UsageRow(*r) for r in batch])
 
 
 MIGRATIONS: list[tuple[int, list[str | Callable[[psycopg.Connection], None]]]] = [
@@ -57,9 +63,11 @@ MIGRATIONS: list[tuple[int, list[str | Callable[[psycopg.Connection], None]]]] =
             PRIMARY KEY(tenant, month))"""]),
     (2, ["ALTER TABLE requests ADD COLUMN arm TEXT"]),          # the router's arm; NULL: not routed by arms
     (3, [*rollup.TABLES.split(";")[:-1], _backfill_rollups]),   # the operator view's running totals
+    # The fold mark (rollup.py); every older row was folded in its own transaction or by 3.
+    (4, ["ALTER TABLE requests ADD COLUMN rolled SMALLINT NOT NULL DEFAULT 1", rollup.UNROLLED_INDEX]),
 ]
 MIGRATION_LOCK = 0x511CE                 # the pg_advisory_lock key migrations hold
-INSERT = f"INSERT INTO requests({', '.join(COLUMNS)}) VALUES ({', '.join(['%s'] * len(COLUMNS))})"
+CLAIM = rollup.CLAIM.format(lock=rollup.SKIP_LOCKED)
 ADD_SPEND = ("INSERT INTO spend(tenant, month, cost) VALUES (%s, %s, %s) "
              "ON CONFLICT(tenant, month) DO UPDATE SET cost = spend.cost + excluded.cost")
 
@@ -105,18 +113,27 @@ class PostgresDatabase:
             db = self._local.db = self._connect()
         return db
 
-    def write(self, rows: list[UsageRow]) -> None:
+    def _writing(self) -> psycopg.Connection:
         if self._writer is None or self._writer.closed:
             self._writer = self._connect()
+        return self._writer
+
+    def write(self, rows: list[UsageRow]) -> None:
         spend: dict[tuple[str, str], float] = defaultdict(float)
         for row in rows:
             spend[row.tenant, row.month] += row.cost
-        with self._writer.transaction(), self._writer.cursor() as cur:
+        db = self._writing()
+        with db.transaction(), db.cursor() as cur:
             cur.executemany(INSERT, [astuple(row) for row in rows])
             cur.executemany(ADD_SPEND, [(t, m, c) for (t, m), c in sorted(spend.items())])
-            sums, counts = rollup.fold(rows)          # sorted by key, like the spend rows
-            cur.executemany(rollup.ADD_ROLLUP, sums)
-            cur.executemany(rollup.ADD_LATENCY, counts)
+
+    def fold(self, limit: int) -> int:
+        db = self._writing()
+        with db.transaction(), db.cursor() as cur:
+            cur.execute("SET LOCAL synchronous_commit = off")     # a fold lost to a crash is done again
+            rows = [UsageRow(*r) for r in cur.execute(CLAIM, (limit,)).fetchall()]
+            _add_to_rollups(cur, rows)
+        return len(rows)
 
     def close_writer(self) -> None:
         if self._writer is not None:

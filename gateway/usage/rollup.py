@@ -1,17 +1,49 @@
 """Running totals of the ledger by time bucket, for the operator's view (docs/gateway.md).
 
-Every committed row also adds itself, in the same transaction, to a minute, an hour and a day
-bucket of `rollup` (one row per tenant, arm and outcome) and of `latency` (a histogram of
-TTFT and total time per tenant). The dashboard then reads at most a few thousand rows for
-any window, whatever the ledger holds: an hour is 60 minute buckets, a day 24 hour buckets,
-a month 30 day buckets, not every request of that month. Both databases (ledger.py,
-ledger_postgres.py) run this SQL; it is written with %s, PostgreSQL's placeholder, and
-SQLite's ? is substituted in.
+Every committed row is added to a minute, an hour and a day bucket of `rollup` (one row per
+tenant, arm and outcome) and of `latency` (a histogram of TTFT and total time per tenant).
+The dashboard then reads at most a few thousand rows for any window, whatever the ledger
+holds: an hour is 60 minute buckets, a day 24 hour buckets, a month 30 day buckets, not every
+request of that month. Both databases (ledger.py, ledger_postgres.py) run this SQL; it is
+written with %s, PostgreSQL's placeholder, and SQLite's ? is substituted in.
 
 Dollars saved are estimated from the tokens, not stored: each row adds its tokens per engine
 call (a request the cascade answered twice counts once), and the reader prices those at the
 large model's prices: what the same requests would have cost had the large model alone
 answered each with the same prompt and as many output tokens.
+
+Folding, off the request's path. A request waits for its row's transaction (the row and its
+tenant's spend, which the cap reads), not for these totals: after that commit, once its
+callers are answered, the ledger's writer thread folds committed rows into the totals in a
+transaction of its own (Ledger._fold). What counts each row exactly once, whatever crashes,
+and with several replicas writing one PostgreSQL ledger:
+
+- A row is written with `rolled = 0`. A fold takes rows with one statement, CLAIM, that sets
+  `rolled = 1` on up to a batch of them and returns them, and adds them to the totals in the
+  same transaction: a row is in the totals if and only if it is marked, since both commit or
+  neither does.
+- A crash between the two transactions leaves committed rows unmarked: nothing is lost, and
+  the next fold takes them (after the next commit of any writer, at the next open, or the
+  writer's retry after a failed fold). A partial index holds only the unmarked rows, so
+  finding them costs the same in a ledger of millions.
+- Two folds never take the same row. SQLite has one writer at a time (BEGIN IMMEDIATE). On
+  PostgreSQL the claim locks its rows FOR UPDATE SKIP LOCKED: a second fold skips rows another
+  holds rather than waiting for them, and a row a committed fold marked no longer matches
+  `rolled = 0` (READ COMMITTED re-checks a locked row's newest version).
+- So a fold takes any unmarked row, not only its own writer's: no grace period is needed, and
+  rows a crashed replica left are folded by whichever replica commits next. Totals are
+  updated in key order (fold() sorts them), so two folds may wait on each other, never deadlock.
+- Losing a fold costs nothing but a redo, so it is not worth an fsync: PostgreSQL commits it
+  with synchronous_commit off and SQLite's folding connection with synchronous=NORMAL. A crash
+  may lose the latest folds, never part of one: their rows are found unmarked and folded again.
+- Rows written before the marker existed were folded in their own transactions or by the
+  backfill that created the totals: the column's default, 1, says so, also for the rows an
+  older replica still writes during a rolling upgrade.
+
+Why a mark on each row rather than a high-water mark of ids: PostgreSQL hands out ids at
+insert and concurrent replicas commit them out of order, so "every row up to id N is folded"
+is nothing a fold can know. Why not a separate queue table: the mark claims and returns the
+rows in one statement on both databases.
 """
 from __future__ import annotations
 
@@ -19,7 +51,7 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass
 
-from gateway.usage.rows import CACHE_HIT, UsageRow
+from gateway.usage.rows import CACHE_HIT, COLUMNS, UsageRow
 
 GRAINS = (60, 3600, 86400)          # seconds a bucket spans: minutes (an hour), hours (a day), days (a month)
 # Latency bins grow by 25%: bin 0 is under 1 ms, bin k >= 1 holds [1.25^(k-1), 1.25^k) ms.
@@ -72,6 +104,13 @@ READ_SERIES = ("SELECT (bucket / {step}) * {step} AS t, CAST(sum(requests) AS BI
 READ_LATENCY = ("SELECT (bucket / {step}) * {step} AS t, kind, bin, CAST(sum(n) AS BIGINT) FROM latency "
                 f"WHERE {RANGE} {{tenant}} GROUP BY t, kind, bin")
 MONTH_SPEND = "SELECT tenant, cost FROM spend WHERE month = %s"
+
+# The rows not yet folded (rolled = 0), oldest first, marked and returned by the transaction
+# that folds them. `{lock}`: "" on SQLite (one writer at a time), SKIP_LOCKED on PostgreSQL.
+UNROLLED_INDEX = "CREATE INDEX IF NOT EXISTS requests_unrolled ON requests(id) WHERE rolled = 0"
+CLAIM = ("UPDATE requests SET rolled = 1 WHERE rolled = 0 AND id IN "
+         "(SELECT id FROM requests WHERE rolled = 0 ORDER BY id LIMIT %s{lock}) RETURNING " + ", ".join(COLUMNS))
+SKIP_LOCKED = " FOR UPDATE SKIP LOCKED"
 
 
 def latency_bin(ms: float) -> int:

@@ -40,6 +40,8 @@ class UsageRow:
 COLUMNS = [f.name for f in fields(UsageRow)]
 SELECT_ROWS = f"SELECT {', '.join(COLUMNS)} FROM requests"
 # Written with %s (PostgreSQL's placeholder); SQLite's ? is substituted in.
+# A new row is not yet in the operator view's running totals (rolled = 0): rollup.py folds it.
+INSERT = f"INSERT INTO requests({', '.join(COLUMNS)}, rolled) VALUES ({', '.join(['%s'] * len(COLUMNS))}, 0)"
 USAGE = ("SELECT model, count(*), sum(prompt_tokens), sum(cached_tokens), sum(completion_tokens), "
          "sum(thinking_tokens), sum(cost) FROM requests WHERE tenant = %s AND month = %s GROUP BY model")
 USAGE_KEYS = ("requests", "prompt", "cached", "completion", "thinking", "cost")
@@ -54,6 +56,10 @@ class Database(Protocol):
     def write(self, rows: list[UsageRow]) -> None:
         """Commit the rows and add their costs to the monthly totals, all in one transaction, or raise Error."""
 
+    def fold(self, limit: int) -> int:
+        """Add up to `limit` committed rows not yet in the running totals (rollup.py) to them, in
+        one transaction of its own; returns how many (fewer than `limit`: none are left)."""
+
     def close_writer(self) -> None: ...
 
     def spent(self, tenant: str, month: str) -> float: ...
@@ -63,7 +69,7 @@ class Database(Protocol):
 
     def rows(self, tenant: str | None = None) -> list[UsageRow]: ...
 
-    # The operator's view: the running totals (rollup.py) that `write` keeps in the same transaction.
+    # The operator's view: the running totals (rollup.py) that `fold` keeps.
     def totals(self, grain: int, start: int, end: int) -> list: ...
 
     def series(self, kind: str, grain: int, start: int, end: int, step: int, tenant: str | None) -> list[tuple]: ...
