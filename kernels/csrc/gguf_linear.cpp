@@ -131,11 +131,13 @@ static inline __m128i scales_mins(const uint8_t* s) {
 // One output's weight block `blk` (the b-th of its row) against rows [0, R) of the tile at x
 // (x.q, x.scale and x.sum already at the tile's first row): acc[r] += the block's share of
 // row r's output (lane-wise; off[r] a scalar share where the type has one). `part` holds a
-// K-quant's first half-block sums per row.
-template <int64_t T>
-static inline void block(const uint8_t* blk, const Act& x, int64_t b, int R, __m256* acc, float* off,
+// K-quant's first half-block sums per row. ROWS: R known when compiled (1: a decode of one
+// sequence, whose sums then stay in registers), or 0.
+template <int64_t T, int ROWS = 0>
+static inline void block(const uint8_t* blk, const Act& x, int64_t b, int rows, __m256* acc, float* off,
                          __m256i* part) {
     constexpr Traits tr = traits(T);
+    const int R = ROWS ? ROWS : rows;
     const int64_t K = x.K, k0 = b * tr.block;
     const int64_t scales_per_row = K / tr.act, sums_per_row = K / tr.unit;
     const __m256i low = _mm256_set1_epi8(0x0F);
@@ -225,6 +227,25 @@ template <int64_t T>
 static void linear(const Act& x, const uint8_t* W, float* O, int64_t M, int64_t N) {
     constexpr Traits tr = traits(T);
     const int64_t K = x.K, blocks = K / tr.block, row_bytes = blocks * tr.bytes;
+    const auto prefetch = [](const uint8_t* blk) {
+        for (int64_t at = 0; at < tr.bytes; at += 64) _mm_prefetch((const char*)(blk + PREFETCH + at), _MM_HINT_T0);
+    };
+    if (M == 1) {                       // the same steps as a tile's, with no tile around them
+        at::parallel_for(0, N, GROUP, [&](int64_t n0, int64_t n1) {
+            for (int64_t n = n0; n < n1; ++n) {
+                __m256 acc = _mm256_setzero_ps();
+                float off = 0.f;
+                __m256i part;
+                for (int64_t b = 0; b < blocks; ++b) {
+                    const uint8_t* blk = W + n * row_bytes + b * tr.bytes;
+                    prefetch(blk);
+                    block<T, 1>(blk, x, b, 1, &acc, &off, &part);
+                }
+                O[n] = hsum(acc) + off;
+            }
+        });
+        return;
+    }
     const int group = M > DECODE ? GROUP : 1;
     at::parallel_for(0, N, GROUP, [&](int64_t n0, int64_t n1) {
         __m256 acc[GROUP * TILE];
@@ -240,7 +261,7 @@ static void linear(const Act& x, const uint8_t* W, float* O, int64_t M, int64_t 
                 for (int64_t b = 0; b < blocks; ++b)
                     for (int g = 0; g < G; ++g) {
                         const uint8_t* blk = W + (n + g) * row_bytes + b * tr.bytes;
-                        for (int64_t at = 0; at < tr.bytes; at += 64) _mm_prefetch((const char*)(blk + PREFETCH + at), _MM_HINT_T0);
+                        prefetch(blk);
                         block<T>(blk, tile, b, R, acc + g * TILE, off + g * TILE, part);
                     }
                 for (int g = 0; g < G; ++g)
