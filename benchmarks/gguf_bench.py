@@ -65,7 +65,6 @@ def main() -> None:
             results.append(row)
             console.print(f"{name} {qtype} [{k} x {n}] {m} rows: {row['ms']:.2f} ms, {row['gb_s']:.1f} GB/s"
                           + (f", sgemm {row['sgemm_ms']:.2f} ms" if "sgemm_ms" in row else ""))
-        del copies, dense
     table = Table(title=f"gguf_linear at the 1.5B's shapes; {args.threads} threads, {machine()['isa']}, "
                         f"build {cpu_build.BUILDS['sluice_gguf_linear'].isa}, read bandwidth {bandwidth:.1f} GB/s")
     for col in ("layer", "type", "K x N", "rows", "ms", "weights GB/s (share)", "GMAC/s", "sgemm ms", "vs sgemm"):
