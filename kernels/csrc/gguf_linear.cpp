@@ -1,17 +1,23 @@
 // GGUF's own quantized blocks times float32 activations: the `gguf` precision's matmul on the CPU.
 //
-// The weights stay as the file ships them (kernels/gguf_quant.py lays out the five types) and are
-// decoded in registers, a block at a time, into 32-byte vectors of small integers. x is quantized
-// to int8 per block of the type's activation block (llama.cpp's q8 activations): 32 values for
-// the 32-weight types, whose one scale per block costs a float multiply-add per 32 weights
-// whatever is done, and 256 for the K-quants, whose sub-blocks' 6- and 8-bit integer scales then
-// multiply the integer dot products in int32 (one madd), leaving one float multiply-add per 256
-// weights. Offsets (Q4_1's m, Q4_K's mins, Q5_0's -16 and Q6_K's -32) multiply x's integer sums
-// per 16 values, precomputed once per call.
+// The weights stay as the file ships them (kernels/gguf_quant.py lays out the five types). x is
+// quantized to int8 per block of the type's activation block (llama.cpp's q8 activations): 32
+// values for the 32-weight types, 256 for the K-quants, with the integer sum of every unit (the
+// values one weight scale covers: 16 for Q6_K, else 32) for the offsets to multiply.
 //
-// The float sum over blocks runs per output in one fixed order, whatever the number of rows it
-// is computed with, so a row's result is the same alone or in a batch (batch-invariant:
-// speculation's verify pass and plain decoding pick the same greedy tokens).
+// A weight block is decoded once per call and tile of rows, into 32-byte vectors of small
+// integers and vectors of its sub-block scales, and every row of the tile runs against it: the
+// integer dot products (u8 times s8 summed in pairs, then times the sub-block's int16 scale and
+// summed in int32), the offsets on x's unit sums in the same int32 (Q6_K's -32) or with one madd
+// of their own (Q4_K's mins), and one float multiply-add per block. The K-quants decode a half
+// block (four sub-blocks and their scales) at a time, so the half block, a row's partial sum
+// and the temporaries fit AVX2's 16 vector registers. Four output rows take their turns on a
+// block of a tile of rows of x, which stays in L1 for them; the tile's rows of x stay in L2.
+//
+// The float sum over blocks runs per output in one fixed order, whatever the number of rows or
+// the tile they are computed in (the integer sums are exact in any order), so a row's result is
+// the same alone or in a batch (batch-invariant: speculation's verify pass and plain decoding
+// pick the same greedy tokens).
 // Twin: kernels/gguf_quant.py's `gguf_int8_matmul` (the same integer sums; float64 scaling).
 
 #include <torch/extension.h>
@@ -29,12 +35,25 @@ namespace {
 
 enum Type : int64_t { Q8_0 = 0, Q5_0 = 1, Q4_1 = 2, Q4_K = 3, Q6_K = 4 };
 
-// Weights and bytes per block, and how many activations share a scale.
-struct Traits { int64_t block, bytes, act; };
+// Weights and bytes per block, activations per int8 scale, and per unit sum of x.
+struct Traits { int64_t block, bytes, act, unit; };
 constexpr Traits traits(int64_t t) {
-    return t == Q8_0 ? Traits{32, 34, 32} : t == Q5_0 ? Traits{32, 22, 32} : t == Q4_1 ? Traits{32, 20, 32}
-         : t == Q4_K ? Traits{256, 144, 256} : Traits{256, 210, 256};
+    return t == Q8_0 ? Traits{32, 34, 32, 32} : t == Q5_0 ? Traits{32, 22, 32, 32} : t == Q4_1 ? Traits{32, 20, 32, 32}
+         : t == Q4_K ? Traits{256, 144, 256, 32} : Traits{256, 210, 256, 16};
 }
+
+constexpr int TILE = 32;        // rows of x per tile: a block's share of them is 8 KiB (K-quants)
+constexpr int GROUP = 4;        // output rows that take turns on a tile's block
+constexpr int DECODE = 8;       // up to how many rows of x take the outputs one at a time
+constexpr int PREFETCH = 1024;  // bytes of weights ahead of the block being read
+
+// x quantized: `q` int8 [M, K], `scale` per `act` values, `sum` int16 per `unit` values.
+struct Act {
+    const int8_t* q;
+    const float* scale;
+    const int16_t* sum;
+    int64_t K;
+};
 
 static inline float f16(const uint8_t* p) {
     uint16_t h;
@@ -59,160 +78,226 @@ static inline __m256i bits32(const uint8_t* p) {
     return _mm256_cmpeq_epi8(bytes, bit);
 }
 
-// u8 q times s8 x, summed per adjacent pair into int16 (|q| <= 127 signed or <= 63 unsigned: no
-// pair saturates), then times int16 `scale` and summed per 4 bytes into int32 lanes. Q8_0's
-// signed weights take the sign trick: |q| times x with q's sign.
-template <bool SIGNED>
-static inline __m256i dot(__m256i q, __m256i x, __m256i scale) {
-    if constexpr (SIGNED) {
-        x = _mm256_sign_epi8(x, q);
-        q = _mm256_sign_epi8(q, q);
-    }
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), scale);
+static inline __m256i load(const void* p) { return _mm256_loadu_si256((const __m256i*)p); }
+
+static inline int hsum_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
 }
 
-// Q4_K's 6-bit scale and min of sub-block j (GGML's packing of 12 bytes).
-static inline void scale_min(const uint8_t* s, int j, int& sc, int& mn) {
-    sc = j < 4 ? s[j] & 63 : (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
-    mn = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+// u8 q times s8 x, summed per adjacent pair into int16 (q <= 63: no pair saturates), then times
+// the int16 `scale` and summed per pair into int32 lanes.
+static inline __m256i dot(__m256i q, const int8_t* x, __m256i scale) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(q, load(x)), scale);
 }
 
-// Rows m0..m0+MB of x against outputs n0..n1. X int8 [M, K]; XS its scales per activation
-// block; XI its integer sums per 16 values (what the offsets multiply).
-template <int64_t T, int MB>
-static void rows(const int8_t* X, const float* XS, const int32_t* XI, const uint8_t* W, float* O,
-                 int64_t m0, int64_t n0, int64_t n1, int64_t K, int64_t N) {
+// acc += lanes * s, the float step every block ends with.
+static inline __m256 scaled(__m256 acc, __m256i lanes, float s) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(s), acc);
+}
+
+// Byte shuffles that broadcast one int16 of a 128-bit vector (both halves of a 256-bit one) to
+// all its lanes: sub-block j's scale.
+alignas(32) constexpr int8_t WORD[8][32] = {
+#define W(j) {2 * j, 2 * j + 1, 2 * j, 2 * j + 1, 2 * j, 2 * j + 1, 2 * j, 2 * j + 1, 2 * j, 2 * j + 1, \
+               2 * j, 2 * j + 1, 2 * j, 2 * j + 1, 2 * j, 2 * j + 1, 2 * j, 2 * j + 1, 2 * j, 2 * j + 1,     \
+               2 * j, 2 * j + 1, 2 * j, 2 * j + 1, 2 * j, 2 * j + 1, 2 * j, 2 * j + 1, 2 * j, 2 * j + 1,     \
+               2 * j, 2 * j + 1}
+    W(0), W(1), W(2), W(3), W(4), W(5), W(6), W(7)
+#undef W
+};
+// Q6_K: bytes 2j and 2j + 1 of its 16 int8 scales, each eight times (widened, a sub-block of
+// 32's two units' scales).
+alignas(16) constexpr int8_t PAIR[8][16] = {
+#define P(j) {2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, \
+               2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1}
+    P(0), P(1), P(2), P(3), P(4), P(5), P(6), P(7)
+#undef P
+};
+
+// Q4_K's twelve bytes of 6-bit scales and mins (GGML's packing) -> sub-block j's scale in
+// bytes j, its min in bytes 8 + j.
+static inline __m128i scales_mins(const uint8_t* s) {
+    uint32_t a, b, c;
+    std::memcpy(&a, s, 4);
+    std::memcpy(&b, s + 4, 4);
+    std::memcpy(&c, s + 8, 4);
+    const uint32_t six = 0x3F3F3F3F, four = 0x0F0F0F0F, two = 0x03030303;
+    return _mm_setr_epi32(a & six, (c & four) | ((a >> 6) & two) << 4,
+                          b & six, ((c >> 4) & four) | ((b >> 6) & two) << 4);
+}
+
+// One output's weight block `blk` (the b-th of its row) against rows [0, R) of the tile at x
+// (x.q, x.scale and x.sum already at the tile's first row): acc[r] += the block's share of
+// row r's output (lane-wise; off[r] a scalar share where the type has one). `part` holds a
+// K-quant's first half-block sums per row. ROWS: R known when compiled (1: a decode of one
+// sequence, whose sums then stay in registers), or 0.
+template <int64_t T, int ROWS = 0>
+static inline void block(const uint8_t* blk, const Act& x, int64_t b, int rows, __m256* acc, float* off,
+                         __m256i* part) {
     constexpr Traits tr = traits(T);
-    const int64_t blocks = K / tr.block, row_bytes = blocks * tr.bytes;
-    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    for (int64_t n = n0; n < n1; ++n) {
-        const uint8_t* w = W + n * row_bytes;
-        __m256 acc[MB];
-        float off[MB];
-        for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_ps(), off[i] = 0.f;
-        for (int64_t b = 0; b < blocks; ++b) {
-            const uint8_t* blk = w + b * tr.bytes;
-            _mm_prefetch((const char*)(blk + 1024), _MM_HINT_T0);
-            const int64_t k0 = b * tr.block;
-            if constexpr (tr.block == 32) {
-                const float d = f16(blk);
-                float o = 0.f;                   // the offset per weight
-                __m256i q;
-                if constexpr (T == Q8_0) {
-                    q = _mm256_loadu_si256((const __m256i*)(blk + 2));
-                } else if constexpr (T == Q5_0) {
-                    q = _mm256_or_si256(nibbles16(blk + 6), _mm256_and_si256(bits32(blk + 2), _mm256_set1_epi8(0x10)));
-                    o = -16.f * d;
-                } else {
-                    q = nibbles16(blk + 4);
-                    o = f16(blk + 2);
+    const int R = ROWS ? ROWS : rows;
+    const int64_t K = x.K, k0 = b * tr.block;
+    const int64_t scales_per_row = K / tr.act, sums_per_row = K / tr.unit;
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    if constexpr (tr.block == 32) {
+        const float d = f16(blk), m = T == Q4_1 ? f16(blk + 2) : 0.f;
+        const __m256i ones = _mm256_set1_epi16(1);
+        __m256i q;                              // Q8_0, Q5_0: signed, as |q| with q's sign moved to x
+        if constexpr (T == Q8_0) q = load(blk + 2);
+        else if constexpr (T == Q5_0)
+            q = _mm256_sub_epi8(_mm256_or_si256(nibbles16(blk + 6), _mm256_and_si256(bits32(blk + 2), _mm256_set1_epi8(0x10))),
+                                _mm256_set1_epi8(16));
+        else q = nibbles16(blk + 4);
+        const __m256i u = T == Q4_1 ? q : _mm256_sign_epi8(q, q);
+        for (int r = 0; r < R; ++r) {
+            __m256i xv = load(x.q + r * K + k0);
+            if constexpr (T != Q4_1) xv = _mm256_sign_epi8(xv, q);
+            const float sx = x.scale[r * scales_per_row + b];
+            acc[r] = scaled(acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), ones), d * sx);
+            if constexpr (T == Q4_1) off[r] += m * sx * (float)x.sum[r * sums_per_row + b];
+        }
+    } else if constexpr (T == Q4_K) {
+        const float d = f16(blk), dmin = f16(blk + 2);
+        const __m256i sm = _mm256_cvtepu8_epi16(scales_mins(blk + 4));
+        const __m256i scales = _mm256_permute2x128_si256(sm, sm, 0x00);
+        const __m128i mins = _mm256_extracti128_si256(sm, 1);
+        for (int h = 0; h < 2; ++h) {
+            const __m256i p0 = load(blk + 16 + 64 * h), p1 = load(blk + 48 + 64 * h);
+            const __m256i q0 = _mm256_and_si256(p0, low), q1 = _mm256_and_si256(_mm256_srli_epi16(p0, 4), low);
+            const __m256i q2 = _mm256_and_si256(p1, low), q3 = _mm256_and_si256(_mm256_srli_epi16(p1, 4), low);
+            const __m256i s0 = _mm256_shuffle_epi8(scales, load(WORD[4 * h])), s1 = _mm256_shuffle_epi8(scales, load(WORD[4 * h + 1]));
+            const __m256i s2 = _mm256_shuffle_epi8(scales, load(WORD[4 * h + 2])), s3 = _mm256_shuffle_epi8(scales, load(WORD[4 * h + 3]));
+            for (int r = 0; r < R; ++r) {
+                const int8_t* xr = x.q + r * K + k0 + 128 * h;
+                const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(dot(q0, xr, s0), dot(q1, xr + 32, s1)),
+                                                     _mm256_add_epi32(dot(q2, xr + 64, s2), dot(q3, xr + 96, s3)));
+                if (h == 0) {
+                    part[r] = sum;
+                    continue;
                 }
-                for (int i = 0; i < MB; ++i) {
-                    const int64_t m = m0 + i;
-                    const __m256i xv = _mm256_loadu_si256((const __m256i*)(X + m * K + k0));
-                    const float sx = XS[(m * K + k0) / 32];
-                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot<T == Q8_0>(q, xv, ones)), _mm256_set1_ps(d * sx), acc[i]);
-                    if constexpr (T != Q8_0) {
-                        const int32_t* xi = XI + (m * K + k0) / 16;
-                        off[i] += o * sx * (float)(xi[0] + xi[1]);
-                    }
-                }
-            } else if constexpr (T == Q4_K) {
-                const float d = f16(blk), dmin = f16(blk + 2);
-                int sc[8], mn[8];
-                for (int j = 0; j < 8; ++j) scale_min(blk + 4, j, sc[j], mn[j]);
-                __m256i q[8];
-                for (int j = 0; j < 8; j += 2) {
-                    const __m256i packed = _mm256_loadu_si256((const __m256i*)(blk + 16 + 16 * j));
-                    q[j] = _mm256_and_si256(packed, low);
-                    q[j + 1] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
-                }
-                for (int i = 0; i < MB; ++i) {
-                    const int64_t m = m0 + i;
-                    const int8_t* x = X + m * K + k0;
-                    const int32_t* xi = XI + (m * K + k0) / 16;
-                    __m256i sum = _mm256_setzero_si256();
-                    int mins = 0;
-                    for (int j = 0; j < 8; ++j) {
-                        const __m256i xv = _mm256_loadu_si256((const __m256i*)(x + 32 * j));
-                        sum = _mm256_add_epi32(sum, dot<false>(q[j], xv, _mm256_set1_epi16((short)sc[j])));
-                        mins += mn[j] * (xi[2 * j] + xi[2 * j + 1]);
-                    }
-                    const float sx = XS[(m * K + k0) / 256];
-                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(d * sx), acc[i]);
-                    off[i] -= dmin * sx * (float)mins;
-                }
-            } else {                             // Q6_K: q - 32 as q 0..63 with an offset of -32
-                const uint8_t *ql = blk, *qh = blk + 128;
-                const int8_t* sc = (const int8_t*)(blk + 192);
-                const float d = f16(blk + 208);
-                __m256i q[8];
-                for (int h = 0; h < 2; ++h) {
-                    const __m256i l0 = _mm256_loadu_si256((const __m256i*)(ql + 64 * h));
-                    const __m256i l1 = _mm256_loadu_si256((const __m256i*)(ql + 64 * h + 32));
-                    const __m256i hb = _mm256_loadu_si256((const __m256i*)(qh + 32 * h));
-                    const __m256i three = _mm256_set1_epi8(3);
-                    const __m256i lows[4] = {_mm256_and_si256(l0, low), _mm256_and_si256(l1, low),
-                                             _mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
-                                             _mm256_and_si256(_mm256_srli_epi16(l1, 4), low)};
-                    const __m256i highs[4] = {_mm256_and_si256(hb, three),
-                                              _mm256_and_si256(_mm256_srli_epi16(hb, 2), three),
-                                              _mm256_and_si256(_mm256_srli_epi16(hb, 4), three),
-                                              _mm256_and_si256(_mm256_srli_epi16(hb, 6), three)};
-                    for (int j = 0; j < 4; ++j) q[4 * h + j] = _mm256_or_si256(lows[j], _mm256_slli_epi16(highs[j], 4));
-                }
-                for (int i = 0; i < MB; ++i) {
-                    const int64_t m = m0 + i;
-                    const int8_t* x = X + m * K + k0;
-                    const int32_t* xi = XI + (m * K + k0) / 16;
-                    __m256i sum = _mm256_setzero_si256();
-                    int shift = 0;
-                    for (int j = 0; j < 8; ++j) {
-                        const __m256i xv = _mm256_loadu_si256((const __m256i*)(x + 32 * j));
-                        const __m256i scale = _mm256_set_m128i(_mm_set1_epi16(sc[2 * j + 1]), _mm_set1_epi16(sc[2 * j]));
-                        sum = _mm256_add_epi32(sum, dot<false>(q[j], xv, scale));
-                        shift += sc[2 * j] * xi[2 * j] + sc[2 * j + 1] * xi[2 * j + 1];
-                    }
-                    const float sx = XS[(m * K + k0) / 256];
-                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(d * sx), acc[i]);
-                    off[i] -= 32.f * d * sx * (float)shift;
-                }
+                const float sx = x.scale[r * scales_per_row + b];
+                const __m128i xs = _mm_loadu_si128((const __m128i*)(x.sum + r * sums_per_row + k0 / 32));
+                const __m256i min_sum = _mm256_zextsi128_si256(_mm_madd_epi16(mins, xs));
+                acc[r] = scaled(scaled(acc[r], _mm256_add_epi32(part[r], sum), d * sx), min_sum, -dmin * sx);
             }
         }
-        for (int i = 0; i < MB; ++i) O[(m0 + i) * N + n] = hsum(acc[i]) + off[i];
+    } else {                                    // Q6_K: q - 32 as q 0..63, and -32 times x's unit sums
+        const uint8_t *ql = blk, *qh = blk + 128;
+        const float d = f16(blk + 208);
+        const __m128i sc = _mm_loadu_si128((const __m128i*)(blk + 192));
+        const __m256i sc16 = _mm256_cvtepi8_epi16(sc);
+        const __m256i three = _mm256_set1_epi8(3);
+        for (int h = 0; h < 2; ++h) {
+            const __m256i l0 = load(ql + 64 * h), l1 = load(ql + 64 * h + 32), hb = load(qh + 32 * h);
+            const __m256i q0 = _mm256_or_si256(_mm256_and_si256(l0, low), _mm256_slli_epi16(_mm256_and_si256(hb, three), 4));
+            const __m256i q1 = _mm256_or_si256(_mm256_and_si256(l1, low),
+                                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), three), 4));
+            const __m256i q2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
+                                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), three), 4));
+            const __m256i q3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low),
+                                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), three), 4));
+            const auto pair = [&](int j) {
+                return _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc, _mm_load_si128((const __m128i*)PAIR[j])));
+            };
+            const __m256i s0 = pair(4 * h), s1 = pair(4 * h + 1), s2 = pair(4 * h + 2), s3 = pair(4 * h + 3);
+            for (int r = 0; r < R; ++r) {
+                const int8_t* xr = x.q + r * K + k0 + 128 * h;
+                const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(dot(q0, xr, s0), dot(q1, xr + 32, s1)),
+                                                     _mm256_add_epi32(dot(q2, xr + 64, s2), dot(q3, xr + 96, s3)));
+                if (h == 0) {
+                    part[r] = sum;
+                    continue;
+                }
+                const float sx = x.scale[r * scales_per_row + b];
+                const __m256i xs = load(x.sum + r * sums_per_row + k0 / 16);
+                const __m256i shift = _mm256_slli_epi32(_mm256_madd_epi16(xs, sc16), 5);
+                acc[r] = scaled(acc[r], _mm256_sub_epi32(_mm256_add_epi32(part[r], sum), shift), d * sx);
+            }
+        }
     }
 }
 
+// x's rows [0, M) times outputs [0, N): tiles of TILE rows, each against every output in turns
+// of GROUP outputs, those against each block in turn. A decode's few rows take the outputs one
+// at a time instead: their weights then stream in one sequential run, which the prefetchers
+// (ours PREFETCH bytes ahead, and the hardware's) keep ahead of.
 template <int64_t T>
-static void linear(const int8_t* X, const float* XS, const int32_t* XI, const uint8_t* W, float* O,
-                   int64_t M, int64_t K, int64_t N) {
-    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-        int64_t m = 0;
-        for (; m + 4 <= M; m += 4) rows<T, 4>(X, XS, XI, W, O, m, n0, n1, K, N);
-        for (; m < M; ++m) rows<T, 1>(X, XS, XI, W, O, m, n0, n1, K, N);
+static void linear(const Act& x, const uint8_t* W, float* O, int64_t M, int64_t N) {
+    constexpr Traits tr = traits(T);
+    const int64_t K = x.K, blocks = K / tr.block, row_bytes = blocks * tr.bytes;
+    const auto prefetch = [](const uint8_t* blk) {
+        for (int64_t at = 0; at < tr.bytes; at += 64) _mm_prefetch((const char*)(blk + PREFETCH + at), _MM_HINT_T0);
+    };
+    if (M == 1) {                       // the same steps as a tile's, with no tile around them
+        at::parallel_for(0, N, GROUP, [&](int64_t n0, int64_t n1) {
+            for (int64_t n = n0; n < n1; ++n) {
+                __m256 acc = _mm256_setzero_ps();
+                float off = 0.f;
+                __m256i part;
+                for (int64_t b = 0; b < blocks; ++b) {
+                    const uint8_t* blk = W + n * row_bytes + b * tr.bytes;
+                    prefetch(blk);
+                    block<T, 1>(blk, x, b, 1, &acc, &off, &part);
+                }
+                O[n] = hsum(acc) + off;
+            }
+        });
+        return;
+    }
+    const int group = M > DECODE ? GROUP : 1;
+    at::parallel_for(0, N, GROUP, [&](int64_t n0, int64_t n1) {
+        __m256 acc[GROUP * TILE];
+        float off[GROUP * TILE];
+        __m256i part[TILE];
+        for (int64_t m0 = 0; m0 < M; m0 += TILE) {
+            const int R = (int)std::min<int64_t>(TILE, M - m0);
+            const Act tile{x.q + m0 * K, x.scale + m0 * (K / tr.act), x.sum + m0 * (K / tr.unit), K};
+            for (int64_t n = n0; n < n1; n += group) {
+                const int G = (int)std::min<int64_t>(group, n1 - n);
+                for (int g = 0; g < G; ++g)
+                    for (int r = 0; r < R; ++r) acc[g * TILE + r] = _mm256_setzero_ps(), off[g * TILE + r] = 0.f;
+                for (int64_t b = 0; b < blocks; ++b)
+                    for (int g = 0; g < G; ++g) {
+                        const uint8_t* blk = W + (n + g) * row_bytes + b * tr.bytes;
+                        prefetch(blk);
+                        block<T>(blk, tile, b, R, acc + g * TILE, off + g * TILE, part);
+                    }
+                for (int g = 0; g < G; ++g)
+                    for (int r = 0; r < R; ++r) O[(m0 + r) * N + n + g] = hsum(acc[g * TILE + r]) + off[g * TILE + r];
+            }
+        }
     });
 }
 
 // x per block of B values as int8 (scale = max(|x|max, 1e-8) / 127, x / scale rounded half to
-// even: kernels/quant_matmul.py's quantize_rows), and the integer sum of every 16 values.
-static void quantize(const float* x, int64_t MK, int64_t B, int8_t* q, float* xs, int32_t* xi) {
+// even: kernels/quant_matmul.py's quantize_rows), and the integer sum of every U values.
+static void quantize(const float* x, int64_t M, int64_t K, int64_t B, int64_t U, int8_t* q, float* xs, int16_t* xi) {
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-    for (int64_t i = 0; i < MK; i += B) {
-        __m256 vmax = _mm256_setzero_ps();
-        for (int64_t k = 0; k < B; k += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(magnitude, _mm256_loadu_ps(x + i + k)));
-        const float s = std::max(hmax(vmax), 1e-8f) / 127.f;
-        const __m256 vs = _mm256_set1_ps(s);
-        xs[i / B] = s;
-        for (int64_t k = 0; k < B; k += 16) {
-            alignas(32) int32_t v[16];
-            for (int h = 0; h < 16; h += 8)
-                _mm256_store_si256((__m256i*)(v + h), _mm256_cvtps_epi32(_mm256_round_ps(
-                    _mm256_div_ps(_mm256_loadu_ps(x + i + k + h), vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
-            int32_t sum = 0;
-            for (int j = 0; j < 16; ++j) q[i + k + j] = (int8_t)v[j], sum += v[j];
-            xi[(i + k) / 16] = sum;
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+        for (int64_t i = m0 * K; i < m1 * K; i += B) {
+            __m256 vmax = _mm256_setzero_ps();
+            for (int64_t k = 0; k < B; k += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(magnitude, _mm256_loadu_ps(x + i + k)));
+            const float s = std::max(hmax(vmax), 1e-8f) / 127.f;
+            const __m256 vs = _mm256_set1_ps(s);
+            xs[i / B] = s;
+            for (int64_t k = 0; k < B; k += 32) {
+                __m256i v[4];             // _mm256_cvtps_epi32 rounds half to even
+                for (int j = 0; j < 4; ++j) v[j] = _mm256_cvtps_epi32(_mm256_div_ps(_mm256_loadu_ps(x + i + k + 8 * j), vs));
+                const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+                _mm256_storeu_si256((__m256i*)(q + i + k), _mm256_permutevar8x32_epi32(bytes, order));
+                const __m256i lo = _mm256_add_epi32(v[0], v[1]), hi = _mm256_add_epi32(v[2], v[3]);
+                if (U == 16) {
+                    xi[(i + k) / 16] = (int16_t)hsum_epi32(lo);
+                    xi[(i + k) / 16 + 1] = (int16_t)hsum_epi32(hi);
+                } else {
+                    xi[(i + k) / 32] = (int16_t)hsum_epi32(_mm256_add_epi32(lo, hi));
+                }
+            }
         }
-    }
+    });
 }
 
 }  // namespace
@@ -229,20 +314,18 @@ torch::Tensor gguf_linear(const torch::Tensor& x_, const torch::Tensor& w, int64
                 w.size(1) == K / tr.block * tr.bytes, "gguf_linear: w uint8 [N, ", K / tr.block * tr.bytes, "]");
     auto xq = torch::empty({M, K}, x.options().dtype(torch::kInt8));
     auto xs = torch::empty({M, K / tr.act}, x.options());
-    auto xi = torch::empty({M, K / 16}, x.options().dtype(torch::kInt32));
+    auto xi = torch::empty({M, K / tr.unit}, x.options().dtype(torch::kInt16));
     auto out = torch::empty({M, N}, x.options());
-    quantize(x.data_ptr<float>(), M * K, tr.act, xq.data_ptr<int8_t>(), xs.data_ptr<float>(), xi.data_ptr<int32_t>());
-    const int8_t* X = xq.data_ptr<int8_t>();
-    const float* XS = xs.data_ptr<float>();
-    const int32_t* XI = xi.data_ptr<int32_t>();
+    quantize(x.data_ptr<float>(), M, K, tr.act, tr.unit, xq.data_ptr<int8_t>(), xs.data_ptr<float>(), xi.data_ptr<int16_t>());
+    const Act act{xq.data_ptr<int8_t>(), xs.data_ptr<float>(), xi.data_ptr<int16_t>(), K};
     const uint8_t* W = w.data_ptr<uint8_t>();
     float* O = out.data_ptr<float>();
     switch (type) {
-        case Q8_0: linear<Q8_0>(X, XS, XI, W, O, M, K, N); break;
-        case Q5_0: linear<Q5_0>(X, XS, XI, W, O, M, K, N); break;
-        case Q4_1: linear<Q4_1>(X, XS, XI, W, O, M, K, N); break;
-        case Q4_K: linear<Q4_K>(X, XS, XI, W, O, M, K, N); break;
-        default: linear<Q6_K>(X, XS, XI, W, O, M, K, N);
+        case Q8_0: linear<Q8_0>(act, W, O, M, N); break;
+        case Q5_0: linear<Q5_0>(act, W, O, M, N); break;
+        case Q4_1: linear<Q4_1>(act, W, O, M, N); break;
+        case Q4_K: linear<Q4_K>(act, W, O, M, N); break;
+        default: linear<Q6_K>(act, W, O, M, N);
     }
     return out;
 }

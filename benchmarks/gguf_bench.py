@@ -1,0 +1,83 @@
+"""The `gguf` precision's CPU kernel (kernels/csrc/gguf_linear.cpp) at Qwen2.5-Coder-1.5B's layer
+shapes and types, against the float32 GEMM on the same weights dequantized (torch's sgemm: what
+a prompt would cost on dequantized weights, the dequantization itself not counted).
+
+Each layer is timed over enough copies of its blocks to be read from memory, not from the last
+level cache, as a decode step reads its 28 layers; rows 1 and 8 are decode, 512 a prompt. It
+prints ms per call, the GB/s of stored weight bytes read (at 1 row, as a share of the read
+bandwidth) and the kernel's speed against sgemm, and writes benchmarks/results/gguf_bench.json.
+
+    python benchmarks/gguf_bench.py [--threads 2] [--rows 1 8 512] [--out ...]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+
+import torch
+from common import RESULTS, machine, memory_bandwidth_gbs, timed, write_results
+from rich.console import Console
+from rich.table import Table
+
+from kernels import cpu_build, gguf_cpu, gguf_quant
+
+console = Console(width=150)
+# (name, type, K in, N out, the most rows it runs at in a step: the head sees a prompt's last row)
+LAYERS = [("gate|up", "Q4_K", 1536, 8960, 512), ("down", "Q4_K", 8960, 1536, 512),
+          ("head", "Q6_K", 1536, 151936, 8)]
+CACHE_BYTES = 96 << 20           # copies of a layer's blocks until they exceed the L3 several times
+
+
+def measure(fn, calls: int, repeats: int) -> float:
+    """Median over `repeats` of the seconds per call of `calls` calls."""
+    fn(0)
+    return statistics.median(timed(lambda: [fn(i) for i in range(calls)]) / calls for _ in range(repeats))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 512])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--no-sgemm", action="store_true", help="time the kernel only")
+    ap.add_argument("--out", type=Path, default=RESULTS / "gguf_bench.json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    ops = gguf_cpu.load()
+    if ops is None:
+        raise SystemExit(f"the compiled kernel is not built here ({cpu_build.unable()})")
+    bandwidth = memory_bandwidth_gbs()
+    results = []
+    for name, qtype, k, n, most in LAYERS:
+        t = gguf_quant.TYPES[qtype]
+        w = gguf_quant.random_blocks(qtype, n, k)
+        copies = [w] + [w.clone() for _ in range(max(0, CACHE_BYTES // w.numel() - 1))]
+        dense = gguf_quant.dequantize(w, qtype, k).t().contiguous()
+        for m in [r for r in args.rows if r <= most]:
+            x = torch.randn(m, k)
+            calls = len(copies) if m < 64 else 2
+            s = measure(lambda i: ops.gguf_linear(x, copies[i % len(copies)], t.id), calls, args.repeats)
+            row = {"layer": name, "type": qtype, "k": k, "n": n, "rows": m, "weight_gb": w.numel() / 1e9,
+                   "ms": 1e3 * s, "gb_s": w.numel() / s / 1e9, "gmac_s": m * k * n / s / 1e9}
+            if not args.no_sgemm:
+                row["sgemm_ms"] = 1e3 * measure(lambda i: x @ dense, 2, args.repeats)
+            results.append(row)
+            console.print(f"{name} {qtype} [{k} x {n}] {m} rows: {row['ms']:.2f} ms, {row['gb_s']:.1f} GB/s"
+                          + (f", sgemm {row['sgemm_ms']:.2f} ms" if "sgemm_ms" in row else ""))
+    table = Table(title=f"gguf_linear at the 1.5B's shapes; {args.threads} threads, {machine()['isa']}, "
+                        f"build {cpu_build.BUILDS['sluice_gguf_linear'].isa}, read bandwidth {bandwidth:.1f} GB/s")
+    for col in ("layer", "type", "K x N", "rows", "ms", "weights GB/s (share)", "GMAC/s", "sgemm ms", "vs sgemm"):
+        table.add_column(col)
+    for r in results:
+        table.add_row(r["layer"], r["type"], f"{r['k']} x {r['n']}", str(r["rows"]), f"{r['ms']:.2f}",
+                      f"{r['gb_s']:.1f} ({r['gb_s'] / bandwidth:.0%})", f"{r['gmac_s']:.1f}",
+                      f"{r['sgemm_ms']:.2f}" if "sgemm_ms" in r else "",
+                      f"[bold]{r['sgemm_ms'] / r['ms']:.2f}x[/]" if "sgemm_ms" in r else "")
+    console.print(table)
+    write_results(args.out, {"machine": machine() | {"read_bandwidth_gbs": bandwidth},
+                             "build": cpu_build.BUILDS["sluice_gguf_linear"].isa, "layers": results})
+
+
+if __name__ == "__main__":
+    main()
