@@ -128,7 +128,7 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
     cuda_graphs: bool = True
     # On the CPU in float32, a layer's norms, rotary, SiLU product and decode attention run as
     # compiled kernels (kernels/layer_cpu.py: one call each instead of a dozen small operators);
-    # False: their PyTorch twins. Process-wide.
+    # False: their PyTorch twins. Per engine: another engine in the process keeps its own choice.
     cpu_kernels: bool = True
     # With those kernels, a decode-only step runs the decoder's layers in one compiled call
     # (engine/cpu_step.py: the CPU's counterpart of cuda_graphs, no Python between operators);

@@ -13,28 +13,15 @@ token sees the same keys with speculation as without.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence, Status, isolated
+from engine.step import Draft, RunnerOutput, ScheduledSeq, SchedulerOutput
 from engine.stop_checker import StopChecker
 
-
-@dataclass
-class ScheduledSeq:
-    seq: Sequence
-    num_tokens: int            # tokens to compute this step, from seq.num_computed_tokens
-    num_draft: int = 0         # of those, draft tokens the step verifies (past the sequence's end)
-    shift: int = 0             # tokens its window dropped just before this step (its sinks are rewritten)
-
-    @property
-    def is_decode(self) -> bool:
-        return self.num_tokens == 1 and self.samples
-
-    @property
-    def samples(self) -> bool:
-        """The chunk reaches the end of the sequence, so the step yields its next token."""
-        return self.seq.num_computed_tokens + self.num_tokens - self.num_draft == len(self.seq.token_ids)
+# What postprocess reports per sequence that has news: the sequence, its length before the
+# step, and the log-probabilities of the tokens it gained.
+Update = tuple[Sequence, int, list[float]]
 
 
 class Scheduler:
@@ -54,21 +41,24 @@ class Scheduler:
                              f"{self.max_model_len - 1} (context {self.max_model_len} including output)")
         self.waiting.append(seq)
 
-    def schedule(self) -> list[ScheduledSeq]:
-        budget = self.max_num_batched_tokens
+    def schedule(self, drafts: dict[int, Draft] | None = None) -> SchedulerOutput:
+        """This step's items; `drafts` (by seq_id) are verified as far as budget, blocks and
+        windows allow."""
+        budget, drafts = self.max_num_batched_tokens, drafts or {}
         scheduled: list[ScheduledSeq] = []
         for seq in list(self.running):
             if seq.status is not Status.RUNNING or budget == 0:
                 continue
-            if item := self._plan(seq, budget, scheduled):
+            if item := self._plan(seq, budget, scheduled, drafts.get(seq.seq_id)):
                 scheduled.append(item)
                 budget -= item.num_tokens
-        scheduled.sort(key=lambda s: s.seq.in_prefill)          # decodes first
+        scheduled.sort(key=lambda s: not s.samples or s.num_tokens - s.num_draft > 1)      # decodes first
         budget = self.max_num_batched_tokens - sum(s.num_tokens for s in scheduled)
         self._admit(budget, scheduled)
-        return scheduled
+        return SchedulerOutput(scheduled)
 
-    def _plan(self, seq: Sequence, budget: int, scheduled: list[ScheduledSeq]) -> ScheduledSeq | None:
+    def _plan(self, seq: Sequence, budget: int, scheduled: list[ScheduledSeq],
+              draft: Draft | None = None) -> ScheduledSeq | None:
         """A running sequence's share of the step: a prefill chunk, or its newest token and a
         draft to verify; blocks for it (preempting the latest admitted when they run out).
         None when it was preempted itself."""
@@ -84,14 +74,13 @@ class Scheduler:
             scheduled[:] = [s for s in scheduled if s.seq is not victim]
             if victim is seq:
                 return None
-        item = ScheduledSeq(seq, n, shift=shift)
-        if not prefill:
-            k = min(len(seq.draft), budget - 1)
+        item = ScheduledSeq(seq, start, n, start + n == len(seq), shift=shift)
+        if not prefill and draft is not None:
+            k = min(len(draft.tokens), budget - 1)
             if seq.window is not None:
                 k = min(k, seq.window.last_position(start, self.bm.block_size) - start)
-            if k and not self.bm.resize(seq, len(seq) + k):     # and blocks for the draft's
-                k = 0
-            item.num_tokens, item.num_draft = 1 + k, k
+            if k > 0 and self.bm.resize(seq, len(seq) + k):     # and blocks for the draft's
+                item.num_tokens, item.draft, item.draft_probs = 1 + k, draft.tokens[:k], draft.probs
         return item
 
     def _admit(self, budget: int, chunks: list[ScheduledSeq]) -> None:
@@ -106,6 +95,7 @@ class Scheduler:
                 continue
             self.waiting.remove(seq)
             self.bm.allocate(seq, None if seq.window is None else 0)
+            seq.num_computed_tokens = seq.num_cached_tokens
             seq.status = Status.RUNNING
             self.running.append(seq)
             if item := self._plan(seq, budget, chunks):
@@ -115,35 +105,42 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.bm.free_seq(seq)
+        seq.num_computed_tokens = 0
         seq.status = Status.WAITING
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def postprocess(self, scheduled: list[ScheduledSeq], sampled: dict[int, tuple[list[int], list[float]]]) -> None:
-        """Advance computed counts, append the new tokens (accepted drafts, then the step's own
-        token), give back the rejected drafts' blocks, and apply the stop checker's verdict."""
-        for item in scheduled:
+    def postprocess(self, sched: SchedulerOutput, out: RunnerOutput) -> list[Update]:
+        """Apply what the runner produced: advance computed counts, append the new tokens
+        (accepted drafts, then the step's own token) and their log-probabilities, give back the
+        rejected drafts' blocks, record failures, and apply the stop checker's verdict."""
+        updates: list[Update] = []
+        for item, tokens, logprobs, error in zip(sched.items, out.token_ids, out.logprobs, out.errors):
             seq = item.seq
-            tokens = sampled[seq.seq_id][0] if seq.seq_id in sampled else []
             first = len(seq)
             seq.token_ids.extend(tokens)
             # The chunk's own tokens have KV now, and so do the accepted drafts (new tokens but the last).
             seq.num_computed_tokens += item.num_tokens - item.num_draft + max(len(tokens) - 1, 0)
-            seq.draft, seq.draft_probs = [], None
             self.bm.register_computed(seq)
             if item.num_draft:
                 self.bm.resize(seq, len(seq))
+            seq.error = seq.error or error
             verdict = None
             if tokens:
                 with isolated(seq):
                     verdict = self.stop.check(seq, first)
             if verdict and verdict.forced:
-                self.replace_tail(seq, verdict.keep, verdict.forced)
+                self._replace_tail(seq, verdict.keep, verdict.forced)
             elif verdict:
                 del seq.token_ids[verdict.keep:]
                 self.finish(seq, verdict.reason)
+            if tokens or seq.error:
+                new = logprobs[:max(len(seq) - first, 0)]
+                seq.logprobs.extend(new)
+                updates.append((seq, first, new))
+        return updates
 
-    def replace_tail(self, seq: Sequence, length: int, tokens: list[int]) -> None:
+    def _replace_tail(self, seq: Sequence, length: int, tokens: list[int]) -> None:
         """Cut a running sequence back to `length` tokens and append `tokens` (budget forcing);
         they are computed as a chunk on the next step. A block the cut falls inside is given
         back and its kept tokens recomputed in a fresh one: it may be cached and shared, so it
@@ -166,7 +163,38 @@ class Scheduler:
         if seq in self.running:
             self.running.remove(seq)
             forgotten = self.bm.free_seq(seq, forget=reason == "error")
+            seq.num_computed_tokens = 0
         elif seq in self.waiting:
             self.waiting.remove(seq)
         seq.status, seq.finish_reason = Status.FINISHED, reason
         return forgotten
+
+    # ---- the speculator's shadows ---------------------------------------------------------
+    # A shadow is the draft model's copy of a target sequence. The speculator runs it on this
+    # scheduler's blocks, outside its queues; its tokens and computed count are written here.
+    def admit_shadow(self, shadow: Sequence) -> bool:
+        """Blocks for a new shadow, reusing the draft model's prefix cache; False: no room."""
+        if not self.bm.can_allocate(shadow):
+            return False
+        self.bm.allocate(shadow)
+        shadow.num_computed_tokens = shadow.num_cached_tokens
+        return True
+
+    @staticmethod
+    def follow(shadow: Sequence, token_ids: list[int]) -> None:
+        """The shadow takes the target's tokens; its KV stays valid for the prefix both share."""
+        common, limit = 0, min(len(shadow), len(token_ids))
+        while common < limit and shadow.token_ids[common] == token_ids[common]:
+            common += 1
+        shadow.token_ids = list(token_ids)
+        shadow.num_computed_tokens = min(shadow.num_computed_tokens, common)
+
+    @staticmethod
+    def advance_shadows(sched: SchedulerOutput, out: RunnerOutput) -> None:
+        """A draft round computed each shadow's chunk and sampled its next token (a failed one
+        gets released). No stop rule and no prefix cache: a shadow's tail is rewritten whenever
+        the target's tokens differ from its drafts."""
+        for item, tokens in zip(sched.items, out.token_ids):
+            if tokens:
+                item.seq.num_computed_tokens += item.num_tokens
+                item.seq.token_ids.append(tokens[0])
