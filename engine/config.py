@@ -134,6 +134,11 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
     # (engine/cpu_step.py: the CPU's counterpart of cuda_graphs, no Python between operators);
     # False: the layers call their operators from Python.
     cpu_step: bool = True
+    # Async scheduling (vLLM v1's): a step's forward and sampling run on a queue of their own while
+    # the host plans and prepares the next step, each decoding sequence assumed to produce its one
+    # token (a placeholder the queue fills in); outputs come back a step later. Off for an engine
+    # with speculative decoding (a verification's accepted count decides the next step).
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if not self.models:

@@ -33,7 +33,12 @@ class Scheduler:
         self.max_wait_steps = max_wait_steps
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # Each sequence's latest scheduled item whose output postprocess has not applied yet:
+        # with async scheduling, the step still running while the next one is planned.
+        self.in_flight: dict[int, ScheduledSeq] = {}
         self.num_preemptions = 0
+        self.num_ahead = 0              # items planned while the sequence's step before ran
+        self.num_discarded = 0          # outputs dropped: their sequence had finished meanwhile
 
     def add(self, seq: Sequence) -> None:
         if len(seq) >= self.max_model_len:
@@ -55,26 +60,39 @@ class Scheduler:
         scheduled.sort(key=lambda s: not s.samples or s.num_tokens - s.num_draft > 1)      # decodes first
         budget = self.max_num_batched_tokens - sum(s.num_tokens for s in scheduled)
         self._admit(budget, scheduled)
+        for item in scheduled:
+            self.in_flight[item.seq.seq_id] = item
         return SchedulerOutput(scheduled)
 
     def _plan(self, seq: Sequence, budget: int, scheduled: list[ScheduledSeq],
               draft: Draft | None = None) -> ScheduledSeq | None:
         """A running sequence's share of the step: a prefill chunk, or its newest token and a
         draft to verify; blocks for it (preempting the latest admitted when they run out).
-        None when it was preempted itself."""
-        start, prefill = seq.num_computed_tokens, seq.in_prefill
-        n = min(len(seq) - start, budget) if prefill else 1
+        None when it was preempted itself, or waits for its step in flight.
+
+        A sequence whose step is still in flight (async scheduling) is planned as if that step
+        had produced its one token: a placeholder, which the runner fills in from that step's
+        output on the device."""
+        start, length, prev = seq.num_computed_tokens, len(seq), self.in_flight.get(seq.seq_id)
+        if prev is not None:
+            if not self._ahead(seq, prev):
+                return None
+            start, length = prev.start + prev.num_tokens, length + prev.samples
+            self.num_ahead += 1
+        prefill = length - start > 1
+        n = min(length - start, budget) if prefill else 1
         shift = self.bm.evict(seq, start)
         if shift is None:               # no blocks for the copy of its sinks
             self._preempt(seq)
             return None
-        while not self.bm.resize(seq, len(seq) if seq.window is None else start + n):
+        while not self.bm.resize(seq, length if seq.window is None else start + n):
             victim = self.running[-1]
             self._preempt(victim)
             scheduled[:] = [s for s in scheduled if s.seq is not victim]
             if victim is seq:
                 return None
-        item = ScheduledSeq(seq, start, n, start + n == len(seq), shift=shift)
+        item = ScheduledSeq(seq, start, n, start + n == length, shift=shift,
+                            placeholder=prev is not None and prev.samples)
         if not prefill and draft is not None:
             k = min(len(draft.tokens), budget - 1)
             if seq.window is not None:
@@ -83,10 +101,21 @@ class Scheduler:
                 item.num_tokens, item.draft, item.draft_probs = 1 + k, draft.tokens[:k], draft.probs
         return item
 
+    def _ahead(self, seq: Sequence, prev: ScheduledSeq) -> bool:
+        """Whether a sequence can be planned while its step `prev` runs: not after a draft (its
+        accepted count is unknown), not in a thinking span (the stop checker may rewrite its
+        tail and the sampler reads its tokens), not when that step's token ends it by length."""
+        if prev.num_draft or seq.thinking is not None:
+            return False
+        return not prev.samples or len(seq) + 1 < min(seq.num_prompt_tokens + seq.params.max_tokens,
+                                                      self.max_model_len)
+
     def _admit(self, budget: int, chunks: list[ScheduledSeq]) -> None:
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
+            if seq.seq_id in self.in_flight:        # preempted while its step ran: its token comes first
+                continue
             if not self.bm.can_allocate(seq, len(seq) if seq.window is None else min(len(seq), budget)):
                 seq.waited_steps += 1
                 # Aging: once overtaken long enough, later requests wait so its blocks can free up.
@@ -117,13 +146,20 @@ class Scheduler:
         updates: list[Update] = []
         for item, tokens, logprobs, error in zip(sched.items, out.token_ids, out.logprobs, out.errors):
             seq = item.seq
+            if self.in_flight.get(seq.seq_id) is item:
+                del self.in_flight[seq.seq_id]
+            if seq.is_finished:         # finished (or aborted) while its step ran
+                self.num_discarded += 1
+                continue
             first = len(seq)
             seq.token_ids.extend(tokens)
-            # The chunk's own tokens have KV now, and so do the accepted drafts (new tokens but the last).
-            seq.num_computed_tokens += item.num_tokens - item.num_draft + max(len(tokens) - 1, 0)
-            self.bm.register_computed(seq)
-            if item.num_draft:
-                self.bm.resize(seq, len(seq))
+            # A sequence preempted while its step ran keeps the token; its KV is recomputed.
+            if seq.status is Status.RUNNING:
+                # The chunk's own tokens have KV now, and so do the accepted drafts (new tokens but the last).
+                seq.num_computed_tokens += item.num_tokens - item.num_draft + max(len(tokens) - 1, 0)
+                self.bm.register_computed(seq)
+                if item.num_draft:
+                    self.bm.resize(seq, len(seq))
             seq.error = seq.error or error
             verdict = None
             if tokens:
@@ -148,6 +184,8 @@ class Scheduler:
         full = length // self.bm.block_size
         del seq.token_ids[length:]
         seq.token_ids.extend(tokens)
+        if seq.status is not Status.RUNNING:    # preempted: it holds no blocks and recomputes all
+            return
         seq.num_computed_tokens = min(seq.num_computed_tokens, full * self.bm.block_size)
         seq.num_hashed_blocks = min(seq.num_hashed_blocks, full)
         self.bm.resize(seq, full * self.bm.block_size)
