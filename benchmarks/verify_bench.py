@@ -21,7 +21,7 @@ from rich.table import Table
 from engine.config import EngineConfig, ModelEntry
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledSeq
+from engine.step import ScheduledSeq, SchedulerOutput
 
 console = Console()
 
@@ -44,14 +44,10 @@ def step_case(e: LLMEngine, model: str, seqs: list, k: int):
     def run() -> None:
         items = []
         for seq in seqs:
-            seq.draft = [seq.token_ids[-1]] * k          # verified past the sequence's end
             worker.block_manager.resize(seq, len(seq) + k)
-            items.append(ScheduledSeq(seq, 1 + k, num_draft=k))
-        try:
-            worker.runner.run(items)
-        finally:
-            for seq in seqs:
-                seq.draft = []
+            items.append(ScheduledSeq(seq, seq.num_computed_tokens, 1 + k, True,
+                                      draft=[seq.token_ids[-1]] * k))      # verified past the sequence's end
+        worker.runner.run(SchedulerOutput(items))
     return run
 
 

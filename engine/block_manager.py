@@ -86,7 +86,8 @@ class BlockManager:
 
     def allocate(self, seq: Sequence, num_tokens: int | None = None) -> None:
         """Give a waiting sequence blocks for its first `num_tokens` (all by default; a windowed
-        one grows chunk by chunk), reusing cached prefix blocks."""
+        one grows chunk by chunk), reusing cached prefix blocks: their tokens are its
+        num_cached_tokens, whose KV its scheduler counts as computed."""
         assert not seq.block_table
         hits = self._cached_blocks(seq.token_ids, seq.salt)
         full = (len(seq) - 1) // self.block_size if self.prefix_caching else 0
@@ -97,8 +98,8 @@ class BlockManager:
             self.blocks[block_id].ref_count += 1
         seq.block_table = list(hits)
         seq.num_hashed_blocks = len(seq.block_table)
-        seq.num_cached_tokens = seq.num_computed_tokens = len(seq.block_table) * self.block_size
-        self.resize(seq, max(len(seq) if num_tokens is None else num_tokens, seq.num_computed_tokens))
+        seq.num_cached_tokens = len(seq.block_table) * self.block_size
+        self.resize(seq, max(len(seq) if num_tokens is None else num_tokens, seq.num_cached_tokens))
 
     def resize(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow or shrink the block table to cover num_tokens (a decode's newest token, drafts
@@ -146,12 +147,13 @@ class BlockManager:
         seq.num_evicted = max(seq.num_evicted, seq.num_dropped)
         return shift
 
-    def register_computed(self, seq: Sequence) -> None:
-        """Enter blocks that became full and computed into the prefix cache."""
+    def register_computed(self, seq: Sequence, num_computed: int | None = None) -> None:
+        """Enter blocks that became full and computed (of its first `num_computed` tokens, by
+        default its num_computed_tokens) into the prefix cache."""
         if not self.prefix_caching or seq.num_dropped:
             return
         bs = self.block_size
-        full = seq.num_computed_tokens // bs
+        full = (seq.num_computed_tokens if num_computed is None else num_computed) // bs
         if full <= seq.num_hashed_blocks:
             return
         parent = self.blocks[seq.block_table[seq.num_hashed_blocks - 1]].hash if seq.num_hashed_blocks else b""
@@ -169,14 +171,15 @@ class BlockManager:
             self._uncache(self.blocks[block_id])
 
     def free_seq(self, seq: Sequence, forget: bool = False) -> list[int]:
-        """Give the sequence's blocks back. With `forget` (its step failed, its KV may hold
-        NaNs) the blocks no other sequence holds also leave the prefix cache; returns those."""
+        """Give the sequence's blocks back (its scheduler then counts none of its KV computed).
+        With `forget` (its step failed, its KV may hold NaNs) the blocks no other sequence holds
+        also leave the prefix cache; returns those."""
         blocks = list(seq.block_table) + seq.sink_source
         self.resize(seq, 0)          # tail first, so the tail is evicted before the shared prefix
         for block_id in seq.sink_source:
             self._release(block_id)
         seq.sink_source = []
-        seq.num_computed_tokens = seq.num_hashed_blocks = seq.num_dropped = 0
+        seq.num_hashed_blocks = seq.num_dropped = 0
         forgotten = [b for b in blocks if forget and self.blocks[b].ref_count == 0]
         for block_id in forgotten:
             self._uncache(self.blocks[block_id])

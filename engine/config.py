@@ -128,12 +128,17 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
     cuda_graphs: bool = True
     # On the CPU in float32, a layer's norms, rotary, SiLU product and decode attention run as
     # compiled kernels (kernels/layer_cpu.py: one call each instead of a dozen small operators);
-    # False: their PyTorch twins. Process-wide.
+    # False: their PyTorch twins. Per engine: another engine in the process keeps its own choice.
     cpu_kernels: bool = True
     # With those kernels, a decode-only step runs the decoder's layers in one compiled call
     # (engine/cpu_step.py: the CPU's counterpart of cuda_graphs, no Python between operators);
     # False: the layers call their operators from Python.
     cpu_step: bool = True
+    # Async scheduling (vLLM v1's): a step's forward and sampling run on a queue of their own while
+    # the host plans and prepares the next step, each decoding sequence assumed to produce its one
+    # token (a placeholder the queue fills in); outputs come back a step later. Off for an engine
+    # with speculative decoding (a verification's accepted count decides the next step).
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if not self.models:

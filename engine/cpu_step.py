@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import torch
 
-import kernels
 from engine.model import CausalLM, Linear, StepBatch
 from engine.quantize import GGUFLinear, QuantLinear
 from kernels import decoder_cpu, gguf_quant, quant_matmul
@@ -20,10 +19,11 @@ class CPUStep:
         self.steps = 0          # steps it ran (sluice_engine_cpu_steps_total)
 
     @classmethod
-    def build(cls, model: CausalLM, kv_caches: list) -> CPUStep | None:
-        """None where this model or host cannot take it."""
+    def build(cls, model: CausalLM, kv_caches: list, cpu_kernels: bool) -> CPUStep | None:
+        """None where this model or host cannot take it, or the engine runs without the
+        compiled layer kernels (cpu_kernels)."""
         cfg = model.cfg
-        if cfg.qk_norm or not kernels.cpu_kernels() or not decoder_cpu.load():
+        if cfg.qk_norm or not cpu_kernels or not decoder_cpu.load():
             return None
         layers = list(model.layers)
         attn = layers[0].self_attn

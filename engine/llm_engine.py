@@ -5,6 +5,7 @@ detokenization, stop strings, completions)."""
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -16,9 +17,9 @@ from engine.detokenizer import Detokenizer
 from engine.prompter import Prompter
 from engine.quantize import dot_vnni
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledSeq
 from engine.sequence import KVWindow, Sequence, SpecState, isolated
 from engine.speculative import Speculator
+from engine.step import RunnerOutput, ScheduledSeq, SchedulerOutput
 from engine.worker import Worker, load_workers, weight_bytes
 
 
@@ -68,6 +69,12 @@ class LLMEngine:
         self.requests: dict[str, tuple[Worker, Sequence]] = {}
         spec = config.speculative
         self.speculator = Speculator(spec, self.workers[spec.target], self.workers.get(spec.draft)) if spec else None
+        self.async_scheduling = config.async_scheduling and spec is None
+        # Async scheduling: per model, the step launched and not yet postprocessed.
+        self.in_flight: dict[str, tuple[SchedulerOutput, Future[RunnerOutput]]] = {}
+        if self.async_scheduling:
+            for worker in self.workers.values():
+                worker.runner.start_queue()
 
     # ---- input processing ----------------------------------------------------------------
     def worker(self, model: str | None) -> Worker:
@@ -136,24 +143,23 @@ class LLMEngine:
         return self._completion(worker, seq)
 
     def has_work(self) -> bool:
-        return any(w.scheduler.waiting or w.scheduler.running for w in self.workers.values())
+        return bool(self.in_flight) or any(w.scheduler.waiting or w.scheduler.running for w in self.workers.values())
 
     # ---- the core, then output processing ------------------------------------------------
     def step(self) -> list[StepOutput]:
+        """One step of every model. With async scheduling, a model's step N + 1 is planned and
+        launched while step N runs, and the outputs returned are step N's."""
         start, present = time.perf_counter(), [seq for _, seq in self.requests.values()]
         outputs = []
         for worker in self.workers.values():
             spec = self.speculator if self.speculator and worker is self.speculator.target else None
-            if spec:
-                spec.propose()
-            scheduled = worker.scheduler.schedule()
-            if not scheduled:
-                continue
-            lengths = [len(item.seq) for item in scheduled]
-            sampled = spec.run_target(scheduled) if spec else worker.runner.run(scheduled)
-            worker.scheduler.postprocess(scheduled, sampled)
-            outputs += [self._output(worker, item.seq, n, sampled.get(item.seq.seq_id))
-                        for item, n in zip(scheduled, lengths) if item.seq.seq_id in sampled or item.seq.error]
+            sched = worker.scheduler.schedule(spec.propose() if spec else None)
+            if self.async_scheduling:
+                sched, out = self._overlap(worker, sched)
+            elif sched:
+                out = spec.run_target(sched) if spec else worker.runner.run(sched)
+            if sched:
+                outputs += [self._output(worker, *update) for update in worker.scheduler.postprocess(sched, out)]
         if present:
             share = (time.perf_counter() - start) / len(present)
             for seq in present:
@@ -163,14 +169,24 @@ class LLMEngine:
                     out.completion.engine_s += share
         return outputs
 
-    def _output(self, worker: Worker, seq: Sequence, length: int,
-                sampled: tuple[list[int], list[float]] | None) -> StepOutput:
+    def _overlap(self, worker: Worker, sched: SchedulerOutput) -> tuple[SchedulerOutput | None, RunnerOutput | None]:
+        """Launch this step, then wait for the one before it (the device has this one queued
+        meanwhile): that one's records. A step that fails as a whole leaves nothing in flight."""
+        before = self.in_flight.pop(worker.name, None)
+        try:
+            if sched:
+                self.in_flight[worker.name] = (sched, worker.runner.launch(sched))
+            return (before[0], before[1].result()) if before else (None, None)
+        except BaseException:
+            self.in_flight.pop(worker.name, None)
+            worker.scheduler.in_flight.clear()
+            raise
+
+    def _output(self, worker: Worker, seq: Sequence, length: int, logprobs: list[float]) -> StepOutput:
         """One request after a step: its new tokens (after any finish or forcing), the answer
         text they complete (the span's too, with include_thinking) up to a stop string, which
         finishes it, and once it is finished its completion."""
         new = seq.token_ids[length:]
-        logprobs = sampled[1][:len(new)] if sampled else []
-        seq.logprobs.extend(logprobs)
         seq.first_token_time = seq.first_token_time or time.monotonic()
         delta, start = "", seq.num_prompt_tokens if seq.params.include_thinking else seq.answer_start
         with isolated(seq):
@@ -240,15 +256,13 @@ class LLMEngine:
             # The position before `first` predicts it, so that one is computed even when cached.
             # The last token predicts nothing, so its position is never computed.
             for start in range(min(seq.num_cached_tokens, first - 1), len(seq) - 1, chunk):
-                seq.num_computed_tokens = start
                 n = min(len(seq) - 1 - start, chunk)
                 shift = bm.evict(seq, start)
                 if shift is None or not bm.resize(seq, len(seq) if full else start + n):
                     raise ValueError("not enough free KV blocks to score this sequence now")
-                item = ScheduledSeq(seq, n, shift=shift)
-                out += worker.runner.logprobs(item, max(first - 1 - start, 0)).tolist()
-                seq.num_computed_tokens = start + item.num_tokens
-                bm.register_computed(seq)
+                out += worker.runner.logprobs(ScheduledSeq(seq, start, n, False, shift=shift),
+                                              max(first - 1 - start, 0)).tolist()
+                bm.register_computed(seq, start + n)
         finally:
             bm.free_seq(seq)
         return out
@@ -258,9 +272,11 @@ class LLMEngine:
                       "kv_blocks_total": len(w.block_manager.blocks), "kv_blocks_free": w.block_manager.num_free,
                       "prefix_cache_queries": w.block_manager.queries, "prefix_cache_hits": w.block_manager.hits,
                       "preemptions": w.scheduler.num_preemptions, "device": str(w.runner.device.device),
+                      "async_scheduling": self.async_scheduling, "scheduled_ahead": w.scheduler.num_ahead,
+                      "discarded_outputs": w.scheduler.num_discarded,
                       "cuda_graph_batch_sizes": w.runner.graphs.buckets if w.runner.graphs else [],
                       "kernel_fallbacks": sorted(kernels.FALLBACKS),
-                      "cpu_kernels": w.runner.device.device.type == "cpu" and kernels.cpu_kernels(),
+                      "cpu_kernels": w.runner.cpu_ops is not None,
                       "cpu_steps": w.runner.cpu_step.steps if w.runner.cpu_step else 0,
                       "quant": self.config.models[name].quant, "weight_bytes": weight_bytes(w.model),
                       "dequant_rows": w.dequant_rows, "dot_rows": w.dot_rows,

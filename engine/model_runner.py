@@ -11,7 +11,10 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import sys
+import weakref
 from array import array
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -23,8 +26,8 @@ from engine.cpu_step import CPUStep
 from engine.model import CausalLM, StepBatch
 from engine.sampler import probs as sampling_probs
 from engine.sampler import sample, verify
-from engine.scheduler import ScheduledSeq
-from engine.sequence import Sequence, isolated
+from engine.sequence import Sequence, failure
+from engine.step import RunnerOutput, ScheduledSeq, SchedulerOutput
 
 log = logging.getLogger("sluice.engine")
 
@@ -74,6 +77,12 @@ class Device:
             return tensors
         flat = torch.cat([t.reshape(-1) for t in tensors]).pin_memory().to(self.device, non_blocking=True)
         return [part.view(t.shape) for part, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
+
+    def bind(self) -> None:
+        """Make this the current device of the calling thread (Triton launches and CUDA
+        graphs use the current device, which is per thread)."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
 
     def generator(self, seq: Sequence) -> torch.Generator | None:
         """The request's seeded generator, on this device (same seed, same output per device)."""
@@ -154,9 +163,13 @@ class SubVocab:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, cfg: ModelConfig, num_blocks: int, block_size: int, kv_int8: bool = False,
-                 bans: Callable[[Sequence, int], list[int]] | None = None, device: Device = Device()):
-        """bans(seq, i): token ids the model may not write at index i of seq (StopChecker.bans)."""
+                 bans: Callable[[ScheduledSeq, int], list[int]] | None = None, device: Device = Device(),
+                 cpu_ops: dict[str, Callable] | None = None):
+        """bans(item, i): token ids the model may not write at index i of a scheduled sequence
+        (StopChecker.bans). cpu_ops: the compiled CPU kernels this model runs (kernels.cpu_ops),
+        None: their references."""
         self.model, self.cfg, self.block_size, self.bans, self.device = model, cfg, block_size, bans, device
+        self.cpu_ops = cpu_ops
         # With graphs, one more block than the block manager hands out: padded rows of a
         # captured batch write and read it, so they never touch a sequence's KV.
         self.scratch = num_blocks if device.cuda_graphs else None
@@ -167,8 +180,10 @@ class ModelRunner:
                              if kv_int8 else (None, None)))
                           for _ in range(cfg.num_layers)]
         self.graphs: _Graphs | None = None
-        self.cpu_step = CPUStep.build(model, self.kv_caches) if device.cpu_step else None
+        self.cpu_step = CPUStep.build(model, self.kv_caches, cpu_ops is not None) if device.cpu_step else None
         self.log_softmax_out = torch.empty(0, cfg.vocab_size, device=dev)      # _greedy's, kept across steps
+        self.queue: ThreadPoolExecutor | None = None        # async scheduling's (start_queue)
+        self.last: dict[int, int] = {}      # seq_id -> the token the latest step sampled, for placeholders
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -179,43 +194,66 @@ class ModelRunner:
         per_head = cfg.head_dim + 4 if kv_int8 else cfg.head_dim * float_bytes   # int8 values + one fp32 scale
         return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * per_head
 
+    def start_queue(self) -> None:
+        """Async scheduling: from now on steps run on a queue of their own, one after another
+        as a device stream runs kernels, while the host plans and prepares the next."""
+        self.queue = ThreadPoolExecutor(1, thread_name_prefix="sluice-device", initializer=self.device.bind)
+        weakref.finalize(self, self.queue.shutdown, wait=False)
+        # A thread waiting for the GIL gets it after the switch interval (5 ms by default, more
+        # than a step): the queue's step, its forward done, would wait out the host's planning.
+        # At most 0.2 ms: measured with benchmarks/step_overhead.py (docs/engine.md).
+        sys.setswitchinterval(min(sys.getswitchinterval(), 2e-4))
+
     def clear(self, block_ids: list[int]) -> None:
         """Zero blocks whose KV may be non-finite: attention reads a block's stale slots too,
-        masked, and 0 * NaN is NaN."""
+        masked, and 0 * NaN is NaN. After the steps already queued, which may still write them."""
+        if self.queue is not None:
+            self.queue.submit(self._clear, block_ids)
+        else:
+            self._clear(block_ids)
+
+    def _clear(self, block_ids: list[int]) -> None:
         for t in (t for layer in self.kv_caches for t in layer if t is not None):
             t[block_ids] = 0
 
     def prepare(self, scheduled: list[ScheduledSeq], pad_to: int = 0) -> tuple[
-            torch.Tensor, torch.Tensor, StepBatch, tuple[torch.Tensor, list[ScheduledSeq]]]:
+            torch.Tensor, torch.Tensor, StepBatch, tuple[torch.Tensor, list[int], list[tuple[int, int]]]]:
         """Flatten the step: single-token decodes first (one batched attention call), then
         chunks (prefills and speculative verifications). Also returns the rows the LM head
-        runs on (each sampling item's last row, or a verification's k + 1) and those items.
+        runs on (each sampling item's last row, or a verification's k + 1), the indices of
+        those items in `scheduled`, and (row, seq_id) of each placeholder, whose token the step
+        before samples. Reads the items, and of their sequences the block tables and the tokens
+        before their starts.
         pad_to: a decode-only step padded to a captured batch size with rows on the scratch block."""
         decodes, chunks = [], []
-        for item in scheduled:
-            (decodes if item.is_decode else chunks).append(item)
+        for i, item in enumerate(scheduled):
+            (decodes if item.is_decode else chunks).append(i)
         bs, pad = self.block_size, max(pad_to - len(decodes), 0)
         ids, positions, slots = [], [], []
         # A window's dropped tokens hold no slot: a token's slot and a sequence's context length
         # count what its cache holds, while its rotary position stays its own (shift).
-        for item in decodes:            # the newest token of each, which samples
-            seq, pos = item.seq, item.seq.num_computed_tokens
-            ids.append(seq.token_ids[pos])
+        placeholders = []
+        for i in decodes:            # the newest token of each, which samples
+            seq, pos = scheduled[i].seq, scheduled[i].start
+            if scheduled[i].placeholder:
+                placeholders.append((len(ids), seq.seq_id))
+            ids.append(0 if scheduled[i].placeholder else seq.token_ids[pos])
             positions.append(pos)
             c = pos - seq.num_dropped
             slots.append(seq.block_table[c // bs] * bs + c % bs)
         head_rows, sampling = list(range(len(decodes))), list(decodes)
-        for item in chunks:
-            seq, start = item.seq, item.seq.num_computed_tokens
-            end = start + item.num_tokens
+        for i in chunks:
+            item = scheduled[i]
+            seq, start, end = item.seq, item.start, item.start + item.num_tokens
             if item.samples:
                 head_rows += range(len(ids) + item.num_tokens - 1 - item.num_draft, len(ids) + item.num_tokens)
-                sampling.append(item)
-            ids += seq.tokens(start, end)
+                sampling.append(i)
+            ids += item.tokens(start, end)
             positions += range(start, end)
             slots += [seq.block_table[c // bs] * bs + c % bs for c in range(start - seq.num_dropped,
                                                                              end - seq.num_dropped)]
-        tables, lens = [s.seq.block_table for s in decodes], [len(s.seq) - s.seq.num_dropped for s in decodes]
+        tables = [scheduled[i].seq.block_table for i in decodes]
+        lens = [scheduled[i].start + 1 - scheduled[i].seq.num_dropped for i in decodes]
         if pad:
             ids += [0] * pad
             positions += [0] * pad
@@ -226,9 +264,10 @@ class ModelRunner:
         if decodes:
             fields += [_padded(tables), lens]
         if chunks:
-            fields += [_padded([s.seq.block_table for s in chunks]),
-                       [s.seq.num_computed_tokens - s.seq.num_dropped + s.num_tokens for s in chunks],
-                       list(itertools.accumulate((s.num_tokens for s in chunks), initial=0))]
+            items = [scheduled[i] for i in chunks]
+            fields += [_padded([s.seq.block_table for s in items]),
+                       [s.start - s.seq.num_dropped + s.num_tokens for s in items],
+                       list(itertools.accumulate((s.num_tokens for s in items), initial=0))]
         input_ids, positions, slot_mapping, head_rows, *rest = self.device.upload(_int64(fields))
         batch = StepBatch(slot_mapping, len(decodes) + pad, self.kv_caches)
         if decodes:
@@ -237,10 +276,17 @@ class ModelRunner:
         if chunks:
             tables, batch.prefill_context_lens, batch.prefill_query_start = rest
             batch.prefill_block_tables = tables.view(len(chunks), -1)
-        return input_ids, positions, batch, (head_rows, sampling)
+        return input_ids, positions, batch, (head_rows, sampling, placeholders)
+
+    @staticmethod
+    def sinks(scheduled: list[ScheduledSeq]) -> list[tuple[list[int], list[int], int]]:
+        """What `shift` rewrites this step, read when the step is prepared: (original sink
+        blocks, their copies, tokens dropped) of each sequence whose window dropped tokens."""
+        return [(item.seq.sink_source, item.seq.block_table[:len(item.seq.sink_source)], item.seq.num_dropped)
+                for item in scheduled if item.shift and item.seq.sink_source]
 
     @torch.inference_mode()
-    def shift(self, scheduled: list[ScheduledSeq]) -> None:
+    def shift(self, sinks: list[tuple[list[int], list[int], int]]) -> None:
         """Rewrite the sinks of sequences whose window dropped tokens before this step. Their
         new tokens and kept keys stay at their own rotary positions, so the distance from a
         query to a kept key is what StreamingLLM's positions within the cache give; a sink's
@@ -249,14 +295,9 @@ class ModelRunner:
         sink is rounded once, never again and again as rotating every kept key back at each
         drop would do (docs/engine.md measures that drift); and one block is rotated per
         drop rather than the whole window."""
-        for item in scheduled:
-            seq = item.seq
-            if not item.shift or not seq.sink_source:
-                continue
-            dev = self.device.device
-            src = torch.tensor(seq.sink_source, device=dev)
-            dst = torch.tensor(seq.block_table[:len(seq.sink_source)], device=dev)
-            d = seq.num_dropped
+        dev = self.device.device
+        for source, copies, d in sinks:
+            src, dst = torch.tensor(source, device=dev), torch.tensor(copies, device=dev)
             for k, v, k_scale, v_scale in self.kv_caches:
                 kernels.rotate_keys(k, src, dst, self.model.rotary.cos[d], self.model.rotary.sin[d], k_scale)
                 for t in (v, v_scale):
@@ -307,7 +348,8 @@ class ModelRunner:
         if not bucket:
             if self.cpu_step is not None and self.cpu_step.takes(batch, len(input_ids)):
                 return self.cpu_step(input_ids, positions, batch)
-            return self.model(input_ids, positions, batch)
+            with kernels.with_cpu_ops(self.cpu_ops):
+                return self.model(input_ids, positions, batch)
         g = self.graphs
         g.input_ids[:bucket] = input_ids
         g.positions[:bucket] = positions
@@ -331,62 +373,92 @@ class ModelRunner:
             return None
         return SubVocab(ids, self.model.lm_head.rows(ids), size)
 
-    @torch.inference_mode()
     def logprobs(self, item: ScheduledSeq, skip: int = 0) -> torch.Tensor:
         """Log-probability of the token after each position of one chunk (scoring), from its
-        row `skip` on, on the host: the LM head and softmax only for the rows asked for."""
-        self.shift([item])
+        row `skip` on, on the host: the LM head and softmax only for the rows asked for. After
+        the steps already queued."""
+        if self.queue is not None:
+            return self.queue.submit(self._logprobs, item, skip).result()
+        return self._logprobs(item, skip)
+
+    @torch.inference_mode()
+    def _logprobs(self, item: ScheduledSeq, skip: int) -> torch.Tensor:
+        self.shift(self.sinks([item]))
         input_ids, positions, batch, _ = self.prepare([item])
-        hidden = self.model(input_ids, positions, batch)[skip:]
-        seq, start = item.seq, item.seq.num_computed_tokens + skip
-        targets = torch.tensor(seq.tokens(start + 1, start + 1 + len(hidden)), device=hidden.device)
+        with kernels.with_cpu_ops(self.cpu_ops):
+            hidden = self.model(input_ids, positions, batch)[skip:]
+        start = item.start + skip
+        targets = torch.tensor(item.tokens(start + 1, start + 1 + len(hidden)), device=hidden.device)
         lp = torch.log_softmax(self.model.logits(hidden).float(), dim=-1)
         return lp.gather(1, targets[:, None]).squeeze(1).cpu()
 
+    def run(self, sched: SchedulerOutput, return_probs: bool = False, vocab: SubVocab | None = None) -> RunnerOutput:
+        """One step: for each item that reaches its sequence's end, its new tokens (one, or for
+        a verification the accepted drafts plus one) and their log-probabilities under the
+        model's own distribution; with return_probs, the distribution a sampled token came from
+        (for the rejection rule); with `vocab`, tokens come from it only. An item whose share
+        fails (non-finite logits, a sampling error) gets its error and no tokens."""
+        return self._execute(*self._host(sched.items), return_probs, vocab)
+
+    def launch(self, sched: SchedulerOutput) -> Future[RunnerOutput]:
+        """Async scheduling: the step's inputs are built on the host now; its forward and
+        sampling run on the queue after the steps before it (run's output, when done)."""
+        return self.queue.submit(self._execute, *self._host(sched.items))
+
+    def _host(self, items: list[ScheduledSeq]) -> tuple:
+        bucket = self._bucket(items)
+        return items, bucket, self.sinks(items), self.prepare(items, bucket)
+
     @torch.inference_mode()
-    def run(self, scheduled: list[ScheduledSeq], return_probs: bool = False, vocab: SubVocab | None = None):
-        """seq_id -> (new tokens, their log-probabilities under the model's own distribution)
-        for every item that reaches its sequence's end: one token, or for a verification the
-        accepted drafts plus one. With return_probs, also seq_id -> the distribution a token was
-        sampled from (for the rejection rule); with `vocab`, tokens come from it only. A
-        sequence whose share fails (non-finite logits, a sampling error) gets its `error` set
-        and no entry."""
-        self.shift(scheduled)
-        bucket = self._bucket(scheduled)
-        input_ids, positions, batch, (head_rows, sampling) = self.prepare(scheduled, bucket)
+    def _execute(self, items: list[ScheduledSeq], bucket: int, sinks: list, prepared: tuple,
+                 return_probs: bool = False, vocab: SubVocab | None = None) -> RunnerOutput:
+        self.shift(sinks)
+        input_ids, positions, batch, (head_rows, sampling, placeholders) = prepared
+        if placeholders:
+            rows, seq_ids = zip(*placeholders)
+            input_ids[list(rows)] = torch.tensor([self.last.get(i, 0) for i in seq_ids], device=input_ids.device)
         hidden = self._forward(input_ids, positions, batch, bucket)
-        out: dict[int, tuple[list[int], list[float]]] = {}
-        probs: dict[int, torch.Tensor] = {}
-        if not sampling:        # prompt chunks short of their end
-            return (out, probs) if return_probs else out
+        out = RunnerOutput.empty(len(items))
+        if sampling:
+            self._sample(items, sampling, hidden, head_rows, out, return_probs, vocab)
+        if self.queue is not None:
+            self.last = {items[i].seq.seq_id: out.token_ids[i][-1] for i in sampling if out.token_ids[i]}
+        return out
+
+    def _sample(self, items: list[ScheduledSeq], sampling: list[int], hidden: torch.Tensor, head_rows: torch.Tensor,
+                out: RunnerOutput, return_probs: bool, vocab: SubVocab | None) -> None:
+        """The sampling items' tokens into `out` (see run)."""
         # One LM-head pass over every sampling row, as the head is the largest matrix.
         rows = hidden.index_select(0, head_rows)
         all_logits = (self.model.logits(rows) if vocab is None else vocab.logits(rows)).float()
         top, top_lp = self._greedy(all_logits)
         at = 0
-        for item in sampling:
+        for i in sampling:
+            item = items[i]
             seq, first, at = item.seq, at, at + 1 + item.num_draft
             banned = self.bans is not None and seq.thinking is not None
             if seq.params.greedy and not item.num_draft and not banned and math.isfinite(top_lp[first]):
-                out[seq.seq_id] = ([top[first]], [top_lp[first]])      # plain greedy: nothing left to fail
+                out.token_ids[i], out.logprobs[i] = [top[first]], [top_lp[first]]   # plain greedy: nothing left to fail
                 continue
-            with isolated(seq):
+            try:
                 if not all(map(math.isfinite, top_lp[first:at])):
                     raise FloatingPointError("the model's logits for this request are not finite")
                 logits = all_logits[first:at]
-                for j in range(at - first if banned else 0):     # row j predicts index len + j
-                    logits[j, self.bans(seq, len(seq) + j)] = float("-inf")
+                end = item.start + item.num_tokens - item.num_draft      # the sequence's length
+                for j in range(at - first if banned else 0):     # row j predicts index end + j
+                    logits[j, self.bans(item, end + j)] = float("-inf")
                 generator = self.device.generator(seq)
                 if item.num_draft:
-                    tokens = verify(logits, seq.draft[:item.num_draft], seq.draft_probs, seq.params, generator)
+                    tokens = verify(logits, item.draft, item.draft_probs, seq.params, generator)
                 else:
                     tokens = [sample(logits[0], seq.params, generator)]
                     if return_probs and not seq.params.greedy:
-                        probs[seq.seq_id] = sampling_probs(logits[0], seq.params)[None]
+                        out.probs[i] = sampling_probs(logits[0], seq.params)[None]
                 lp = torch.log_softmax(logits[:len(tokens)], -1).gather(
                     1, torch.tensor(tokens, device=logits.device)[:, None])
-                out[seq.seq_id] = (tokens, lp.squeeze(1).tolist())
-        return (out, probs) if return_probs else out
+                out.token_ids[i], out.logprobs[i] = tokens, lp.squeeze(1).tolist()
+            except Exception as exc:
+                out.errors[i] = failure(seq, exc)
 
     def _greedy(self, logits: torch.Tensor) -> tuple[list[int], list[float]]:
         """Each row's greedy token and its log-probability, which is all a plain greedy request

@@ -113,11 +113,7 @@ class Sequence:
     waited_steps: int = 0           # steps spent waiting behind others (aging)
     engine_s: float = 0.0           # its share of the steps while it was in the engine
     generator: torch.Generator | None = None
-    # Speculation: this step's draft, verified past the end of token_ids but never in it (see
-    # `tokens`), the draft model's distributions for it, and the state (None: no speculation).
-    draft: list[int] = field(default_factory=list)
-    draft_probs: torch.Tensor | None = None
-    spec: SpecState | None = None
+    spec: SpecState | None = None               # speculation's state (None: no speculation)
     thinking: ThinkingState | None = None      # when the request has a thinking budget
     # The answer's text, decoded as it grows; emitted in pieces but for a tail held back (it
     # may begin a stop string).
@@ -133,11 +129,6 @@ class Sequence:
 
     def __len__(self) -> int:
         return len(self.token_ids)
-
-    def tokens(self, start: int, end: int) -> list[int]:
-        """token_ids[start:end], continued by this step's draft past the end."""
-        n = len(self.token_ids)
-        return self.token_ids[start:end] + self.draft[max(start - n, 0):max(end - n, 0)]
 
     @property
     def answer_start(self) -> int | None:
@@ -171,6 +162,11 @@ class isolated:
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> bool:
         if not isinstance(exc, Exception):
             return False
-        logging.getLogger("sluice.engine").warning("request %s failed", self.seq.request_id, exc_info=exc)
-        self.seq.error = self.seq.error or f"{type(exc).__name__}: {exc}"
+        self.seq.error = self.seq.error or failure(self.seq, exc)
         return True
+
+
+def failure(seq: Sequence, exc: Exception) -> str:
+    """Log one sequence's failure; what its error says."""
+    logging.getLogger("sluice.engine").warning("request %s failed", seq.request_id, exc_info=exc)
+    return f"{type(exc).__name__}: {exc}"

@@ -5,8 +5,9 @@ continuation from the caller: an escalated small-model answer); prompt lookup (w
 the latest earlier occurrence of the last n-gram: answers copy retrieved passages), free; the
 draft model (k tokens ahead on its own paged KV, "shadow" sequences). The target verifies
 [last token, d1..dk] as one chunk (sampler.verify): greedy output is the target's own,
-sampled output is distributed as the target's. Drafts never enter a sequence's tokens and
-their KV lies past num_computed_tokens, so rollback is returning surplus blocks.
+sampled output is distributed as the target's. Drafts travel in the step's record (step.py),
+never in a sequence's tokens, and their KV lies past num_computed_tokens, so rollback is
+returning surplus blocks.
 """
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.config import SpecConfig
-from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence, SpecState, Status
+from engine.step import Draft, RunnerOutput, ScheduledSeq, SchedulerOutput
 from engine.worker import Worker
 
 
@@ -180,9 +181,10 @@ class Speculator:
         # Output lengths of the target's finished requests: how long an answer still runs.
         self.lengths: deque[int] = deque(maxlen=256)
 
-    def propose(self) -> None:
-        """Give decode-ready sequences of the target a draft for this step (or none)."""
+    def propose(self) -> dict[int, Draft]:
+        """Drafts for this step, by seq_id, for the target's decode-ready sequences that get one."""
         cfg = self.config
+        drafts: dict[int, Draft] = {}
         by_model: list[tuple[Sequence, int]] = []
         decoding = [s for s in self.target.scheduler.running if s.status is Status.RUNNING and not s.in_prefill]
         self.step_draft_seconds = 0.0
@@ -190,7 +192,8 @@ class Speculator:
         for seq in decoding:
             if seq.spec is None:
                 continue
-            st, seq.draft, seq.draft_probs, st.source = seq.spec, [], None, None
+            st = seq.spec
+            st.source = None
             if (room := _room(seq, self.target.scheduler.max_model_len)) <= 0:
                 continue
             if st.external:
@@ -199,7 +202,8 @@ class Speculator:
                 # costs no drafting, so the governor does not hold it back.
                 made = len(seq) - seq.num_prompt_tokens
                 if st.external[:made] == seq.token_ids[seq.num_prompt_tokens:] and len(st.external) > made:
-                    seq.draft, st.source = st.external[made:made + min(room, cfg.max_external_k)], "external"
+                    drafts[seq.seq_id], st.source = Draft(st.external[made:made + min(room, cfg.max_external_k)]), \
+                        "external"
                     continue
                 st.external = []
             options = []
@@ -214,11 +218,12 @@ class Speculator:
             st.idle_steps = 0
             st.source, what, _ = max(options, key=lambda o: o[2])
             if st.source == "lookup":
-                seq.draft = what
+                drafts[seq.seq_id] = Draft(what)
             else:
                 by_model.append((seq, what))
         if by_model:
-            self._draft_with_model(by_model)
+            self._draft_with_model(by_model, drafts)
+        return drafts
 
     def _k(self, st: SpecState, source: str, cost_per_draft: float, room: int) -> int:
         """How many drafts of `source` pay; now and then one when none do (acceptance may recover)."""
@@ -251,39 +256,46 @@ class Speculator:
         longer = [n - made for n in self.lengths if n > made]
         return min(room, sum(longer) / len(longer) if len(longer) >= 8 else made)
 
-    def _draft_with_model(self, wanted: list[tuple[Sequence, int]]) -> None:
+    def _draft_with_model(self, wanted: list[tuple[Sequence, int]], drafts: dict[int, Draft]) -> None:
         start = time.perf_counter()
         active = [(seq, sh, k) for seq, k in wanted if (sh := self._sync_shadow(seq, k)) is not None]
+        for seq, _, _ in active:
+            drafts[seq.seq_id] = Draft([])
         while active:
             items = []
             for seq, sh, k in list(active):
                 # The shadow's own window; blocks for its sinks' copy are there or it drafts nothing.
                 if (shift := self.draft.block_manager.evict(sh, sh.num_computed_tokens)) is None:
-                    seq.draft, seq.draft_probs, seq.spec.source = [], None, None
-                    self.release(seq)
+                    self._drop_draft(seq, drafts)
                     active.remove((seq, sh, k))
                     continue
-                items.append(ScheduledSeq(sh, len(sh) - sh.num_computed_tokens, shift=shift))
+                n = len(sh) - sh.num_computed_tokens
+                items.append(ScheduledSeq(sh, sh.num_computed_tokens, n, True, shift=shift))
             if not active:
                 break
             round_start = time.perf_counter()
-            sampled, rows = self.draft.runner.run(items, return_probs=True, vocab=self.draft_vocab)
+            sched = SchedulerOutput(items)
+            out = self.draft.runner.run(sched, return_probs=True, vocab=self.draft_vocab)
             self._observe_draft_round(time.perf_counter() - round_start, items)
-            for (seq, sh, k), item in zip(active, items):
-                if sh.error:          # the draft model failed on it: no draft, a fresh shadow next time
-                    seq.draft, seq.draft_probs, seq.spec.source = [], None, None
-                    self.release(seq, failed=True)
+            self.draft.scheduler.advance_shadows(sched, out)
+            for (seq, sh, k), tokens, probs, error in zip(active, out.token_ids, out.probs, out.errors):
+                if error:             # the draft model failed on it: no draft, a fresh shadow next time
+                    self._drop_draft(seq, drafts, failed=True)
                     continue
-                sh.num_computed_tokens += item.num_tokens
-                sh.token_ids.append(token := sampled[sh.seq_id][0][0])
-                seq.draft.append(token)
+                draft = drafts[seq.seq_id]
+                draft.tokens.append(tokens[0])
                 if not seq.params.greedy:
-                    seq.draft_probs = rows[sh.seq_id] if seq.draft_probs is None else \
-                        torch.cat([seq.draft_probs, rows[sh.seq_id]])
-            active = [(seq, sh, k) for seq, sh, k in active if not sh.error and len(seq.draft) < k]
+                    draft.probs = probs if draft.probs is None else torch.cat([draft.probs, probs])
+            active = [(seq, sh, k) for seq, sh, k in active
+                      if seq.seq_id in drafts and len(drafts[seq.seq_id].tokens) < k]
         elapsed = time.perf_counter() - start
         self.stats.draft_seconds += elapsed
         self.step_draft_seconds += elapsed
+
+    def _drop_draft(self, seq: Sequence, drafts: dict[int, Draft], failed: bool = False) -> None:
+        del drafts[seq.seq_id]
+        seq.spec.source = None
+        self.release(seq, failed)
 
     def _observe_draft_round(self, seconds: float, items: list[ScheduledSeq]) -> None:
         """A draft-model pass, in target steps: one token per sequence is a draft step (its
@@ -315,18 +327,12 @@ class Speculator:
         if shadow is None:
             shadow = Sequence(list(seq.token_ids), seq.params, salt=seq.salt, request_id=f"draft-{seq.request_id}",
                               window=seq.window)
-            if not bm.can_allocate(shadow):
+            if not self.draft.scheduler.admit_shadow(shadow):   # reuses the draft model's prefix cache (same salt)
                 seq.spec.source = None
                 return None
-            bm.allocate(shadow)        # reuses the draft model's prefix cache (same salt)
             self.shadows[seq.seq_id] = shadow
         else:
-            common = 0
-            limit = min(len(shadow), len(seq))
-            while common < limit and shadow.token_ids[common] == seq.token_ids[common]:
-                common += 1
-            shadow.token_ids = list(seq.token_ids)
-            shadow.num_computed_tokens = min(shadow.num_computed_tokens, common)
+            self.draft.scheduler.follow(shadow, seq.token_ids)
         # Room for the tokens to catch up on and the k - 1 drafts it computes after them.
         if not bm.resize(shadow, len(shadow) + k - 1):
             self.release(seq)
@@ -334,21 +340,22 @@ class Speculator:
             return None
         return shadow
 
-    def run_target(self, scheduled: list[ScheduledSeq]) -> dict[int, tuple[list[int], list[float]]]:
+    def run_target(self, sched: SchedulerOutput) -> RunnerOutput:
         """The target's step, which verifies this step's drafts, timed and observed."""
         start = time.perf_counter()
-        sampled = self.target.runner.run(scheduled)
-        self.observe_target_step(time.perf_counter() - start, scheduled, sampled)
-        return sampled
+        out = self.target.runner.run(sched)
+        self.observe_target_step(time.perf_counter() - start, sched, out)
+        return out
 
-    def observe_target_step(self, seconds: float, scheduled: list[ScheduledSeq], sampled: dict) -> None:
+    def observe_target_step(self, seconds: float, sched: SchedulerOutput, out: RunnerOutput) -> None:
         """A target step's time and what it ran: acceptance per sequence and source; plain
         decode steps set the unit of cost, verifying ones what each extra token adds to it, and
         both feed the governor; steps with prompt chunks price prefill."""
-        for item in scheduled:
+        scheduled = sched.items
+        for item, tokens in zip(scheduled, out.token_ids):
             st, k = item.seq.spec, item.num_draft
-            if k and st is not None and st.source is not None and item.seq.seq_id in sampled:
-                accepted = len(sampled[item.seq.seq_id][0]) - 1
+            if k and st is not None and st.source is not None and tokens:
+                accepted = len(tokens) - 1
                 st.acceptance[st.source] = 0.7 * st.acceptance[st.source] + 0.3 * (accepted / k)
                 self.stats.verify_passes += 1
                 self.stats.tokens_from_verify += accepted + 1
@@ -360,8 +367,8 @@ class Speculator:
             self._observe_target_prefill(seconds, scheduled)
         external = any(i.seq.spec is not None and i.seq.spec.source == "external" for i in scheduled if i.num_draft)
         if self.governor and decode_only and not external:
-            tokens = sum(len(sampled[i.seq.seq_id][0]) for i in scheduled if i.seq.seq_id in sampled)
-            self.governor.record(len(scheduled), self.step_arm, tokens, seconds + self.step_draft_seconds)
+            self.governor.record(len(scheduled), self.step_arm, sum(map(len, out.token_ids)),
+                                 seconds + self.step_draft_seconds)
         # Only decode steps price decoding: one prompt chunk costs hundreds of them, and taken
         # into the unit it made drafting and verification look free for the next dozen steps.
         if decode_only and not drafted_tokens:

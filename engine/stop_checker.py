@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from engine.config import ModelConfig, ThinkingConfig
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, ThinkingState
+from engine.step import ScheduledSeq
 from engine.tokenizer import Tokenizer
 
 # The closing marker plus a little whitespace fits in this many tokens: a step decodes no
@@ -89,22 +90,24 @@ class StopChecker:
         th.end, th.num_forced = keep + len(forced), len(forced)
         return Verdict(keep, forced)
 
-    def bans(self, seq: Sequence, i: int) -> list[int]:
-        """The tokens the model may not write at index i (of token_ids, drafts after them):
-        the stop tokens while a closed thinking span is followed by nothing but whitespace and
-        markers. The span may close inside a draft being verified, before `th.end` is known."""
+    def bans(self, item: ScheduledSeq, i: int) -> list[int]:
+        """The tokens the model may not write at index i of a scheduled sequence (of its
+        token_ids, its draft after them): the stop tokens while a closed thinking span is
+        followed by nothing but whitespace and markers. The span may close inside a draft being
+        verified, before `th.end` is known."""
+        seq = item.seq
         th = seq.thinking
         if th is None or i <= th.start or not seq.stop_ids:
             return []
         if th.end is not None and th.end <= i:
             if th.answered_at is not None and i >= th.answered_at:
                 return []           # text stays text: no need to decode the growing answer again
-            if self._blank(self.tok.decode(seq.tokens(th.end, i))):
+            if self._blank(self.tok.decode(item.tokens(th.end, i))):
                 return list(seq.stop_ids)
             if i <= len(seq):       # remembered for committed tokens only, never on a draft's word
                 th.answered_at = i
             return []
-        text = self.tok.decode(seq.tokens(max(th.start, i - MARKER_TOKENS), i))
+        text = self.tok.decode(item.tokens(max(th.start, i - MARKER_TOKENS), i))
         at = text.rfind(self.thinking.close)
         return list(seq.stop_ids) if at >= 0 and self._blank(text[at + len(self.thinking.close):]) else []
 

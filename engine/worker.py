@@ -68,7 +68,8 @@ def load_workers(config: EngineConfig, progress: bool = True) -> dict[str, Worke
     """Every model of the config, through the model store, onto the configured device; what the
     weights leave of the memory budget becomes KV blocks, split between the models by kv_share."""
     device = Device.resolve(config)
-    kernels.use_cpu_kernels(config.cpu_kernels and device.device.type == "cpu" and device.dtype == torch.float32)
+    # This engine's choice alone: its runners hold the compiled kernels and set them around their calls.
+    cpu_ops = kernels.cpu_ops(config.cpu_kernels and device.device.type == "cpu" and device.dtype == torch.float32)
     budget = device.memory_budget(config)       # before the weights: on CUDA, free memory now
     loaded = {name: _load(entry, progress, device) for name, entry in config.models.items()}
     weights = sum(weight_bytes(model) for _, model, _ in loaded.values())
@@ -92,7 +93,7 @@ def load_workers(config: EngineConfig, progress: bool = True) -> dict[str, Worke
         # sequence can always make progress.
         stop = StopChecker(cfg, tok, thinking, min(cfg.max_position, blocks * config.block_size))
         scheduler = Scheduler(bm, stop, config.max_num_batched_tokens, config.max_num_seqs, config.max_wait_steps)
-        runner = ModelRunner(model, cfg, blocks, config.block_size, kv_int8, stop.bans, device)
+        runner = ModelRunner(model, cfg, blocks, config.block_size, kv_int8, stop.bans, device, cpu_ops)
         runner.capture_graphs(config.max_num_seqs, scheduler.max_model_len)
         quant = next((m for m in model.modules() if isinstance(m, QuantLinear)), None)
         workers[name] = Worker(name, cfg, model, tok, bm, scheduler, runner, thinking, stop,

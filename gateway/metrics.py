@@ -168,7 +168,11 @@ class GatewayMetrics:
                 ("kv_blocks_total", "sluice_kv_blocks_total", "KV blocks", "gauge"),
                 ("prefix_cache_queries", "sluice_prefix_cache_queries_total", "full blocks looked up", "counter"),
                 ("prefix_cache_hits", "sluice_prefix_cache_hits_total", "full blocks found cached", "counter"),
-                ("preemptions", "sluice_preemptions_total", "sequences preempted for KV space", "counter")]:
+                ("preemptions", "sluice_preemptions_total", "sequences preempted for KV space", "counter"),
+                ("scheduled_ahead", "sluice_engine_scheduled_ahead_total",
+                 "sequences planned while their step before ran (async scheduling)", "counter"),
+                ("discarded_outputs", "sluice_engine_discarded_outputs_total",
+                 "step outputs dropped as their sequence had finished meanwhile (async scheduling)", "counter")]:
             r.add(Sampled(name, help, ("model",), lambda key=key: {(m, ): s[key] for m, s in engine_stats().items()},
                           kind))
         r.add(Sampled("sluice_prefix_cache_hit_rate", "prefix cache hits over lookups", ("model",),

@@ -1,13 +1,14 @@
 """Kernels the engine calls. Each has a plain-PyTorch reference twin with the same signature;
 these dispatchers run the Triton kernel when the first argument is a CUDA tensor and Triton is
 installed (a twin that fails to launch falls back to the reference, once, logged), the compiled
-CPU kernel of layer_cpu.py for a float32 CPU tensor once the engine has turned them on
-(`use_cpu_kernels`), and the reference otherwise. Triton is imported only on the first CUDA
+CPU kernel of layer_cpu.py for a float32 CPU tensor where the running engine has them on
+(`with_cpu_ops`), and the reference otherwise. Triton is imported only on the first CUDA
 call, so `import kernels` and everything on CPU work without it."""
 import functools
 import importlib
 import importlib.util
 import logging
+from contextvars import ContextVar
 from typing import Callable
 
 import torch
@@ -19,22 +20,32 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 # they run their reference from then on. Read by the engine's metrics.
 FALLBACKS: set[str] = set()
 log = logging.getLogger(__name__)
-# layer_cpu's operators by name while the engine runs them (use_cpu_kernels), else None; each
-# resolved once (torch.ops' attribute lookup costs microseconds a call).
-_cpu_ops: dict[str, Callable] | None = None
+# layer_cpu's operators by name for the model running now, else None. Each engine's runner holds
+# its own (`cpu_ops`) and sets them around its model calls (`with_cpu_ops`), so two engines in one
+# process keep their own choice. Each operator resolved once (torch.ops' attribute lookup costs
+# microseconds a call).
+_cpu_ops: ContextVar[dict[str, Callable] | None] = ContextVar("sluice_cpu_ops", default=None)
 
 
-def use_cpu_kernels(on: bool) -> bool:
-    """Run layer_cpu's compiled kernels for float32 CPU tensors (building them on the first
-    call, about a minute) or not; whether they run. Process-wide: every model on the CPU."""
-    global _cpu_ops
+def cpu_ops(on: bool) -> dict[str, Callable] | None:
+    """layer_cpu's compiled kernels for a runner to hold (building them on the first call,
+    about a minute); None when off or when they cannot be built here."""
     ops = layer_cpu.load() if on else None
-    _cpu_ops = None if ops is None else {name: getattr(ops, name).default for name in layer_cpu.KERNELS}
-    return _cpu_ops is not None
+    return None if ops is None else {name: getattr(ops, name).default for name in layer_cpu.KERNELS}
 
 
-def cpu_kernels() -> bool:
-    return _cpu_ops is not None
+class with_cpu_ops:
+    """Within the block, in this thread, float32 CPU tensors run `ops` (cpu_ops' value; None:
+    the references). A class, not a generator: every step enters one."""
+
+    def __init__(self, ops: dict[str, Callable] | None):
+        self.ops = ops
+
+    def __enter__(self) -> None:
+        self.token = _cpu_ops.set(self.ops)
+
+    def __exit__(self, *exc) -> None:
+        _cpu_ops.reset(self.token)
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -68,8 +79,8 @@ def _dispatch(reference: Callable) -> Callable:
                 FALLBACKS.add(name)
                 log.warning("kernel %s cannot launch on %s (%s); its reference twin runs from now on",
                             name, x.device, e)
-        elif compiled and _cpu_ops is not None and x.is_cpu and x.dtype == torch.float32:
-            return _cpu_ops[name](*args, **kwargs)
+        elif compiled and x.is_cpu and x.dtype == torch.float32 and (ops := _cpu_ops.get()) is not None:
+            return ops[name](*args, **kwargs)
         return reference(*args, **kwargs)
     return call
 

@@ -19,8 +19,8 @@ from engine.model import Linear, load_model
 from engine.model_runner import ModelRunner
 from engine.quantize import QuantLinear, apply_quantization, dot_matmul
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
+from engine.step import ScheduledSeq
 from tests.conftest import make_tiny_model
 
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -121,7 +121,7 @@ def prefill_logits(model, cfg: ModelConfig, ids: list[int]) -> torch.Tensor:
     bm.allocate(seq)
     assert bm.resize(seq, len(seq))
     with torch.inference_mode():
-        tokens, positions, batch, _ = runner.prepare([ScheduledSeq(seq, len(ids))])
+        tokens, positions, batch, _ = runner.prepare([ScheduledSeq(seq, 0, len(ids), True)])
         return model.logits(model(tokens, positions, batch))
 
 

@@ -42,6 +42,28 @@ def test_concurrent_requests_equal_running_alone(folder):
     assert engine.stats()["tiny"]["kv_blocks_free"] == 256
 
 
+def test_two_engines_in_one_process_keep_their_own_cpu_kernels(folder):
+    """Kernel dispatch is an engine's, not the process's: an engine built after another, with
+    the compiled CPU kernels off, runs none of them and leaves the first one running them."""
+    on = make_engine(folder, cpu_step=False)        # its layers call the dispatched kernels
+    ops = on.worker("tiny").runner.cpu_ops
+    if ops is None:
+        pytest.skip("the compiled CPU kernels cannot be built here (no AVX2, C++ compiler or ninja)")
+    calls = []
+
+    def counted(name, op):
+        return lambda *args, **kwargs: (calls.append(name), op(*args, **kwargs))[1]
+    for name, op in list(ops.items()):
+        ops[name] = counted(name, op)
+    off = make_engine(folder, cpu_kernels=False)
+    ps = prompts(2, seed=9)
+    off.generate(ps, GREEDY)
+    assert calls == []
+    on.generate(ps, GREEDY)
+    assert {"add_rms_norm", "paged_decode_attention"} <= set(calls)
+    assert on.stats()["tiny"]["cpu_kernels"] and not off.stats()["tiny"]["cpu_kernels"]
+
+
 def test_preempted_request_finishes_with_same_output(folder):
     ps = prompts(6, seed=3)
     expected = [c.token_ids for c in make_engine(folder).generate(ps, GREEDY)]

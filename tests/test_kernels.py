@@ -532,7 +532,7 @@ def test_compiled_cpu_kernels_take_the_references_arguments():
         assert [a.name for a in schema.arguments] == list(inspect.signature(reference).parameters)
 
 
-def test_dispatcher_runs_the_compiled_cpu_kernels_when_turned_on_for_float32(monkeypatch):
+def test_dispatcher_runs_the_compiled_cpu_kernels_when_turned_on_for_float32():
     from kernels import activation
     cpu_ops()
     x, calls = torch.randn(3, 2 * HEAD_DIM), []
@@ -541,13 +541,13 @@ def test_dispatcher_runs_the_compiled_cpu_kernels_when_turned_on_for_float32(mon
         calls.append(t.dtype)
         return activation.silu_and_mul(t)
     dispatched = kernels._dispatch(silu_and_mul)
-    monkeypatch.setattr(kernels, "_cpu_ops", None)
-    assert kernels.use_cpu_kernels(True) and kernels.cpu_kernels()
-    dispatched(x), dispatched(x.bfloat16())
+    with kernels.with_cpu_ops(kernels.cpu_ops(True)):
+        dispatched(x), dispatched(x.bfloat16())
     assert calls == [torch.bfloat16]            # float32 ran the compiled kernel, bf16 the twin
-    assert not kernels.use_cpu_kernels(False)
-    dispatched(x)
-    assert calls == [torch.bfloat16, torch.float32]
+    dispatched(x)                               # outside the block: the twin
+    with kernels.with_cpu_ops(kernels.cpu_ops(False)):
+        dispatched(x)
+    assert calls == [torch.bfloat16, torch.float32, torch.float32]
 
 
 # What the attention wrappers launch for Qwen2.5-1.5B's attention (12 heads over 2 KV heads of

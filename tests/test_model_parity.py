@@ -11,8 +11,8 @@ from engine.config import ModelConfig
 from engine.model import load_model
 from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
+from engine.step import ScheduledSeq
 
 BLOCK = 4
 
@@ -29,13 +29,15 @@ class Harness:
     def new_seq(self, ids, salt=b""):
         seq = Sequence(list(ids), SamplingParams(), salt=salt)
         self.bm.allocate(seq)
+        seq.num_computed_tokens = seq.num_cached_tokens     # as the scheduler admits it
         return seq
 
     def step(self, items: list[tuple[Sequence, int]]) -> list[torch.Tensor]:
         """Run one step; returns each item's logits for all of its tokens."""
         for seq, _ in items:
             assert self.bm.resize(seq, len(seq))
-        scheduled = [ScheduledSeq(s, n) for s, n in items]
+        scheduled = [ScheduledSeq(s, s.num_computed_tokens, n, s.num_computed_tokens + n == len(s))
+                     for s, n in items]
         with torch.inference_mode():
             ids, pos, batch, _ = self.runner.prepare(scheduled)
             logits = self.model.logits(self.model(ids, pos, batch))
@@ -49,10 +51,12 @@ class Harness:
 
 
 @pytest.fixture(autouse=True, params=["twins", "compiled"])
-def cpu_kernels(request, monkeypatch):
-    monkeypatch.setattr(kernels, "_cpu_ops", None)
-    if request.param == "compiled" and not kernels.use_cpu_kernels(True):
+def cpu_kernels(request):
+    ops = kernels.cpu_ops(request.param == "compiled")
+    if request.param == "compiled" and ops is None:
         pytest.skip("the compiled CPU kernels cannot be built here (no AVX2, C++ compiler or ninja)")
+    with kernels.with_cpu_ops(ops):     # the model is called by hand here, outside a runner
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ from engine.llm_engine import LLMEngine
 from engine.sampler import verify
 from engine.sampling_params import SamplingParams
 from engine.speculative import best_k, prompt_lookup
+from engine.step import RunnerOutput, SchedulerOutput
 from tests.conftest import make_tiny_model, write_word_tokenizer
 from tests.test_engine import prompts
 
@@ -154,7 +155,7 @@ def _decode_step(num_draft: int, made: int):
     """One sequence's decode item as the scheduler makes it, and what the target sampled."""
     from types import SimpleNamespace
     item = SimpleNamespace(num_draft=num_draft, num_tokens=1 + num_draft, seq=SimpleNamespace(seq_id=1, spec=None))
-    return [item], {1: ([7] * made, [0.0] * made)}
+    return SchedulerOutput([item]), RunnerOutput([[7] * made], [[0.0] * made], [None], [None])
 
 
 def test_verification_cost_is_measured_and_switches_speculation_off():
@@ -246,8 +247,8 @@ def test_governor_turns_losing_speculation_off_in_the_engine(pair):
     # Make every draft-model round cost a second of goodput: drafting then loses to plain decoding.
     slow = e.speculator._draft_with_model
 
-    def slower(wanted):
-        slow(wanted)
+    def slower(*args):
+        slow(*args)
         e.speculator.step_draft_seconds += 1.0
     e.speculator._draft_with_model = slower
     ps = prompts(1, seed=31)
@@ -272,10 +273,10 @@ def test_draft_vocab_keeps_output_and_drafts_only_its_tokens(pair):
     drafted = []
     run = e.speculator.draft.runner.run
 
-    def spy(items, **kw):
-        sampled, rows = run(items, **kw)
-        drafted.extend(t for tokens, _ in sampled.values() for t in tokens)
-        return sampled, rows
+    def spy(sched, **kw):
+        out = run(sched, **kw)
+        drafted.extend(t for tokens in out.token_ids for t in tokens)
+        return out
     e.speculator.draft.runner.run = spy
     assert [c.token_ids for c in e.generate(ps, GREEDY, model="large")] == plain
     sampled = e.generate(ps, SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.8, seed=3), model="large")
@@ -298,7 +299,8 @@ def test_prefill_steps_price_catch_up_and_never_the_decode_step():
     spec.draft_cost = 0.4
     spec.observe_target_step(1.0, *_decode_step(0, 1))               # a plain decode step: 1 s
     prefill = SimpleNamespace(num_draft=0, num_tokens=101, seq=SimpleNamespace(seq_id=1, spec=None))
-    spec.observe_target_step(1.0 + 100 * 0.2, [prefill], {1: ([7], [0.0])})    # 100 prompt tokens, 0.2 s each
+    spec.observe_target_step(1.0 + 100 * 0.2, SchedulerOutput([prefill]),          # 100 prompt tokens, 0.2 s each
+                             RunnerOutput([[7]], [[0.0]], [None], [None]))
     assert spec.target_step == pytest.approx(1.0)
     assert spec.draft_prefill_cost == pytest.approx(0.2 * 0.4)
     spec.observe_target_step(1.3, *_decode_step(2, 3))               # a verification after it
