@@ -137,8 +137,10 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
     # Async scheduling (vLLM v1's): a step's forward and sampling run on a queue of their own while
     # the host plans and prepares the next step, each decoding sequence assumed to produce its one
     # token (a placeholder the queue fills in); outputs come back a step later. Off for an engine
-    # with speculative decoding (a verification's accepted count decides the next step).
-    async_scheduling: bool = True
+    # with speculative decoding (a verification's accepted count decides the next step). None:
+    # on where the models run on CUDA, whose forward it overlaps; off on the CPU, where the
+    # forward already takes both cores and has been measured only with a stub (docs/engine.md).
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if not self.models:
