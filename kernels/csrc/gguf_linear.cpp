@@ -92,6 +92,13 @@ static inline __m256i dot(__m256i q, const int8_t* x, __m256i scale) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(q, load(x)), scale);
 }
 
+// A K-quant's half block, four units of 32 with a scale each, against x's 128 values there.
+static inline __m256i dot4(__m256i q0, __m256i q1, __m256i q2, __m256i q3, const int8_t* x,
+                           __m256i s0, __m256i s1, __m256i s2, __m256i s3) {
+    return _mm256_add_epi32(_mm256_add_epi32(dot(q0, x, s0), dot(q1, x + 32, s1)),
+                            _mm256_add_epi32(dot(q2, x + 64, s2), dot(q3, x + 96, s3)));
+}
+
 // acc += lanes * s, the float step every block ends with.
 static inline __m256 scaled(__m256 acc, __m256i lanes, float s) {
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(s), acc);
@@ -171,8 +178,7 @@ static inline void block(const uint8_t* blk, const Act& x, int64_t b, int rows, 
             const __m256i s2 = _mm256_shuffle_epi8(scales, load(WORD[4 * h + 2])), s3 = _mm256_shuffle_epi8(scales, load(WORD[4 * h + 3]));
             for (int r = 0; r < R; ++r) {
                 const int8_t* xr = x.q + r * K + k0 + 128 * h;
-                const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(dot(q0, xr, s0), dot(q1, xr + 32, s1)),
-                                                     _mm256_add_epi32(dot(q2, xr + 64, s2), dot(q3, xr + 96, s3)));
+                const __m256i sum = dot4(q0, q1, q2, q3, xr, s0, s1, s2, s3);
                 if (h == 0) {
                     part[r] = sum;
                     continue;
@@ -204,8 +210,7 @@ static inline void block(const uint8_t* blk, const Act& x, int64_t b, int rows, 
             const __m256i s0 = pair(4 * h), s1 = pair(4 * h + 1), s2 = pair(4 * h + 2), s3 = pair(4 * h + 3);
             for (int r = 0; r < R; ++r) {
                 const int8_t* xr = x.q + r * K + k0 + 128 * h;
-                const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(dot(q0, xr, s0), dot(q1, xr + 32, s1)),
-                                                     _mm256_add_epi32(dot(q2, xr + 64, s2), dot(q3, xr + 96, s3)));
+                const __m256i sum = dot4(q0, q1, q2, q3, xr, s0, s1, s2, s3);
                 if (h == 0) {
                     part[r] = sum;
                     continue;
