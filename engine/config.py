@@ -137,10 +137,9 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
     # Async scheduling (vLLM v1's): a step's forward and sampling run on a queue of their own while
     # the host plans and prepares the next step, each decoding sequence assumed to produce its one
     # token (a placeholder the queue fills in); outputs come back a step later. Off for an engine
-    # with speculative decoding (a verification's accepted count decides the next step). None:
-    # on where the models run on CUDA, whose forward it overlaps; off on the CPU, where the
-    # forward already takes both cores and has been measured only with a stub (docs/engine.md).
-    async_scheduling: bool | None = None
+    # with speculative decoding (a verification's accepted count decides the next step). Off until
+    # a real forward measures it: only a stubbed one has (docs/engine.md), never a GPU's.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if not self.models:

@@ -69,10 +69,7 @@ class LLMEngine:
         self.requests: dict[str, tuple[Worker, Sequence]] = {}
         spec = config.speculative
         self.speculator = Speculator(spec, self.workers[spec.target], self.workers.get(spec.draft)) if spec else None
-        on = config.async_scheduling
-        if on is None:
-            on = all(w.runner.device.device.type == "cuda" for w in self.workers.values())
-        self.async_scheduling = on and spec is None
+        self.async_scheduling = config.async_scheduling and spec is None
         # Async scheduling: per model, the step launched and not yet postprocessed.
         self.in_flight: dict[str, tuple[SchedulerOutput, Future[RunnerOutput]]] = {}
         if self.async_scheduling:
