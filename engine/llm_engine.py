@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
@@ -14,10 +14,11 @@ from tqdm import tqdm
 import kernels
 from engine.config import EngineConfig
 from engine.detokenizer import Detokenizer
+from engine.early_exit import Prober
 from engine.prompter import Prompter
 from engine.quantize import dot_vnni
 from engine.sampling_params import SamplingParams
-from engine.sequence import KVWindow, Sequence, SpecState, isolated
+from engine.sequence import KVWindow, Probe, Sequence, SpecState, isolated
 from engine.speculative import Speculator
 from engine.step import RunnerOutput, ScheduledSeq, SchedulerOutput
 from engine.worker import Worker, load_workers, weight_bytes
@@ -40,6 +41,13 @@ class Completion:
     error: str | None = None       # why the request failed (finish_reason "error"); others went on
     engine_s: float = 0.0          # its share of the steps it was in the engine for (each split evenly)
     num_evicted_tokens: int = 0    # tokens its KV window dropped from the cache (0: none, or no window)
+    probes: list[Probe] = field(default_factory=list)     # early exit's looks at the answer, in order
+    early_exit: bool = False       # its thinking ended because the answer had settled
+
+    @property
+    def num_probe_tokens(self) -> int:
+        """What its probes cost (billed as output)."""
+        return sum(p.tokens for p in self.probes)
 
 
 @dataclass
@@ -67,6 +75,7 @@ class LLMEngine:
         self.config = config
         self.workers = load_workers(config, progress)
         self.requests: dict[str, tuple[Worker, Sequence]] = {}
+        self.probers = {name: Prober(worker) for name, worker in self.workers.items()}
         spec = config.speculative
         self.speculator = Speculator(spec, self.workers[spec.target], self.workers.get(spec.draft)) if spec else None
         self.async_scheduling = config.async_scheduling and spec is None
@@ -139,6 +148,7 @@ class LLMEngine:
         if request_id not in self.requests:
             return None
         worker, seq = self.requests[request_id]
+        self.probers[worker.name].drop(seq)
         worker.scheduler.finish(seq, "abort")
         return self._completion(worker, seq)
 
@@ -159,7 +169,13 @@ class LLMEngine:
             elif sched:
                 out = spec.run_target(sched) if spec else worker.runner.run(sched)
             if sched:
-                outputs += [self._output(worker, *update) for update in worker.scheduler.postprocess(sched, out)]
+                prober = self.probers[worker.name]
+                for seq, length, logprobs in worker.scheduler.postprocess(sched, out):
+                    if seq.probe_of is not None:
+                        prober.read(seq)
+                        continue
+                    outputs.append(self._output(worker, seq, length, logprobs))
+                    prober.after_step(seq)
         if present:
             share = (time.perf_counter() - start) / len(present)
             for seq in present:
@@ -214,7 +230,8 @@ class LLMEngine:
                           "".join(seq.text), list(seq.logprobs), seq.finish_reason or "", seq.num_cached_tokens,
                           (seq.first_token_time or now) - seq.arrival, now - seq.arrival,
                           worker.tokenizer.decode(seq.token_ids[th.start:th.start + n_think]) if th else "",
-                          n_think, seq.error, seq.engine_s, seq.num_evicted)
+                          n_think, seq.error, seq.engine_s, seq.num_evicted,
+                          list(th.probes) if th else [], th is not None and th.exited)
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
                  model: str | None = None, salt: bytes = b"", progress: bool = False) -> list[Completion]:
@@ -280,7 +297,10 @@ class LLMEngine:
                       "cpu_steps": w.runner.cpu_step.steps if w.runner.cpu_step else 0,
                       "quant": self.config.models[name].quant, "weight_bytes": weight_bytes(w.model),
                       "dequant_rows": w.dequant_rows, "dot_rows": w.dot_rows,
-                      "dot_vnni": w.dot_rows > 0 and w.runner.device.device.type == "cpu" and dot_vnni()}
+                      "dot_vnni": w.dot_rows > 0 and w.runner.device.device.type == "cpu" and dot_vnni(),
+                      "thinking_probes": self.probers[name].num_probes,
+                      "thinking_probe_tokens": self.probers[name].num_probe_tokens,
+                      "thinking_early_exits": self.probers[name].num_exits}
                for name, w in self.workers.items()}
         if self.speculator:
             spec = self.speculator

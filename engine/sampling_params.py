@@ -14,6 +14,28 @@ MIN_TOP_P = 0.0         # exclusive
 MIN_SEED, MAX_SEED = -2**63, 2**64 - 1
 
 
+class EarlyExit(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Thinking that ends once its answer has settled (engine/early_exit.py): every `every`
+    thinking tokens the engine closes the span in a fork and reads the answer it would give
+    now; once `agree` probes in a row give the same answer, the last with confidence (the 25th
+    percentile of its token probabilities, the cascade's default rule) of at least `confidence`,
+    the span is closed where that probe forked and the answer generated from there.
+    `observe`: probe and record, never exit (what the router lab fits thresholds on)."""
+    every: int = 64
+    confidence: float = 0.9
+    agree: int = 2
+    answer_tokens: int = 24             # a probe reads at most this many answer tokens (its first line)
+    observe: bool = False
+
+    def errors(self) -> list[tuple[str, str]]:
+        """(key, what it must be) for each bad setting."""
+        return [(key, message) for bad, key, message in (
+            (self.every < 1, "every", f"must be >= 1 (thinking tokens between probes), got {self.every}"),
+            (not 0 < self.confidence < 1, "confidence", f"must be in (0, 1), got {self.confidence}"),
+            (self.agree < 1, "agree", f"must be >= 1 (probes in a row that agree), got {self.agree}"),
+            (self.answer_tokens < 1, "answer_tokens", f"must be >= 1, got {self.answer_tokens}")) if bad]
+
+
 class SamplingParams(msgspec.Struct, forbid_unknown_fields=True):
     temperature: float = 0.0            # below MIN_TEMPERATURE (0 included): greedy
     top_k: int = 0                      # 0 means off
@@ -27,6 +49,7 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True):
     # gets its span closed in the prompt). max_tokens counts the answer after the span.
     thinking_budget: int = 0
     include_thinking: bool = False      # return the thinking text in `text` too
+    early_exit: EarlyExit | None = None     # None: the span runs to its marker or its budget
 
     def __post_init__(self) -> None:
         errors = [message for bad, message in (
@@ -40,6 +63,8 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True):
             (self.thinking_budget < 0,
              f"thinking_budget must be >= 0, got {self.thinking_budget}"),
             (any(not s for s in self.stop), "stop strings must not be empty")) if bad]
+        if self.early_exit is not None:
+            errors += [f"early_exit.{key} {message}" for key, message in self.early_exit.errors()]
         if errors:
             raise ValueError("bad sampling parameters: " + "; ".join(errors))
 

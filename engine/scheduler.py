@@ -40,11 +40,15 @@ class Scheduler:
         self.num_ahead = 0              # items planned while the sequence's step before ran
         self.num_discarded = 0          # outputs dropped: their sequence had finished meanwhile
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, first: bool = False) -> None:
+        """Queue a sequence; `first`: ahead of the others (a probe, whose request waits on it)."""
         if len(seq) >= self.max_model_len:
             raise ValueError(f"prompt has {len(seq)} tokens; this model accepts at most "
                              f"{self.max_model_len - 1} (context {self.max_model_len} including output)")
-        self.waiting.append(seq)
+        if first:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
 
     def schedule(self, drafts: dict[int, Draft] | None = None) -> SchedulerOutput:
         """This step's items; `drafts` (by seq_id) are verified as far as budget, blocks and
@@ -52,7 +56,7 @@ class Scheduler:
         budget, drafts = self.max_num_batched_tokens, drafts or {}
         scheduled: list[ScheduledSeq] = []
         for seq in list(self.running):
-            if seq.status is not Status.RUNNING or budget == 0:
+            if seq.status is not Status.RUNNING or budget == 0 or seq.waits_for_probe:
                 continue
             if item := self._plan(seq, budget, scheduled, drafts.get(seq.seq_id)):
                 scheduled.append(item)
@@ -114,7 +118,7 @@ class Scheduler:
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
-            if seq.seq_id in self.in_flight:        # preempted while its step ran: its token comes first
+            if seq.seq_id in self.in_flight or seq.waits_for_probe:   # its token, or its probe, comes first
                 continue
             if not self.bm.can_allocate(seq, len(seq) if seq.window is None else min(len(seq), budget)):
                 seq.waited_steps += 1
@@ -166,7 +170,7 @@ class Scheduler:
                 with isolated(seq):
                     verdict = self.stop.check(seq, first)
             if verdict and verdict.forced:
-                self._replace_tail(seq, verdict.keep, verdict.forced)
+                self.replace_tail(seq, verdict.keep, verdict.forced)
             elif verdict:
                 del seq.token_ids[verdict.keep:]
                 self.finish(seq, verdict.reason)
@@ -176,8 +180,8 @@ class Scheduler:
                 updates.append((seq, first, new))
         return updates
 
-    def _replace_tail(self, seq: Sequence, length: int, tokens: list[int]) -> None:
-        """Cut a running sequence back to `length` tokens and append `tokens` (budget forcing);
+    def replace_tail(self, seq: Sequence, length: int, tokens: list[int]) -> None:
+        """Cut a running sequence back to `length` tokens and append `tokens` (budget forcing, early exit);
         they are computed as a chunk on the next step. A block the cut falls inside is given
         back and its kept tokens recomputed in a fresh one: it may be cached and shared, so it
         must never be written again."""

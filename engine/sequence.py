@@ -24,14 +24,29 @@ class Status(Enum):
 _ids = itertools.count()
 
 
+@dataclass(frozen=True)
+class Probe:
+    """One look at the answer while a request thinks (engine/early_exit.py)."""
+    at: int                     # thinking tokens when it forked
+    text: str                   # the first line of the answer it read
+    confidence: float           # 25th percentile of that line's token probabilities
+    complete: bool              # the line ended within the probe's answer tokens
+    tokens: int                 # what it cost: the closing marker and the answer tokens
+
+
 @dataclass
 class ThinkingState:
-    """Where a request stands in its thinking span (the stop checker keeps it)."""
+    """Where a request stands in its thinking span (the stop checker keeps it; early exit
+    adds its probes)."""
     budget: int
     start: int                  # index in token_ids of the first thinking token
     end: int | None = None      # index of the first answer token; None while thinking
     num_forced: int = 0         # tokens the engine appended to close the span
     answered_at: int | None = None   # a length at which the answer already held text
+    probe: Sequence | None = None    # the fork now reading the answer; the request waits for it
+    probes: list[Probe] = field(default_factory=list)
+    next_probe: int = 0         # thinking tokens at which the next probe forks
+    exited: bool = False        # the span was closed early, its answer settled
 
     def num_tokens(self, length: int) -> int:
         """Thinking tokens so far (a sequence of `length` tokens); forced ones do not count."""
@@ -115,6 +130,7 @@ class Sequence:
     generator: torch.Generator | None = None
     spec: SpecState | None = None               # speculation's state (None: no speculation)
     thinking: ThinkingState | None = None      # when the request has a thinking budget
+    probe_of: Sequence | None = None            # a probe: the thinking request it reads ahead for
     # The answer's text, decoded as it grows; emitted in pieces but for a tail held back (it
     # may begin a stop string).
     detokenizer: Detokenizer | None = None
@@ -138,6 +154,11 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    @property
+    def waits_for_probe(self) -> bool:
+        """Its thinking pauses while a probe reads its answer, so an exit lands where it forked."""
+        return self.thinking is not None and self.thinking.probe is not None
 
     @property
     def in_prefill(self) -> bool:

@@ -186,7 +186,8 @@ class Speculator:
         cfg = self.config
         drafts: dict[int, Draft] = {}
         by_model: list[tuple[Sequence, int]] = []
-        decoding = [s for s in self.target.scheduler.running if s.status is Status.RUNNING and not s.in_prefill]
+        decoding = [s for s in self.target.scheduler.running
+                    if s.status is Status.RUNNING and not s.in_prefill and not s.waits_for_probe]
         self.step_draft_seconds = 0.0
         self.step_arm = arm = self.governor.arm(len(decoding)) if self.governor and decoding else self.step_arm
         for seq in decoding:

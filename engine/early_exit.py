@@ -1,0 +1,110 @@
+"""Early exit from thinking: a request that thinks stops once its answer has settled.
+
+Every `EarlyExit.every` thinking tokens the request forks a probe: its tokens so far plus the
+closing marker, a new sequence that the prefix cache serves all but the last partial block of,
+so it costs its own few tokens. The probe reads the answer greedily up to the end of its first
+line (at most `answer_tokens`), and its confidence: the 25th percentile of those tokens'
+probabilities, the cascade's default rule. The request waits meanwhile, so that an exit lands
+exactly where the probe forked: when the last `agree` probes read the same answer, every one a
+whole line, and the last is at least `confidence` sure, the span is closed there with the same
+marker and the answer is generated from it (greedy, that is the probe's answer again). Answers
+are compared by their last number when they hold one, else by their words: the question is
+whether the answer changed, not its wording.
+
+A probe is billed: the marker and the answer tokens it read count as probe tokens of the
+request. A request without early exit, or without thinking, forks nothing.
+"""
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from engine.sampling_params import SamplingParams
+from engine.sequence import Probe, Sequence
+
+if TYPE_CHECKING:
+    from engine.worker import Worker
+
+NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def answer_key(text: str) -> str:
+    """What two probes must share to agree: the answer's last number, else its words."""
+    numbers = NUMBER.findall(text)
+    return numbers[-1].replace(",", "") if numbers else " ".join(text.lower().split())
+
+
+def line_confidence(logprobs: list[float]) -> float:
+    """The 25th percentile of the tokens' probabilities (0 for an empty answer: nothing to trust)."""
+    return float(np.exp(np.percentile(logprobs, 25))) if logprobs else 0.0
+
+
+class Prober:
+    """One model's probes: forks them, reads them, and closes a span whose answer settled."""
+
+    def __init__(self, worker: Worker):
+        self.worker, self.stop, self.scheduler, self.tok = worker, worker.stop, worker.scheduler, worker.tokenizer
+        self.close = self.stop.early_close()
+        self.num_probes = self.num_exits = self.num_probe_tokens = 0
+
+    def after_step(self, seq: Sequence) -> None:
+        """A request's step was applied: fork a probe when one is due."""
+        th, ee = seq.thinking, seq.params.early_exit
+        if ee is None or th is None or th.end is not None or th.probe is not None or seq.is_finished:
+            return
+        thought = th.num_tokens(len(seq))
+        if thought < max(th.next_probe, ee.every):
+            return
+        th.next_probe = thought + ee.every
+        probe = Sequence(seq.token_ids + self.close, SamplingParams(max_tokens=ee.answer_tokens), salt=seq.salt,
+                         request_id=f"{seq.request_id}/probe{len(th.probes)}", probe_of=seq,
+                         stop_ids=seq.stop_ids | self.stop.eos_ids)     # an answer ends at eos, ignored or not
+        try:
+            self.scheduler.add(probe, first=True)
+        except ValueError:          # no room left in the context for a probe: thinking goes on
+            return
+        th.probe = probe
+        self.num_probes += 1
+
+    def read(self, probe: Sequence) -> None:
+        """A probe's step was applied: once its first line is whole (or it stopped), record it
+        and decide for its request, which goes on thinking or answers from where it forked."""
+        answer = probe.token_ids[probe.num_prompt_tokens:]
+        text = self.tok.decode(answer)
+        ended = "\n" in text.lstrip()
+        if not (ended or probe.is_finished or probe.error):
+            return
+        if probe.error:         # what it wrote may hold NaNs: its blocks are zeroed, its request goes on
+            self.worker.runner.clear(self.scheduler.finish(probe, "error"))
+        elif not probe.is_finished:
+            self.scheduler.finish(probe, "stop")
+        seq, th, ee = probe.probe_of, probe.probe_of.thinking, probe.probe_of.params.early_exit
+        th.probe = None
+        if probe.error or seq.is_finished:
+            return
+        # The line's own tokens: not the newline's, not a stop token's.
+        line = answer[:-1] if ended or (answer and answer[-1] in probe.stop_ids) else answer
+        whole = ended or probe.finish_reason == "stop"
+        cost = len(self.close) + len(answer)
+        th.probes.append(Probe(th.num_tokens(len(seq)), self.tok.decode(line).strip(),
+                               line_confidence(probe.logprobs[:len(line)]), whole, cost))
+        self.num_probe_tokens += cost
+        if not ee.observe and self.settled(th.probes, ee.agree, ee.confidence):
+            verdict = self.stop.close_early(th, len(seq))
+            self.scheduler.replace_tail(seq, verdict.keep, verdict.forced)
+            self.num_exits += 1
+
+    @staticmethod
+    def settled(probes: list[Probe], agree: int, confidence: float) -> bool:
+        """The last `agree` probes read the same whole answer, the last at least `confidence` sure."""
+        last = probes[-agree:]
+        return (len(last) == agree and all(p.complete for p in last) and last[-1].confidence >= confidence
+                and len({answer_key(p.text) for p in last}) == 1)
+
+    def drop(self, seq: Sequence) -> None:
+        """Its request is gone (aborted): so is its probe."""
+        if seq.thinking is not None and seq.thinking.probe is not None:
+            self.scheduler.finish(seq.thinking.probe, "abort")
+            seq.thinking.probe = None

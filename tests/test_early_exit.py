@@ -1,0 +1,96 @@
+"""Early exit from thinking (engine/early_exit.py) on a tiny random model whose markers are
+words of its vocabulary: probes read exactly what a request forked at their point would
+answer, a request waits for them so its own tokens never change, and an exit lands where the
+probe forked and answers what it read."""
+import pytest
+
+from engine.early_exit import Prober, answer_key
+from engine.sampling_params import EarlyExit, SamplingParams
+from engine.sequence import Probe
+from tests.test_engine import folder, prompts  # noqa: F401  (fixture)
+from tests.test_thinking import CLOSE, engine
+
+BUDGET = 40
+
+
+def words(text):
+    return [int(w[1:]) for w in text.split()]
+
+
+def think(folder, early_exit=None, stop_token_ids=(), seed=41):
+    e = engine(folder)
+    params = SamplingParams(max_tokens=6, ignore_eos=True, thinking_budget=BUDGET, early_exit=early_exit,
+                            stop_token_ids=list(stop_token_ids))
+    return e, e.generate(prompts(1, seed=seed), params)[0]
+
+
+def test_observed_probes_read_what_a_fork_would_answer_and_change_nothing(folder):
+    _, plain = think(folder)
+    e, seen = think(folder, EarlyExit(every=8, answer_tokens=5, observe=True))
+    assert seen.token_ids == plain.token_ids and seen.num_thinking_tokens == BUDGET and not seen.early_exit
+    assert [p.at for p in seen.probes] == [8, 16, 24, 32]      # none at the budget: the span closes there
+    for p in seen.probes:
+        fork = seen.prompt_token_ids + plain.token_ids[:p.at] + [CLOSE]
+        alone = engine(folder).generate([fork], SamplingParams(max_tokens=5))[0]     # an answer ends at eos
+        line = alone.token_ids[:-1] if alone.finish_reason == "stop" else alone.token_ids
+        assert words(p.text) == line and p.tokens == 1 + len(alone.token_ids)
+        assert p.complete == (alone.finish_reason == "stop")
+    stats = e.stats()["tiny"]
+    assert stats["thinking_probes"] == 4 and stats["thinking_probe_tokens"] == seen.num_probe_tokens
+    assert seen.num_probe_tokens == sum(p.tokens for p in seen.probes) > 4
+    assert stats["thinking_early_exits"] == 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_an_exit_lands_where_the_probe_forked_and_answers_what_it_read(folder):
+    _, plain = think(folder, EarlyExit(every=8, answer_tokens=8, observe=True))
+    first = plain.probes[0]
+    # A stop token the first probe writes after some text (never in the thinking before it)
+    # ends its line there: a whole answer, which a lenient threshold takes.
+    answer = words(first.text)
+    k = next(i for i in range(1, len(answer)) if answer[i] not in plain.token_ids[:8] + answer[:i])
+    e, c = think(folder, EarlyExit(every=8, confidence=1e-9, agree=1, answer_tokens=8), stop_token_ids=[answer[k]])
+    assert c.early_exit and c.num_thinking_tokens == 8
+    assert c.token_ids == plain.token_ids[:8] + [CLOSE] + answer[:k + 1] and c.finish_reason == "stop"
+    assert [(p.at, words(p.text), p.complete) for p in c.probes] == [(8, answer[:k], True)]
+    stats = e.stats()["tiny"]
+    assert stats["thinking_early_exits"] == 1 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_an_unsure_or_unsettled_answer_keeps_thinking(folder):
+    _, plain = think(folder, EarlyExit(every=8, answer_tokens=8, observe=True))
+    answer = words(plain.probes[0].text)
+    k = next(i for i in range(1, len(answer)) if answer[i] not in plain.token_ids[:8] + answer[:i])
+    _, c = think(folder, EarlyExit(every=8, confidence=0.999999, agree=1, answer_tokens=8), stop_token_ids=[answer[k]])
+    assert not c.early_exit and c.probes[0].confidence < 0.999999
+    assert c.token_ids[:8] == plain.token_ids[:8] and c.num_thinking_tokens > 8
+
+
+def test_settled_needs_agreeing_whole_answers_and_a_sure_last_one():
+    p = lambda text, conf=0.95, whole=True: Probe(8, text, conf, whole, 4)      # noqa: E731
+    assert Prober.settled([p("x is 12"), p("The answer is 12.")], agree=2, confidence=0.9)
+    assert not Prober.settled([p("The answer is 12.")], agree=2, confidence=0.9)        # too few
+    assert not Prober.settled([p("12"), p("13")], agree=2, confidence=0.9)               # changed
+    assert not Prober.settled([p("12"), p("12", conf=0.5)], agree=2, confidence=0.9)    # unsure
+    assert not Prober.settled([p("12"), p("12", whole=False)], agree=2, confidence=0.9)  # cut short
+    assert Prober.settled([p("13"), p("Paris"), p(" paris ")], agree=2, confidence=0.9)
+    assert answer_key("It costs $1,250.50 in all") == "1250.50" and answer_key("The  City") == "the city"
+
+
+def test_abort_while_a_probe_reads_frees_everything(folder):
+    e = engine(folder)
+    rid = e.add_request(prompts(1, seed=41)[0], SamplingParams(max_tokens=6, ignore_eos=True, thinking_budget=BUDGET,
+                                                              early_exit=EarlyExit(every=4, answer_tokens=8)))
+    while not e.requests[rid][1].waits_for_probe:
+        e.step()
+    assert e.abort(rid).finish_reason == "abort"
+    while e.has_work():
+        e.step()
+    stats = e.stats()["tiny"]
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["running"] == stats["waiting"] == 0
+
+
+@pytest.mark.parametrize("bad, key", [(dict(every=0), "every"), (dict(confidence=1.0), "confidence"),
+                                      (dict(confidence=0.0), "confidence"), (dict(agree=0), "agree")])
+def test_bad_settings_are_refused_with_the_key_named(bad, key):
+    with pytest.raises(ValueError, match=f"early_exit.{key} must be"):
+        SamplingParams(thinking_budget=64, early_exit=EarlyExit(**bad))
