@@ -5,9 +5,9 @@ from .async_engine import AsyncEngine, EngineFailure, Stopped
 from .config import QUANT_SCHEMES, EngineConfig, ModelEntry, SpecConfig, ThinkingConfig
 from .llm_engine import Completion, LLMEngine, StepOutput
 from .prompter import Prompter, Prompters
-from .sampling_params import MIN_SEED, MIN_TEMPERATURE, MIN_TOP_P, SamplingParams
+from .sampling_params import MIN_SEED, MIN_TEMPERATURE, MIN_TOP_P, SamplingParams, ThinkingExit
 from .sequence import KVWindow
 
 __all__ = ["AsyncEngine", "Completion", "EngineConfig", "EngineFailure", "KVWindow", "LLMEngine", "MIN_SEED",
            "MIN_TEMPERATURE", "MIN_TOP_P", "ModelEntry", "Prompter", "Prompters", "QUANT_SCHEMES", "SamplingParams",
-           "SpecConfig", "StepOutput", "Stopped", "ThinkingConfig"]
+           "SpecConfig", "StepOutput", "Stopped", "ThinkingConfig", "ThinkingExit"]

@@ -29,6 +29,12 @@ class ThinkingConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         """What budget forcing writes when the budget is spent."""
         return f"{self.nudge}{self.close}\n\n"
 
+    @property
+    def early_close(self) -> str:
+        """What closes a span whose answer has settled (early exit), and what a probe appends to
+        read that answer: the marker on a line of its own, no nudge (nothing was cut short)."""
+        return f"\n{self.close}\n\n"
+
 
 # Weights: float, quantized from float (int8, int4), the GGUF's own blocks as they ship (gguf), or
 # a 4-bit AWQ or GPTQ checkpoint's own integers on the int4 kernels (awq, gptq; engine/awq_gptq.py).

@@ -1,6 +1,6 @@
 """Early exit from thinking: a request that thinks stops once its answer has settled.
 
-Every `EarlyExit.every` thinking tokens the request forks a probe: its tokens so far plus the
+Every `ThinkingExit.every` thinking tokens the request forks a probe: its tokens so far plus the
 closing marker, a new sequence that the prefix cache serves all but the last partial block of,
 so it costs its own few tokens. The probe reads the answer greedily up to the end of its first
 line (at most `answer_tokens`), and its confidence: the 25th percentile of those tokens'
@@ -46,12 +46,12 @@ class Prober:
 
     def __init__(self, worker: Worker):
         self.worker, self.stop, self.scheduler, self.tok = worker, worker.stop, worker.scheduler, worker.tokenizer
-        self.close = self.stop.early_close()
+        self.close = self.tok.encode(worker.thinking.early_close)
         self.num_probes = self.num_exits = self.num_probe_tokens = 0
 
     def after_step(self, seq: Sequence) -> None:
         """A request's step was applied: fork a probe when one is due."""
-        th, ee = seq.thinking, seq.params.early_exit
+        th, ee = seq.thinking, seq.params.thinking_exit
         if ee is None or th is None or th.end is not None or th.probe is not None or seq.is_finished:
             return
         thought = th.num_tokens(len(seq))
@@ -80,7 +80,7 @@ class Prober:
             self.worker.runner.clear(self.scheduler.finish(probe, "error"))
         elif not probe.is_finished:
             self.scheduler.finish(probe, "stop")
-        seq, th, ee = probe.probe_of, probe.probe_of.thinking, probe.probe_of.params.early_exit
+        seq, th, ee = probe.probe_of, probe.probe_of.thinking, probe.probe_of.params.thinking_exit
         th.probe = None
         if probe.error or seq.is_finished:
             return

@@ -42,12 +42,17 @@ class Completion:
     engine_s: float = 0.0          # its share of the steps it was in the engine for (each split evenly)
     num_evicted_tokens: int = 0    # tokens its KV window dropped from the cache (0: none, or no window)
     probes: list[Probe] = field(default_factory=list)     # early exit's looks at the answer, in order
-    early_exit: bool = False       # its thinking ended because the answer had settled
+    thinking_exited: bool = False  # its thinking ended early: the answer had settled
 
     @property
     def num_probe_tokens(self) -> int:
-        """What its probes cost (billed as output)."""
+        """What its probes cost."""
         return sum(p.tokens for p in self.probes)
+
+    @property
+    def num_billed_tokens(self) -> int:
+        """Output tokens as billed: every token it generated, and its probes'."""
+        return len(self.token_ids) + self.num_probe_tokens
 
 
 @dataclass

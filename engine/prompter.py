@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from engine.config import EngineConfig, ModelConfig, ThinkingConfig
+from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from models.store import resolve
 
@@ -28,6 +29,15 @@ class Prompter:
         """The most tokens budget forcing writes after a spent thinking budget (the nudge and
         the closing marker): output past the budget that a request must still reserve."""
         return len(self.encode(self.thinking.forced))
+
+    def probe_tokens(self, params: SamplingParams) -> int:
+        """The most tokens early exit's probes may cost a request (each the closing marker and
+        its answer tokens, one every `every` thinking tokens): what a request must reserve."""
+        ee = params.thinking_exit
+        if ee is None or not params.thinking_budget:
+            return 0
+        each = len(self.encode(self.thinking.early_close)) + ee.answer_tokens
+        return (params.thinking_budget - 1) // ee.every * each
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)

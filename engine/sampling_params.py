@@ -14,7 +14,7 @@ MIN_TOP_P = 0.0         # exclusive
 MIN_SEED, MAX_SEED = -2**63, 2**64 - 1
 
 
-class EarlyExit(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+class ThinkingExit(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """Thinking that ends once its answer has settled (engine/early_exit.py): every `every`
     thinking tokens the engine closes the span in a fork and reads the answer it would give
     now; once `agree` probes in a row give the same answer, the last with confidence (the 25th
@@ -49,7 +49,7 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True):
     # gets its span closed in the prompt). max_tokens counts the answer after the span.
     thinking_budget: int = 0
     include_thinking: bool = False      # return the thinking text in `text` too
-    early_exit: EarlyExit | None = None     # None: the span runs to its marker or its budget
+    thinking_exit: ThinkingExit | None = None   # early exit; None: the span runs to its marker or its budget
 
     def __post_init__(self) -> None:
         errors = [message for bad, message in (
@@ -63,8 +63,8 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True):
             (self.thinking_budget < 0,
              f"thinking_budget must be >= 0, got {self.thinking_budget}"),
             (any(not s for s in self.stop), "stop strings must not be empty")) if bad]
-        if self.early_exit is not None:
-            errors += [f"early_exit.{key} {message}" for key, message in self.early_exit.errors()]
+        if self.thinking_exit is not None:
+            errors += [f"thinking_exit.{key} {message}" for key, message in self.thinking_exit.errors()]
         if errors:
             raise ValueError("bad sampling parameters: " + "; ".join(errors))
 

@@ -90,15 +90,10 @@ class StopChecker:
         th.end, th.num_forced = keep + len(forced), len(forced)
         return Verdict(keep, forced)
 
-    def early_close(self) -> list[int]:
-        """What closes a span whose answer has settled (early exit), and what a probe appends
-        to read that answer: the marker on a line of its own, no nudge (nothing was cut short)."""
-        return self.tok.encode(f"\n{self.thinking.close}\n\n")
-
     def close_early(self, th: ThinkingState, keep: int) -> Verdict:
-        """Close the span after `keep` tokens, as a probe that forked there did."""
+        """Close the span after `keep` tokens, as a probe that forked there did (early exit)."""
         th.exited = True
-        return self._force(th, keep, f"\n{self.thinking.close}\n\n")
+        return self._force(th, keep, self.thinking.early_close)
 
     def bans(self, item: ScheduledSeq, i: int) -> list[int]:
         """The tokens the model may not write at index i of a scheduled sequence (of its

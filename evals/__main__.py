@@ -21,10 +21,11 @@ from pathlib import Path
 
 import msgspec
 
-from engine import QUANT_SCHEMES, EngineConfig, LLMEngine, ModelEntry, SpecConfig
+from engine import QUANT_SCHEMES, EngineConfig, LLMEngine, ModelEntry, SpecConfig, ThinkingExit
 from evals.budgets import write_budget_table
 from evals.datasets import DATASETS, SPLITS, DatasetError, files_for, parse_mix
 from evals.lab.contexts import write_context_curve
+from evals.lab.exits import fit, traces
 from evals.lab.heldout import HELDOUT_FILE, write_heldout
 from evals.lab.labels import LABELS_FILE, write_labels
 from evals.lab.proxy import PROXY_FILE, PROXY_REPORT, agreement, read_thresholds, score_run
@@ -68,6 +69,27 @@ def _count(minimum: int):
             raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
         return value
     return parse
+
+
+def _exit(text: str) -> ThinkingExit:
+    """--early-exit "every=64,confidence=0.9,agree=2" (ThinkingExit's keys; "observe" alone: probe, never exit)."""
+    fields: dict = {}
+    for part in filter(None, text.split(",")):
+        key, _, value = part.partition("=")
+        if key == "observe" and not value:
+            fields["observe"] = True
+            continue
+        if key not in ThinkingExit.__struct_fields__ or key == "observe" or not value:
+            raise argparse.ArgumentTypeError(f"{part!r}: expected KEY=VALUE with KEY one of every, confidence, agree, "
+                                             f"answer_tokens, or observe alone")
+        try:
+            fields[key] = float(value) if key == "confidence" else int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{key} must be a number, got {value!r}") from None
+    exit = ThinkingExit(**fields)
+    if errors := exit.errors():
+        raise argparse.ArgumentTypeError("; ".join(f"{key} {message}" for key, message in errors))
+    return exit
 
 
 def _price(text: str):
@@ -137,6 +159,9 @@ def build_parser(prog: str = "python -m evals") -> argparse.ArgumentParser:
                      help="answer tokens per question (default: %(default)s)")
     run.add_argument("--thinking-budget", type=_count(0), default=0, metavar="TOKENS",
                      help="thinking tokens per question; 0: no thinking span (default)")
+    run.add_argument("--early-exit", type=_exit, metavar="KEY=VALUE,...",
+                     help="thinking stops once its answer has settled (engine/early_exit.py): every, confidence, "
+                          "agree, answer_tokens; 'observe' probes without exiting (what `eval exits` fits on)")
     run.add_argument("--price", type=_price, action="append", default=[], metavar="MODEL=IN,CACHED,OUT",
                      help="dollars per million input, cached input and output tokens; repeat per model "
                           "(default: small=0.1,0.025,0.4 large=0.3,0.075,1.2)")
@@ -187,6 +212,18 @@ def build_parser(prog: str = "python -m evals") -> argparse.ArgumentParser:
                                                     "router choosing model and difficulty")
     p.set_defaults(run=cmd_budgets)
 
+    p = sub.add_parser("exits", help="the router lab: early exit's settings from a run that observed its probes "
+                                     "(--early-exit observe): every policy's exact match and tokens, fixed budgets")
+    p.add_argument("folder", metavar="RUN", help="an observed run (run ... --thinking-budget B --early-exit observe)")
+    p.add_argument("--out", required=True, metavar="DIR", help="where exits.md, .json and .png go")
+    p.add_argument("--target", type=float, default=0.95,
+                   help="the share of full thinking's exact match the chosen policy keeps (default: %(default)s)")
+    p.add_argument("--policy", type=_exit, metavar="KEY=VALUE,...",
+                   help="judge these settings (every, confidence, agree; fitted on another split) instead of choosing")
+    p.add_argument("--real", metavar="RUN2", help="a run served with early exit over the same questions: tabulated "
+                                                 "beside the simulation")
+    p.set_defaults(run=cmd_exits)
+
     p = sub.add_parser("context", help="quality by context budget per model, from runs that differ in their budget; "
                                        "chooses each model's (its arms') budget")
     p.add_argument("folders", nargs="+", metavar="RUN", help="run folders over the same questions")
@@ -227,7 +264,7 @@ def cmd_run(args) -> int:
     config = RunConfig(args.dataset, [str(f.resolve()) for f in files], args.sample, args.seed,
                        {"small": args.small, "large": args.large}, prices, args.context_budget, args.k,
                        args.max_tokens, args.thinking_budget, args.quant, args.split,
-                       parse_mix(args.mix) if args.dataset == "mixed" else (1, 1), args.selection)
+                       parse_mix(args.mix) if args.dataset == "mixed" else (1, 1), args.selection, args.early_exit)
     folder = Path(args.out) if args.out else (
         REPO / ".cache" / "evals" / f"{args.dataset}-n{args.sample or 'all'}-seed{args.seed}")
     dataset = load_dataset(config)
@@ -329,6 +366,18 @@ def cmd_budgets(args) -> int:
     router = RouterModel.load(args.router) if args.router else None
     print(write_budget_table([Path(f) for f in args.folders], Path(args.out), args.kind, router,
                              Embedder() if router else None))
+    return 0
+
+
+def cmd_exits(args) -> int:
+    policy = None
+    if args.policy is not None:
+        _, every = traces(Path(args.folder))
+        if args.policy.every % every:
+            raise RunError(f"--policy every={args.policy.every} is not a multiple of the run's probe interval {every}")
+        policy = {"stride": args.policy.every // every, "agree": args.policy.agree,
+                  "confidence": args.policy.confidence}
+    print(fit(Path(args.folder), Path(args.out), args.target, policy, Path(args.real) if args.real else None))
     return 0
 
 

@@ -26,6 +26,12 @@ class Call:
     engine_s: float          # this request's share of the engine's step time
     finish_reason: str
     logprobs: list[float]    # of each output token, for confidence features
+    # Early exit (engine/early_exit.py): what its probes cost (in output_tokens), each probe as
+    # [thinking tokens when it forked, the answer line it read, its confidence, whether the line
+    # was whole, its tokens], and whether thinking ended there.
+    probe_tokens: int = 0
+    probes: list[list] = field(default_factory=list)
+    thinking_exited: bool = False
 
 
 @dataclass

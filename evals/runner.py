@@ -23,7 +23,7 @@ from pathlib import Path
 import msgspec
 from tqdm import tqdm
 
-from engine import AsyncEngine, Completion, EngineFailure, LLMEngine
+from engine import AsyncEngine, Completion, EngineFailure, LLMEngine, ThinkingExit
 from evals.datasets import Dataset, Example, load
 from evals.metrics import Score, score
 from evals.records import Call, Record, RecordLog, read_records
@@ -67,6 +67,7 @@ class RunConfig(msgspec.Struct, forbid_unknown_fields=True):
     split: str = "all"                # all, or the train or test half (evals.datasets.in_split)
     mix: tuple[int, int] = (1, 1)     # mixed: SQuAD questions to GSM8K problems
     selection: bool = False           # passages cut to what bears on the question, as a tenant's passage_selection
+    thinking_exit: ThinkingExit | None = None   # early exit from thinking, as a tenant's [thinking_budget] exit
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,7 @@ class Mode:
         # Each mode its own prefix-cache namespace: a mode run after another in the same engine
         # would find that one's prompts cached, and look cheaper and faster than it is served.
         return Terms(TENANT, policy, config.context_budget, config.max_tokens, SALT + b"/" + self.name.encode(),
-                     config.selection)
+                     config.selection, thinking_exit=config.thinking_exit)
 
 
 MODES: dict[str, Mode] = {"small": Mode("small", "small"), "large": Mode("large", "large")}
@@ -281,9 +282,11 @@ class Runner:
 
     def _call(self, c: Completion, retrieval_s: float) -> Call:
         # Tokens as the usage ledger counts them: the prompt sent, every generated token.
-        return Call(c.model, len(c.prompt_token_ids), c.num_cached_tokens, len(c.token_ids), c.num_thinking_tokens,
+        return Call(c.model, len(c.prompt_token_ids), c.num_cached_tokens, c.num_billed_tokens, c.num_thinking_tokens,
                     call_cost(self.config.prices[c.model], c), retrieval_s, c.ttft, c.latency, c.engine_s,
-                    c.finish_reason, [round(x, 4) for x in c.logprobs])
+                    c.finish_reason, [round(x, 4) for x in c.logprobs], c.num_probe_tokens,
+                    [[p.at, p.text, round(p.confidence, 4), p.complete, p.tokens] for p in c.probes],
+                    c.thinking_exited)
 
     def _record(self, mode: Mode, q: _Question) -> Record:
         ex = q.example

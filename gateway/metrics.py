@@ -172,7 +172,13 @@ class GatewayMetrics:
                 ("scheduled_ahead", "sluice_engine_scheduled_ahead_total",
                  "sequences planned while their step before ran (async scheduling)", "counter"),
                 ("discarded_outputs", "sluice_engine_discarded_outputs_total",
-                 "step outputs dropped as their sequence had finished meanwhile (async scheduling)", "counter")]:
+                 "step outputs dropped as their sequence had finished meanwhile (async scheduling)", "counter"),
+                ("thinking_probes", "sluice_thinking_probes_total",
+                 "early exit's probes: looks at the answer while a request thinks", "counter"),
+                ("thinking_probe_tokens", "sluice_thinking_probe_tokens_total",
+                 "tokens those probes cost (billed as output)", "counter"),
+                ("thinking_early_exits", "sluice_thinking_early_exits_total",
+                 "thinking spans closed early, their answer settled", "counter")]:
             r.add(Sampled(name, help, ("model",), lambda key=key: {(m, ): s[key] for m, s in engine_stats().items()},
                           kind))
         r.add(Sampled("sluice_prefix_cache_hit_rate", "prefix cache hits over lookups", ("model",),

@@ -407,7 +407,7 @@ class Gateway:
         and the metrics."""
         answer, d = job.answer, job.answer.route
         # (model, prompt, cached, produced, thinking) per call: an escalated request pays for both.
-        calls = [(c.model, len(c.prompt_token_ids), c.num_cached_tokens, len(c.token_ids), c.num_thinking_tokens)
+        calls = [(c.model, len(c.prompt_token_ids), c.num_cached_tokens, c.num_billed_tokens, c.num_thinking_tokens)
                  for c in answer.calls]
         if p.call is not None:           # cut short: what it had produced so far
             calls.append((p.call.model, len(p.call.prompt_ids), p.cached,

@@ -20,7 +20,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from engine import KVWindow
+from engine import KVWindow, ThinkingExit
 from gateway.config import ConfigError, NonNegative, Positive, load_toml
 from pipeline import CacheTerms, Terms
 from pipeline.prices import Dollars
@@ -34,10 +34,17 @@ Sha256Hex = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$",
 
 
 class ThinkingBudgets(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    """Tokens of thinking allowed per difficulty; a request may ask for up to the largest."""
+    """Tokens of thinking allowed per difficulty; a request may ask for up to the largest. With
+    `early_exit`, thinking stops once its answer has settled, as `exit` says (engine/early_exit.py)."""
     easy: NonNegative = 0
     medium: NonNegative = 0
     hard: NonNegative = 0
+    early_exit: bool = False
+    exit: ThinkingExit = ThinkingExit()
+
+    @property
+    def per_difficulty(self) -> dict[str, int]:
+        return {"easy": self.easy, "medium": self.medium, "hard": self.hard}
 
 
 class RouterSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -127,6 +134,8 @@ class TenantSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, froze
         if self.default_model not in self.allowed_models:
             raise ValueError(f"field 'default_model': expected one of allowed_models "
                              f"({', '.join(self.allowed_models)}), got {self.default_model!r}")
+        if errors := self.thinking_budget.exit.errors():
+            raise ValueError("; ".join(f"field 'thinking_budget.exit.{key}': {message}" for key, message in errors))
         window = self.long_context.kv_window(self.context_budget)
         if window is not None and (errors := window.errors(WINDOW_BLOCK_SIZE, 2**31)):
             raise ValueError("; ".join(f"field 'long_context.{key}': {message}" for key, message in errors))
@@ -143,14 +152,15 @@ class Tenant:
     def terms(self) -> Terms:
         """The tenant file as the answer pipeline applies it."""
         spec, r = self.spec, self.spec.router
-        policy = Policy(spec.default_model, tuple(spec.allowed_models), msgspec.structs.asdict(spec.thinking_budget),
+        policy = Policy(spec.default_model, tuple(spec.allowed_models), spec.thinking_budget.per_difficulty,
                         spec.escalation_threshold, r.classifier, r.escalation, r.models, r.max_thinking_budget,
                         r.classifier_timeout_ms / 1000, r.early_escalation, r.arm_margin, r.closed_book_arm_margin,
                         r.widen, r.widen_from_cache)
         c = spec.answer_cache
         cache = CacheTerms(c.enabled, c.ttl_s, c.near_duplicates, c.similarity, c.hit_price_usd)
         return Terms(self.id, policy, spec.context_budget, spec.output_budget, self.salt, spec.passage_selection,
-                     cache, spec.long_context.kv_window(spec.context_budget))
+                     cache, spec.long_context.kv_window(spec.context_budget),
+                     spec.thinking_budget.exit if spec.thinking_budget.early_exit else None)
 
 
 def load_tenant(path: Path, served_models: set[str]) -> Tenant:

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from engine import MIN_TEMPERATURE, Completion, KVWindow, Prompter, SamplingParams, StepOutput
+from engine import MIN_TEMPERATURE, Completion, KVWindow, Prompter, SamplingParams, StepOutput, ThinkingExit
 from pipeline.answer_cache import AnswerCache, CachedPassage, CacheTerms, Entry, Hit, Lookup, normalize
 from pipeline.prices import Price, cost
 from retrieval import OverBudget, RagContext, RetrievalError, Selector, TrimResult, rag_context
@@ -89,6 +89,9 @@ class Terms:
     # A conversation over the context budget: None refuses it (over_context_budget); a window
     # answers it without passages, the engine keeping only the window's sinks and recent tokens.
     window: KVWindow | None = None
+    # Thinking that stops once the answer has settled (engine/early_exit.py); None: it runs to
+    # its marker or its budget.
+    thinking_exit: ThinkingExit | None = None
 
     @property
     def max_thinking(self) -> int:
@@ -129,7 +132,7 @@ class Models(Protocol):
 
 
 def call_cost(price: Price, c: Completion) -> float:
-    return cost(price, len(c.prompt_token_ids), c.num_cached_tokens, len(c.token_ids))
+    return cost(price, len(c.prompt_token_ids), c.num_cached_tokens, c.num_billed_tokens)
 
 
 class Pipeline:
@@ -271,7 +274,8 @@ class Pipeline:
             r, wide = replace(r, escalate_to=None), None    # nothing wider to ask it again with
         try:
             params = SamplingParams(temperature=q.temperature, top_p=q.top_p, seed=q.seed, max_tokens=max_tokens,
-                                    stop=q.stop, thinking_budget=r.thinking_budget)
+                                    stop=q.stop, thinking_budget=r.thinking_budget,
+                                    thinking_exit=terms.thinking_exit if r.thinking_budget else None)
         except ValueError as e:
             raise Refused(422, str(e), code="bad_sampling_parameters") from None
         window = terms.window if context.trimmed.tokens > terms.context_budget else None
@@ -344,8 +348,8 @@ class Pipeline:
         prompts = [len(plan.prompt_ids)] * len(models)
         if plan.wide is not None and len(models) > 1:       # an escalation that widens reads more
             prompts[1] += plan.wide.trimmed.tokens - plan.context.trimmed.tokens
-        out = lambda m: params.max_tokens + params.thinking_budget + \
-            (self.engine.prompter(m).forced_tokens if params.thinking_budget else 0)
+        extra = lambda p: p.forced_tokens + p.probe_tokens(params) if params.thinking_budget else 0     # noqa: E731
+        out = lambda m: params.max_tokens + params.thinking_budget + extra(self.engine.prompter(m))
         return (sum(p + out(m) for m, p in zip(models, prompts)),
                 sum(cost(self.prices[m], p, 0, out(m)) for m, p in zip(models, prompts)))
 

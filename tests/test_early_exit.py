@@ -5,7 +5,7 @@ probe forked and answers what it read."""
 import pytest
 
 from engine.early_exit import Prober, answer_key
-from engine.sampling_params import EarlyExit, SamplingParams
+from engine.sampling_params import SamplingParams, ThinkingExit
 from engine.sequence import Probe
 from tests.test_engine import folder, prompts  # noqa: F401  (fixture)
 from tests.test_thinking import CLOSE, engine
@@ -19,15 +19,15 @@ def words(text):
 
 def think(folder, early_exit=None, stop_token_ids=(), seed=41):
     e = engine(folder)
-    params = SamplingParams(max_tokens=6, ignore_eos=True, thinking_budget=BUDGET, early_exit=early_exit,
+    params = SamplingParams(max_tokens=6, ignore_eos=True, thinking_budget=BUDGET, thinking_exit=early_exit,
                             stop_token_ids=list(stop_token_ids))
     return e, e.generate(prompts(1, seed=seed), params)[0]
 
 
 def test_observed_probes_read_what_a_fork_would_answer_and_change_nothing(folder):
     _, plain = think(folder)
-    e, seen = think(folder, EarlyExit(every=8, answer_tokens=5, observe=True))
-    assert seen.token_ids == plain.token_ids and seen.num_thinking_tokens == BUDGET and not seen.early_exit
+    e, seen = think(folder, ThinkingExit(every=8, answer_tokens=5, observe=True))
+    assert seen.token_ids == plain.token_ids and seen.num_thinking_tokens == BUDGET and not seen.thinking_exited
     assert [p.at for p in seen.probes] == [8, 16, 24, 32]      # none at the budget: the span closes there
     for p in seen.probes:
         fork = seen.prompt_token_ids + plain.token_ids[:p.at] + [CLOSE]
@@ -42,14 +42,14 @@ def test_observed_probes_read_what_a_fork_would_answer_and_change_nothing(folder
 
 
 def test_an_exit_lands_where_the_probe_forked_and_answers_what_it_read(folder):
-    _, plain = think(folder, EarlyExit(every=8, answer_tokens=8, observe=True))
+    _, plain = think(folder, ThinkingExit(every=8, answer_tokens=8, observe=True))
     first = plain.probes[0]
     # A stop token the first probe writes after some text (never in the thinking before it)
     # ends its line there: a whole answer, which a lenient threshold takes.
     answer = words(first.text)
     k = next(i for i in range(1, len(answer)) if answer[i] not in plain.token_ids[:8] + answer[:i])
-    e, c = think(folder, EarlyExit(every=8, confidence=1e-9, agree=1, answer_tokens=8), stop_token_ids=[answer[k]])
-    assert c.early_exit and c.num_thinking_tokens == 8
+    e, c = think(folder, ThinkingExit(every=8, confidence=1e-9, agree=1, answer_tokens=8), stop_token_ids=[answer[k]])
+    assert c.thinking_exited and c.num_thinking_tokens == 8
     assert c.token_ids == plain.token_ids[:8] + [CLOSE] + answer[:k + 1] and c.finish_reason == "stop"
     assert [(p.at, words(p.text), p.complete) for p in c.probes] == [(8, answer[:k], True)]
     stats = e.stats()["tiny"]
@@ -57,11 +57,12 @@ def test_an_exit_lands_where_the_probe_forked_and_answers_what_it_read(folder):
 
 
 def test_an_unsure_or_unsettled_answer_keeps_thinking(folder):
-    _, plain = think(folder, EarlyExit(every=8, answer_tokens=8, observe=True))
+    _, plain = think(folder, ThinkingExit(every=8, answer_tokens=8, observe=True))
     answer = words(plain.probes[0].text)
     k = next(i for i in range(1, len(answer)) if answer[i] not in plain.token_ids[:8] + answer[:i])
-    _, c = think(folder, EarlyExit(every=8, confidence=0.999999, agree=1, answer_tokens=8), stop_token_ids=[answer[k]])
-    assert not c.early_exit and c.probes[0].confidence < 0.999999
+    unsure = ThinkingExit(every=8, confidence=0.999999, agree=1, answer_tokens=8)
+    _, c = think(folder, unsure, stop_token_ids=[answer[k]])
+    assert not c.thinking_exited and c.probes[0].confidence < 0.999999
     assert c.token_ids[:8] == plain.token_ids[:8] and c.num_thinking_tokens > 8
 
 
@@ -79,7 +80,7 @@ def test_settled_needs_agreeing_whole_answers_and_a_sure_last_one():
 def test_abort_while_a_probe_reads_frees_everything(folder):
     e = engine(folder)
     rid = e.add_request(prompts(1, seed=41)[0], SamplingParams(max_tokens=6, ignore_eos=True, thinking_budget=BUDGET,
-                                                              early_exit=EarlyExit(every=4, answer_tokens=8)))
+                                                              thinking_exit=ThinkingExit(every=4, answer_tokens=8)))
     while not e.requests[rid][1].waits_for_probe:
         e.step()
     assert e.abort(rid).finish_reason == "abort"
@@ -92,5 +93,44 @@ def test_abort_while_a_probe_reads_frees_everything(folder):
 @pytest.mark.parametrize("bad, key", [(dict(every=0), "every"), (dict(confidence=1.0), "confidence"),
                                       (dict(confidence=0.0), "confidence"), (dict(agree=0), "agree")])
 def test_bad_settings_are_refused_with_the_key_named(bad, key):
-    with pytest.raises(ValueError, match=f"early_exit.{key} must be"):
-        SamplingParams(thinking_budget=64, early_exit=EarlyExit(**bad))
+    with pytest.raises(ValueError, match=f"thinking_exit.{key} must be"):
+        SamplingParams(thinking_budget=64, thinking_exit=ThinkingExit(**bad))
+
+
+def test_a_tenant_turns_early_exit_on_with_its_settings(tmp_path):
+    from gateway.tenants import load_tenant
+    from tests.test_gateway import KEYS, tenant_toml
+    path = tmp_path / "alpha.toml"
+    path.write_text(tenant_toml(KEYS["alpha"]).replace(
+        "[limits]", "[thinking_budget]\nhard = 512\nearly_exit = true\n[thinking_budget.exit]\nevery = 32\n"
+                    "confidence = 0.8\n[limits]"))
+    terms = load_tenant(path, {"small", "large"}).terms
+    assert terms.thinking_exit == ThinkingExit(every=32, confidence=0.8)
+    assert terms.policy.thinking == {"easy": 0, "medium": 0, "hard": 512}
+
+
+def test_the_lab_simulates_exits_and_fixed_budgets_from_observed_probes():
+    from evals.lab.exits import Trace, budget_outcome, exit_outcome, pareto, summarize
+    p = lambda at, text, conf=0.95, whole=True: Probe(at, text, conf, whole, 5)     # noqa: E731
+    # Right at 64 and 128 (12), wrong at 32 (10); 150 tokens of thinking in full, then right.
+    t = Trace("q", [p(32, "10", 0.5), p(64, "12"), p(96, "12"), p(128, "12")], 150, 1.0, [0.0, 1.0, 1.0, 1.0])
+    assert exit_outcome(t, 1, 1, 0.4).__dict__ == {"thinking": 32, "probe_tokens": 5, "em": 0.0, "exited": True}
+    assert exit_outcome(t, 1, 2, 0.9).__dict__ == {"thinking": 96, "probe_tokens": 15, "em": 1.0, "exited": True}
+    assert exit_outcome(t, 2, 2, 0.9).__dict__ == {"thinking": 128, "probe_tokens": 10, "em": 1.0, "exited": True}
+    assert exit_outcome(t, 1, 3, 0.99).__dict__ == {"thinking": 150, "probe_tokens": 20, "em": 1.0, "exited": False}
+    assert budget_outcome(t, 32).em == 0.0 and budget_outcome(t, 64).thinking == 64
+    assert budget_outcome(t, 256).__dict__ == {"thinking": 150, "probe_tokens": 0, "em": 1.0, "exited": False}
+    full = {"em": 1.0, "thinking_tokens": 150}
+    row = summarize([exit_outcome(t, 1, 2, 0.9)], full)
+    assert row["spent"] == 111 and row["spent_share"] == 111 / 150 and row["em_share"] == 1.0
+    rows = [{"em": 0.5, "spent": 10}, {"em": 0.4, "spent": 20}, {"em": 0.9, "spent": 30}]
+    assert pareto(rows) == [rows[0], rows[2]]
+
+
+@pytest.mark.parametrize("text, message", [("every=0", "every must be >= 1"), ("speed=3", "expected KEY=VALUE"),
+                                           ("confidence=high", "confidence must be a number")])
+def test_the_eval_cli_refuses_bad_early_exit_settings_with_exit_code_2(text, message, capsys):
+    from evals.__main__ import build_parser
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["run", "gsm8k", "--early-exit", text])
+    assert e.value.code == 2 and message in capsys.readouterr().err

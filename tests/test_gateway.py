@@ -468,6 +468,10 @@ TENANT_ERRORS = [
      "field 'limits.monthly_spend_cap_usd': expected float >= 0"),
     ("[limits]", "[router]\nclosed_book_arm_margin = 1.5\n[limits]",
      "field 'router.closed_book_arm_margin': expected float <= 1.0"),
+    ("[limits]", "[thinking_budget.exit]\nevery = 0\n[limits]",
+     "field 'thinking_budget.exit.every': must be >= 1 (thinking tokens between probes), got 0"),
+    ("[limits]", "[thinking_budget.exit]\nconfidence = 1.0\n[limits]",
+     "field 'thinking_budget.exit.confidence': must be in (0, 1), got 1.0"),
 ]
 
 
@@ -499,6 +503,7 @@ def test_the_example_tenant_file_is_valid():
     policy = tenants[0].terms.policy
     assert (policy.arm_margin, policy.closed_book_margin, policy.widen) == (0.05, None, True)   # unset: arm_margin
     assert not policy.widen_from_cache
+    assert tenants[0].terms.thinking_exit is None       # early exit is off until a tenant turns it on
 
 
 def test_a_tenant_sets_its_closed_book_arm_margin_and_widening_order(tmp_path):

@@ -1,0 +1,221 @@
+"""Early exit's settings, fitted on a run that observed its probes (`eval run --thinking-budget
+B --early-exit observe,every=E`): such a run probes every E thinking tokens and never exits,
+and its requests wait for their probes, so each thinks exactly as without them. A probe at t
+reads the answer greedy decoding gives when the span is closed at t, which is where an exit at
+t answers from, so one observed run answers for every policy that probes at multiples of E:
+
+- fixed budgets: thinking stopped at t, the probe's answer (no probe cost);
+- early exit (every k*E tokens, `agree` probes in a row, the last at least `confidence` sure):
+  the first probe where engine.early_exit.Prober.settled holds, its answer; thinking tokens up
+  to there, and every probe made on the way billed.
+
+A probe reads the answer's first line; a GSM8K answer is scored on that line (its last number),
+which is what an exit's answer opens with. A real early-exit run (`--early-exit` with the
+chosen settings) checks it: `--real RUN` tabulates that run on the same questions.
+
+The chosen policy: the fewest thinking and probe tokens per question keeping `target` of the
+full run's exact match. Writes exits.json, exits.md and exits.png.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from engine.early_exit import Prober  # noqa: E402
+from engine.sequence import Probe  # noqa: E402
+from evals.budgets import save_plot  # noqa: E402
+from evals.metrics import score  # noqa: E402
+from evals.records import Record, RecordLog  # noqa: E402
+from evals.runner import RECORDS_FILE, RunError, load_dataset, read_config  # noqa: E402
+
+STRIDES = (1, 2, 3, 4)                  # policies probe every k * E tokens
+AGREE = (1, 2, 3)
+CONFIDENCE = (0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98)
+TARGET = 0.95                           # of the full run's exact match
+THINKING_TARGET = 0.5                   # of its thinking tokens, probes included (issue's target)
+
+
+@dataclass(frozen=True)
+class Trace:
+    """One question's thinking as the observed run saw it."""
+    id: str
+    probes: list[Probe]
+    thinking: int               # tokens it thought in full
+    em: float                   # of the full answer
+    probe_em: list[float]       # of each probe's answer
+
+
+@dataclass(frozen=True)
+class Outcome:
+    thinking: int
+    probe_tokens: int
+    em: float
+    exited: bool
+
+
+def traces(folder: Path, mode: str = "large") -> tuple[list[Trace], int]:
+    """The observed run's questions (of `mode`) with their probes; and the probe interval."""
+    config = read_config(folder)
+    if config.thinking_exit is None or not config.thinking_exit.observe:
+        raise RunError(f"{folder} is not an observed run: it needs --early-exit observe (its run.json has "
+                       f"thinking_exit {config.thinking_exit})")
+    answers = {ex.id: ex for ex in load_dataset(config).examples}
+    out = []
+    for r in RecordLog(folder / RECORDS_FILE).records:
+        if r.mode != mode or r.error or not r.calls:
+            continue
+        call, ex = r.calls[-1], answers[r.id]
+        probes = [Probe(at, text, conf, whole, tokens) for at, text, conf, whole, tokens in call.probes]
+        out.append(Trace(r.id, probes, call.thinking_tokens, r.em,
+                         [score(ex.kind, p.text, ex.answers).em for p in probes]))
+    if not out:
+        raise RunError(f"{folder}: no answered {mode!r} questions")
+    return out, config.thinking_exit.every
+
+
+def exit_outcome(t: Trace, stride: int, agree: int, confidence: float) -> Outcome:
+    """What early exit at these settings would have done on this question."""
+    seen, spent = [], 0
+    for i, p in enumerate(t.probes):
+        if (i + 1) % stride:
+            continue
+        seen.append(p)
+        spent += p.tokens
+        if Prober.settled(seen, agree, confidence):
+            return Outcome(p.at, spent, t.probe_em[i], True)
+    return Outcome(t.thinking, spent, t.em, False)
+
+
+def budget_outcome(t: Trace, budget: int) -> Outcome:
+    """Thinking stopped at `budget` tokens (a probe point): that probe's answer."""
+    i = next((i for i, p in enumerate(t.probes) if p.at >= budget), None)
+    if i is None:
+        return Outcome(t.thinking, 0, t.em, False)
+    return Outcome(t.probes[i].at, 0, t.probe_em[i], True)
+
+
+def summarize(outcomes: list[Outcome], full: dict | None = None, **settings) -> dict:
+    row = settings | {"em": float(np.mean([o.em for o in outcomes])),
+                      "thinking_tokens": float(np.mean([o.thinking for o in outcomes])),
+                      "probe_tokens": float(np.mean([o.probe_tokens for o in outcomes])),
+                      "exited": float(np.mean([o.exited for o in outcomes]))}
+    row["spent"] = row["thinking_tokens"] + row["probe_tokens"]
+    if full:
+        row["em_share"] = row["em"] / full["em"] if full["em"] else 0.0
+        row["spent_share"] = row["spent"] / full["thinking_tokens"] if full["thinking_tokens"] else 0.0
+    return row
+
+
+def real_row(folder: Path, ids: set[str], mode: str = "large") -> dict:
+    """A run served with early exit, on the observed questions it answered."""
+    records: list[Record] = [r for r in RecordLog(folder / RECORDS_FILE).records
+                             if r.mode == mode and r.id in ids and not r.error and r.calls]
+    if not records:
+        raise RunError(f"{folder}: none of the observed run's questions answered in mode {mode!r}")
+    calls = [r.calls[-1] for r in records]
+    return {"policy": f"served ({folder.name})", "n": len(records), "em": float(np.mean([r.em for r in records])),
+            "thinking_tokens": float(np.mean([c.thinking_tokens for c in calls])),
+            "probe_tokens": float(np.mean([c.probe_tokens for c in calls])),
+            "exited": float(np.mean([c.thinking_exited for c in calls])), "ids": sorted(r.id for r in records)}
+
+
+def fit(folder: Path, out: Path, target: float = TARGET, policy: dict | None = None,
+        real: Path | None = None) -> str:
+    """Tabulate every policy on the observed run; `policy` (stride, agree, confidence) given:
+    judge that one (a held-out split), else choose the cheapest at `target`."""
+    ts, every = traces(folder)
+    full = summarize([Outcome(t.thinking, 0, t.em, False) for t in ts], policy="full thinking")
+    rows = [summarize([exit_outcome(t, s, a, c) for t in ts], full, every=s * every, stride=s, agree=a,
+                      confidence=c) for s in STRIDES for a in AGREE for c in CONFIDENCE]
+    budgets = sorted({p.at for t in ts for p in t.probes})
+    fixed = [summarize([budget_outcome(t, b) for t in ts], full, budget=b) for b in budgets]
+    if policy is not None:
+        chosen = next((r for r in rows if all(r[k] == v for k, v in policy.items())), None)
+        if chosen is None:
+            raise RunError(f"policy {policy} is not on this run's grid (every a multiple of {every})")
+    else:
+        good = [r for r in rows if r["em_share"] >= target]
+        chosen = min(good, key=lambda r: (r["spent"], -r["em"])) if good else max(rows, key=lambda r: r["em"])
+    served = None
+    if real is not None:
+        served = real_row(real, {t.id for t in ts})
+        mine = [t for t in ts if t.id in set(served["ids"])]
+        served["full_em"] = float(np.mean([t.em for t in mine]))
+        served["full_thinking_tokens"] = float(np.mean([t.thinking for t in mine]))
+    result = {"run": str(folder), "n": len(ts), "probe_every": every, "target": target, "full": full,
+              "chosen": chosen, "given": policy is not None, "fixed_budgets": fixed, "policies": rows,
+              "served": served}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "exits.json").write_text(json.dumps(result, indent=2) + "\n")
+    text = markdown(result)
+    (out / "exits.md").write_text(text)
+    plot(result, out / "exits.png")
+    return text
+
+
+def pareto(rows: list[dict]) -> list[dict]:
+    """The policies no other beats on both exact match and tokens spent."""
+    rows = sorted(rows, key=lambda r: (r["spent"], -r["em"]))
+    front, best = [], -1.0
+    for r in rows:
+        if r["em"] > best:
+            front.append(r)
+            best = r["em"]
+    return front
+
+
+def markdown(result: dict) -> str:
+    full, c = result["full"], result["chosen"]
+    pct = lambda x: f"{100 * x:.0f}%"     # noqa: E731
+    lines = [f"# Early exit from thinking: {result['run']}", "",
+             f"{result['n']} questions, probed every {result['probe_every']} thinking tokens. Full thinking: "
+             f"exact match {full['em']:.3f}, {full['thinking_tokens']:.0f} thinking tokens per question.", "",
+             f"{'Judged' if result['given'] else 'Chosen'}: probe every {c['every']}, {c['agree']} agreeing, "
+             f"confidence >= {c['confidence']}: exact match {c['em']:.3f} ({pct(c['em_share'])} of full thinking's; "
+             f"target {pct(result['target'])}), {c['spent']:.0f} tokens per question ({c['thinking_tokens']:.0f} "
+             f"thinking + {c['probe_tokens']:.0f} probe) = {pct(c['spent_share'])} of full thinking's (target <= "
+             f"{pct(THINKING_TARGET)}); {pct(c['exited'])} exited early.", ""]
+    if result["served"]:
+        s = result["served"]
+        spent = s["thinking_tokens"] + s["probe_tokens"]
+        lines += [f"Served with early exit ({s['policy']}, {s['n']} of these questions): exact match {s['em']:.3f} "
+                  f"against {s['full_em']:.3f} with full thinking ({pct(s['em'] / max(s['full_em'], 1e-9))}), "
+                  f"{spent:.0f} tokens ({s['thinking_tokens']:.0f} thinking + {s['probe_tokens']:.0f} probe) against "
+                  f"{s['full_thinking_tokens']:.0f} ({pct(spent / max(s['full_thinking_tokens'], 1))}); "
+                  f"{pct(s['exited'])} exited early.", ""]
+    lines += ["| policy | exact match | share | thinking | probe | spent | share | exited |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in pareto(result["policies"]):
+        lines.append(f"| every {r['every']}, agree {r['agree']}, conf {r['confidence']} | {r['em']:.3f} | "
+                     f"{pct(r['em_share'])} | {r['thinking_tokens']:.0f} | {r['probe_tokens']:.0f} | "
+                     f"{r['spent']:.0f} | {pct(r['spent_share'])} | {pct(r['exited'])} |")
+    lines += ["", "Fixed budgets (thinking stopped at the budget, the probe's answer):", "",
+              "| budget | exact match | share | thinking | share |", "|---|---|---|---|---|"]
+    for r in result["fixed_budgets"]:
+        lines.append(f"| {r['budget']} | {r['em']:.3f} | {pct(r['em_share'])} | {r['thinking_tokens']:.0f} | "
+                     f"{pct(r['spent_share'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(6, 4))
+    fixed, front = result["fixed_budgets"], pareto(result["policies"])
+    ax.scatter([r["spent"] for r in result["policies"]], [r["em"] for r in result["policies"]], s=6, color="0.75",
+               label="early exit, every policy")
+    ax.plot([r["spent"] for r in front], [r["em"] for r in front], "o-", ms=3, label="early exit, best policies")
+    ax.plot([r["spent"] for r in fixed], [r["em"] for r in fixed], "s--", ms=3, label="fixed budgets")
+    full, c = result["full"], result["chosen"]
+    ax.plot([full["thinking_tokens"]], [full["em"]], "k*", ms=10, label="full thinking")
+    ax.plot([c["spent"]], [c["em"]], "r*", ms=10, label="chosen" if not result["given"] else "judged")
+    if result["served"]:
+        s = result["served"]
+        ax.plot([s["thinking_tokens"] + s["probe_tokens"]], [s["em"]], "gD", ms=6, label="served with early exit")
+    save_plot(fig, ax, path, "thinking + probe tokens per question (mean)", "exact match",
+              "Exact match against thinking spent")
