@@ -114,8 +114,8 @@ class LLMEngine:
             if any(not 0 <= t < worker.cfg.vocab_size for t in tokens):
                 raise ValueError(f"{what} has token ids outside the vocabulary (0..{worker.cfg.vocab_size - 1})")
         thinking = None
-        if params.thinking_budget or worker.thinking.native:    # a native thinker is told not to, at 0
-            ids, thinking = worker.stop.open_span(ids, params.thinking_budget)
+        if params.max_thinking_tokens or worker.thinking.native:    # a native thinker is told not to, at 0
+            ids, thinking = worker.stop.open_span(ids, params.max_thinking_tokens)
         seq = Sequence(ids, params, salt=salt, request_id=request_id or "", stop_ids=worker.stop.stop_ids(params),
                        thinking=thinking, window=window)
         if seq.request_id in self.requests:

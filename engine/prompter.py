@@ -34,10 +34,10 @@ class Prompter:
         """The most tokens early exit's probes may cost a request (each the closing marker and
         its answer tokens, one every `every` thinking tokens): what a request must reserve."""
         ee = params.thinking_exit
-        if ee is None or not params.thinking_budget:
+        if ee is None or not params.max_thinking_tokens:
             return 0
         each = len(self.encode(self.thinking.early_close)) + ee.answer_tokens
-        return (params.thinking_budget - 1) // ee.every * each
+        return (params.max_thinking_tokens - 1) // ee.every * each
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)

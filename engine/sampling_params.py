@@ -47,7 +47,7 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True):
     ignore_eos: bool = False
     # Tokens the model may spend inside its thinking span; 0: no thinking (a native thinker
     # gets its span closed in the prompt). max_tokens counts the answer after the span.
-    thinking_budget: int = 0
+    max_thinking_tokens: int = 0
     include_thinking: bool = False      # return the thinking text in `text` too
     thinking_exit: ThinkingExit | None = None   # early exit; None: the span runs to its marker or its budget
 
@@ -60,8 +60,8 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True):
             (self.seed is not None and not MIN_SEED <= self.seed <= MAX_SEED,
              f"seed must be in [-2**63, 2**64 - 1], got {self.seed}"),
             (self.max_tokens < 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
-            (self.thinking_budget < 0,
-             f"thinking_budget must be >= 0, got {self.thinking_budget}"),
+            (self.max_thinking_tokens < 0,
+             f"max_thinking_tokens must be >= 0, got {self.max_thinking_tokens}"),
             (any(not s for s in self.stop), "stop strings must not be empty")) if bad]
         if self.thinking_exit is not None:
             errors += [f"thinking_exit.{key} {message}" for key, message in self.thinking_exit.errors()]

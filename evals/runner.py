@@ -270,7 +270,7 @@ class Runner:
         # The run's thinking budget is the client's, except where the router's arms choose it.
         thinking = None if arms else self.config.thinking_budget
         query = Query(ex.question, endpoint="eval", mode=mode.model, max_output_tokens=self.config.max_tokens,
-                      thinking_budget=thinking)
+                      requested_thinking=thinking)
         start = time.perf_counter()
         try:
             plan = self.pipeline.plan(terms, query, self.collection if ex.retrieve else None, f"{mode.name}-{ex.id}")

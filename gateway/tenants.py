@@ -34,8 +34,11 @@ Sha256Hex = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$",
 
 
 class ThinkingBudgets(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    """Tokens of thinking allowed per difficulty; a request may ask for up to the largest. With
-    `early_exit`, thinking stops once its answer has settled, as `exit` says (engine/early_exit.py)."""
+    """The tenant file's [thinking_budget] table: the thinking tokens the router gives a
+    question of each difficulty (Policy.thinking; a router with arms takes the largest as its
+    cap on the arms). A request's own thinking_budget may ask for up to the largest
+    (Terms.client_thinking_cap). With `early_exit`, thinking stops once its answer has settled,
+    as `exit` says (engine/early_exit.py)."""
     easy: NonNegative = 0
     medium: NonNegative = 0
     hard: NonNegative = 0
@@ -52,7 +55,9 @@ class RouterSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     classifier: bool = True              # false: the default model answers first, always
     escalation: bool = True              # false: the first answer stands
     models: Literal["auto", "never_large", "always_large"] = "auto"
-    max_thinking_budget: NonNegative | None = None      # caps every [thinking_budget] the router picks
+    # Caps the thinking the router picks (Policy.router_thinking_cap), below [thinking_budget];
+    # a request's own thinking_budget is held to [thinking_budget]'s largest, not to this.
+    max_thinking_budget: NonNegative | None = None
     classifier_timeout_ms: Positive = 50                # slower: tenant default, and the reason says so
     # A trained router with an early model judges the small answer on its first tokens too,
     # and cuts a doomed one short; false: only whole answers are judged.
@@ -122,7 +127,7 @@ class TenantSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, froze
     # over the same passages share, so the prefix cache serves more of each prompt.
     passage_selection: bool = True
     output_budget: Positive              # most output tokens one request may ask for
-    thinking_budget: ThinkingBudgets = ThinkingBudgets()
+    thinking_budget: ThinkingBudgets = ThinkingBudgets()     # the [thinking_budget] table
     escalation_threshold: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.5
     prefix_cache_salt: Annotated[str, msgspec.Meta(min_length=8)]
     router: RouterSettings = RouterSettings()

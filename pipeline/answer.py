@@ -67,7 +67,7 @@ class Query:
     top_p: float = 1.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
-    thinking_budget: int | None = None     # None: the route decides; 0: no thinking, as everywhere
+    requested_thinking: int | None = None  # the client's thinking_budget; None: the route decides; 0: no thinking
 
     @property
     def input_field(self) -> str:
@@ -94,8 +94,8 @@ class Terms:
     thinking_exit: ThinkingExit | None = None
 
     @property
-    def max_thinking(self) -> int:
-        """The most thinking tokens a request may ask for."""
+    def client_thinking_cap(self) -> int:
+        """The most thinking tokens a request may ask for: the largest of the policy's."""
         return max(self.policy.thinking.values())
 
 
@@ -181,9 +181,10 @@ class Pipeline:
             last = max(i for i, m in enumerate(q.messages) if m["role"] == "user")
             raise Refused(422, "the last user message has nothing to read: only whitespace, control or format "
                                "characters", f"messages[{last}].content", "blank_question")
-        if q.thinking_budget is not None and q.thinking_budget > terms.max_thinking:
-            raise Refused(422, f"thinking_budget is {q.thinking_budget}; tenant {terms.name!r} allows at most "
-                               f"{terms.max_thinking} thinking tokens", "thinking_budget", "over_thinking_budget")
+        if q.requested_thinking is not None and q.requested_thinking > terms.client_thinking_cap:
+            raise Refused(422, f"thinking_budget is {q.requested_thinking}; tenant {terms.name!r} allows at most "
+                               f"{terms.client_thinking_cap} thinking tokens",
+                          "thinking_budget", "over_thinking_budget")
         if self.max_input_chars is not None:
             chars = len(q.question) if q.messages is None else sum(len(m["content"]) for m in q.messages)
             if chars > self.max_input_chars:
@@ -216,7 +217,7 @@ class Pipeline:
         history = [[m["role"], None if i == asked else normalize(m["content"])] for i, m in enumerate(q.messages or [])]
         fields = {"terms": repr(replace(terms, cache=CacheTerms(), salt=b"")), "input": q.input_field,
                   "history": history, "mode": q.mode, "max_tokens": q.max_output_tokens or terms.output_budget,
-                  "thinking": q.thinking_budget, "stop": list(q.stop), "sampled": sampled}
+                  "thinking": q.requested_thinking, "stop": list(q.stop), "sampled": sampled}
         revision = None if collection is None else collection.revision
         return self.cache.lookup(terms.name, terms.cache, fields, q.question, q.collection, revision,
                                  near=collection is not None)
@@ -274,8 +275,8 @@ class Pipeline:
             r, wide = replace(r, escalate_to=None), None    # nothing wider to ask it again with
         try:
             params = SamplingParams(temperature=q.temperature, top_p=q.top_p, seed=q.seed, max_tokens=max_tokens,
-                                    stop=q.stop, thinking_budget=r.thinking_budget,
-                                    thinking_exit=terms.thinking_exit if r.thinking_budget else None)
+                                    stop=q.stop, max_thinking_tokens=r.thinking_tokens,
+                                    thinking_exit=terms.thinking_exit if r.thinking_tokens else None)
         except ValueError as e:
             raise Refused(422, str(e), code="bad_sampling_parameters") from None
         window = terms.window if context.trimmed.tokens > terms.context_budget else None
@@ -299,9 +300,9 @@ class Pipeline:
                                       f"are {tenant}")
         else:
             r = route(terms.policy, *self.pair, predict)
-        if q.thinking_budget is not None and q.thinking_budget != r.thinking_budget:
-            r = replace(r, thinking_budget=q.thinking_budget,
-                        reason=f"{r.reason}; thinking budget {q.thinking_budget} from the client")
+        if q.requested_thinking is not None and q.requested_thinking != r.thinking_tokens:
+            r = replace(r, thinking_tokens=q.requested_thinking,
+                        reason=f"{r.reason}; thinking budget {q.requested_thinking} from the client")
         return r
 
     def _predictor(self, q: Query, vector, scores: list[float]) -> Callable | None:
@@ -318,7 +319,7 @@ class Pipeline:
     def _wide_budget(self, r: Route, terms: Terms) -> int:
         """The context a widened answer reads: its model's plain arm's (`large` for `large@256`,
         its budget from the context curve), within the tenant's; the tenant's without one."""
-        plain = arm_name(r.model, r.thinking_budget)
+        plain = arm_name(r.model, r.thinking_tokens)
         budget = next((a.context_budget for a in self.arms if a.name == plain), None)
         return min(budget or terms.context_budget, terms.context_budget)
 
@@ -334,7 +335,7 @@ class Pipeline:
     def prompt_ids(self, context: RagContext, model: str, params: SamplingParams) -> list[int]:
         """The context's messages in `model`'s own chat template."""
         prompter = self.engine.prompter(model)
-        ids = prompter.chat(context.messages, thinking=params.thinking_budget > 0)
+        ids = prompter.chat(context.messages, thinking=params.max_thinking_tokens > 0)
         if len(ids) >= prompter.max_position:
             raise Refused(422, f"the prompt is {len(ids)} tokens; model {model!r} reads at most "
                                f"{prompter.max_position - 1}", code="prompt_too_long")
@@ -348,8 +349,8 @@ class Pipeline:
         prompts = [len(plan.prompt_ids)] * len(models)
         if plan.wide is not None and len(models) > 1:       # an escalation that widens reads more
             prompts[1] += plan.wide.trimmed.tokens - plan.context.trimmed.tokens
-        extra = lambda p: p.forced_tokens + p.probe_tokens(params) if params.thinking_budget else 0     # noqa: E731
-        out = lambda m: params.max_tokens + params.thinking_budget + extra(self.engine.prompter(m))
+        extra = lambda p: p.forced_tokens + p.probe_tokens(params) if params.max_thinking_tokens else 0  # noqa: E731
+        out = lambda m: params.max_tokens + params.max_thinking_tokens + extra(self.engine.prompter(m))
         return (sum(p + out(m) for m, p in zip(models, prompts)),
                 sum(cost(self.prices[m], p, 0, out(m)) for m, p in zip(models, prompts)))
 

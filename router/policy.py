@@ -29,7 +29,7 @@ class Policy:
     classifier: bool = True             # off: every question goes to the default model
     escalation: bool = True             # off: the first answer stands
     force: str = "auto"                 # auto | never_large | always_large
-    max_thinking: int | None = None     # a cap over every thinking budget
+    router_thinking_cap: int | None = None  # caps the thinking the router picks ([router] max_thinking_budget)
     classifier_timeout_s: float = 0.05
     early_escalation: bool = True       # judge the first answer on its first tokens too (a trained router's)
     # Arms: the cheapest arm whose P(correct) is within this of the best arm's (route_arms).
@@ -53,7 +53,7 @@ class Route:
     reason: str
     difficulty: str | None = None
     probability: float | None = None    # the classifier's calibrated probability of `difficulty`
-    thinking_budget: int = 0            # 0: no thinking span
+    thinking_tokens: int = 0            # the thinking span the route picked; 0: none
     # The model a low-confidence answer goes to; None: it stands. The arm's own model when the
     # arm widens (a narrow arm with a confidence model of its own): the same question again,
     # with a wider context.
@@ -127,7 +127,9 @@ def route_arms(p: Policy, arms: tuple[Arm, ...], small: str, large: str,
         return _by_difficulty(p, small, large, None, failure)
     if not probs:
         return _by_difficulty(p, small, large, None, "no arm was trained on this kind of question")
-    cap = max(p.thinking.values()) if p.max_thinking is None else min(max(p.thinking.values()), p.max_thinking)
+    cap = max(p.thinking.values())
+    if p.router_thinking_cap is not None:
+        cap = min(cap, p.router_thinking_cap)
     force_large = p.force == "always_large" and large in p.allowed
     ok = [a for a in arms if a.model in p.allowed and a.thinking <= cap and a.name in probs
           and not (p.force == "never_large" and a.model == large) and not (force_large and a.model != large)]
@@ -142,14 +144,14 @@ def route_arms(p: Policy, arms: tuple[Arm, ...], small: str, large: str,
             if arm != best else " is the best")
     if len(ok) < sum(a.name in probs for a in arms):      # arms of another kind of question are not offered
         why = f"{why}; of {len(ok)} arms this tenant allows"
-    return Route(arm.model, why, thinking_budget=arm.thinking,
+    return Route(arm.model, why, thinking_tokens=arm.thinking,
                  escalate_to=_escalation(p, arm.model, small, large, arm.name in narrow), source="arms",
                  confidence=probs[arm.name], arm=arm.name, context_budget=arm.context_budget)
 
 
 def _by_difficulty(p: Policy, small: str, large: str, difficulty: Difficulty | None, failure: str | None) -> Route:
     large_ok = large in p.allowed and p.force != "never_large"
-    cap = lambda budget: budget if p.max_thinking is None else min(budget, p.max_thinking)
+    cap = lambda budget: budget if p.router_thinking_cap is None else min(budget, p.router_thinking_cap)
     source = "classifier" if difficulty is not None else "fallback"
     if p.force == "always_large" and large in p.allowed:
         model, why, source = large, "tenant policy: always large", "policy"
@@ -167,7 +169,7 @@ def _by_difficulty(p: Policy, small: str, large: str, difficulty: Difficulty | N
     if model not in p.allowed:          # a default or a target the tenant may not use
         model = p.default_model
     thinking = p.thinking[difficulty.label] if difficulty else p.thinking["medium"]
-    if p.max_thinking is not None and thinking > p.max_thinking:
-        thinking, why = p.max_thinking, f"{why}; thinking capped at {p.max_thinking}"
+    if p.router_thinking_cap is not None and thinking > p.router_thinking_cap:
+        thinking, why = p.router_thinking_cap, f"{why}; thinking capped at {p.router_thinking_cap}"
     return Route(model, why, difficulty.label if difficulty else None,
                  difficulty.probability if difficulty else None, thinking, _escalation(p, model, small, large), source)

@@ -30,7 +30,7 @@ def mixed_params(n: int) -> list[SamplingParams]:
              SamplingParams(max_tokens=17, ignore_eos=True, stop=["t3", "t40 t41"]),
              SamplingParams(max_tokens=20, stop_token_ids=[9, 17, 33]),
              SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=7),
-             SamplingParams(max_tokens=9, ignore_eos=True, thinking_budget=6)]
+             SamplingParams(max_tokens=9, ignore_eos=True, max_thinking_tokens=6)]
     return [kinds[i % len(kinds)] for i in range(n)]
 
 

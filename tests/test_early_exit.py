@@ -19,7 +19,7 @@ def words(text):
 
 def think(folder, early_exit=None, stop_token_ids=(), seed=41):
     e = engine(folder)
-    params = SamplingParams(max_tokens=6, ignore_eos=True, thinking_budget=BUDGET, thinking_exit=early_exit,
+    params = SamplingParams(max_tokens=6, ignore_eos=True, max_thinking_tokens=BUDGET, thinking_exit=early_exit,
                             stop_token_ids=list(stop_token_ids))
     return e, e.generate(prompts(1, seed=seed), params)[0]
 
@@ -79,8 +79,9 @@ def test_settled_needs_agreeing_whole_answers_and_a_sure_last_one():
 
 def test_abort_while_a_probe_reads_frees_everything(folder):
     e = engine(folder)
-    rid = e.add_request(prompts(1, seed=41)[0], SamplingParams(max_tokens=6, ignore_eos=True, thinking_budget=BUDGET,
-                                                              thinking_exit=ThinkingExit(every=4, answer_tokens=8)))
+    params = SamplingParams(max_tokens=6, ignore_eos=True, max_thinking_tokens=BUDGET,
+                            thinking_exit=ThinkingExit(every=4, answer_tokens=8))
+    rid = e.add_request(prompts(1, seed=41)[0], params)
     while not e.requests[rid][1].waits_for_probe:
         e.step()
     assert e.abort(rid).finish_reason == "abort"
@@ -94,7 +95,7 @@ def test_abort_while_a_probe_reads_frees_everything(folder):
                                       (dict(confidence=0.0), "confidence"), (dict(agree=0), "agree")])
 def test_bad_settings_are_refused_with_the_key_named(bad, key):
     with pytest.raises(ValueError, match=f"thinking_exit.{key} must be"):
-        SamplingParams(thinking_budget=64, thinking_exit=ThinkingExit(**bad))
+        SamplingParams(max_thinking_tokens=64, thinking_exit=ThinkingExit(**bad))
 
 
 def test_a_tenant_turns_early_exit_on_with_its_settings(tmp_path):

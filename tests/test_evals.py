@@ -649,11 +649,11 @@ def test_a_run_at_a_thinking_budget_is_allowed_it(engine, tmp_path):
     pipeline = pipeline_for(engine, config)
     for mode in [*MODES.values(), *routed_modes().values()]:
         terms = mode.terms(config)
-        assert terms.max_thinking == 256
-        pipeline.check(terms, Query("2 + 2?", mode=mode.model, max_output_tokens=4, thinking_budget=256))
+        assert terms.client_thinking_cap == 256
+        pipeline.check(terms, Query("2 + 2?", mode=mode.model, max_output_tokens=4, requested_thinking=256))
         with pytest.raises(Refused, match="at most 256 thinking tokens"):
-            pipeline.check(terms, Query("2 + 2?", mode=mode.model, max_output_tokens=4, thinking_budget=257))
-    assert MODES["large"].terms(config, arms=True).max_thinking == 1024
+            pipeline.check(terms, Query("2 + 2?", mode=mode.model, max_output_tokens=4, requested_thinking=257))
+    assert MODES["large"].terms(config, arms=True).client_thinking_cap == 1024
     # A routed mode's closed-book margin reaches its tenant's policy; unset, the one margin serves both.
     policy = routed_modes(margin=0.2, closed_book_margin=0.05)["routed+cascade"].terms(config).policy
     assert (policy.arm_margin, policy.closed_book_margin) == (0.2, 0.05)
@@ -755,7 +755,7 @@ def test_proxy_scores_the_reference_as_transformers_does_and_labels_from_it(tmp_
         # Each reference's mean log-probability after the served prompt, as transformers computes
         # it: the second answer scored after the first left the prompt in the prefix cache.
         example, model = next(e for e in dataset.examples if e.id == "s1"), "large"
-        query = Query(example.question, mode=model, max_output_tokens=config.max_tokens, thinking_budget=0)
+        query = Query(example.question, mode=model, max_output_tokens=config.max_tokens, requested_thinking=0)
         plan = pipeline.plan(MODES[model].terms(config), query, collection, "x")
         hf = transformers.AutoModelForCausalLM.from_pretrained(engine.config.models[model].source, dtype=torch.float32)
         for answer in (0, 1):

@@ -86,18 +86,18 @@ def _terms(thinking: dict | None = None, **policy) -> Terms:
 def test_a_clients_thinking_budget_of_zero_is_kept_and_none_lets_the_route_decide(llm):
     p, terms = _pipeline(llm), _terms(classifier=False)
     routed = p.plan(terms, Query("t5 t6"), None, "r1")
-    assert routed.route.thinking_budget == 64 and routed.params.thinking_budget == 64   # the tenant's medium
-    zero = p.plan(terms, Query("t5 t6", thinking_budget=0), None, "r2")
+    assert routed.route.thinking_tokens == 64 and routed.params.max_thinking_tokens == 64   # the tenant's medium
+    zero = p.plan(terms, Query("t5 t6", requested_thinking=0), None, "r2")
     # 0 is no thinking from the request to the engine: no span, no thinking instruction.
-    assert zero.route.thinking_budget == zero.params.thinking_budget == 0
+    assert zero.route.thinking_tokens == zero.params.max_thinking_tokens == 0
     assert len(zero.prompt_ids) < len(routed.prompt_ids)
     assert zero.route.reason.endswith("thinking budget 0 from the client")
-    chosen = p.plan(terms, Query("t5 t6", thinking_budget=16), None, "r3")
-    assert chosen.params.thinking_budget == 16
+    chosen = p.plan(terms, Query("t5 t6", requested_thinking=16), None, "r3")
+    assert chosen.params.max_thinking_tokens == 16
     explicit = p.plan(terms, Query("t5 t6", mode="large"), None, "r4")
-    assert (explicit.route.model, explicit.route.source, explicit.params.thinking_budget) == ("large", "client", 0)
+    assert (explicit.route.model, explicit.route.source, explicit.params.max_thinking_tokens) == ("large", "client", 0)
     with pytest.raises(Refused) as e:
-        p.plan(terms, Query("t5 t6", thinking_budget=257), None, "r5")
+        p.plan(terms, Query("t5 t6", requested_thinking=257), None, "r5")
     assert (e.value.status, e.value.code, e.value.param) == (422, "over_thinking_budget", "thinking_budget")
 
 
@@ -246,7 +246,7 @@ def test_plan_routes_a_closed_book_question_by_the_closed_book_margin(tmp_path, 
                                     Query("why did the empire fall and what followed v2"), None, "r").route
     # Where thinking answers it (a hard question), the closed-book margin of 0 takes the best arm...
     best = plan(arm_margin=1.0, closed_book_margin=0.0)
-    assert (best.arm, best.thinking_budget) == ("large+think256", 256) and best.reason.endswith("is the best")
+    assert (best.arm, best.thinking_tokens) == ("large+think256", 256) and best.reason.endswith("is the best")
     # ...and a wide one the cheapest, whatever the margin for retrieved questions says.
     cheap = plan(arm_margin=0.0, closed_book_margin=1.0)
     assert cheap.arm == "small" and "within 1.00 of the best, large+think256" in cheap.reason

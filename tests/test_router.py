@@ -245,21 +245,21 @@ def test_policy_maps_difficulty_and_honours_overrides():
     route = lambda p, predict: policy.route(p, "small", "large", predict)
     hard = lambda: Difficulty("hard", 0.9)
     r = route(_policy(), hard)
-    assert (r.model, r.difficulty, r.thinking_budget, r.escalate_to) == ("large", "hard", 256, None)
+    assert (r.model, r.difficulty, r.thinking_tokens, r.escalate_to) == ("large", "hard", 256, None)
     assert "classifier: hard (p=0.90)" in r.reason and r.source == "classifier"
     easy = route(_policy(), lambda: Difficulty("easy", 0.8))
-    assert (easy.model, easy.thinking_budget, easy.escalate_to) == ("small", 0, "large")
+    assert (easy.model, easy.thinking_tokens, easy.escalate_to) == ("small", 0, "large")
     medium = route(_policy(thinking={"easy": 0, "medium": 0, "hard": 0}), lambda: Difficulty("medium", 0.6))
     assert (medium.model, medium.escalate_to) == ("large", None)
-    for unthinking in (_policy(thinking={"easy": 0, "medium": 64, "hard": 0}), _policy(max_thinking=0)):
+    for unthinking in (_policy(thinking={"easy": 0, "medium": 64, "hard": 0}), _policy(router_thinking_cap=0)):
         r = route(unthinking, hard)     # neither model answers hard questions without thinking
-        assert (r.model, r.thinking_budget, r.escalate_to) == ("small", 0, "large")
+        assert (r.model, r.thinking_tokens, r.escalate_to) == ("small", 0, "large")
         assert "no thinking for hard questions" in r.reason
     never = route(_policy(force="never_large"), hard)
     assert (never.model, never.escalate_to) == ("small", None) and "not allowed" in never.reason
     forced = route(_policy(force="always_large"), None)
     assert (forced.model, forced.source) == ("large", "policy")
-    assert route(_policy(max_thinking=100), hard).thinking_budget == 100
+    assert route(_policy(router_thinking_cap=100), hard).thinking_tokens == 100
     assert route(_policy(escalation=False), lambda: Difficulty("easy", 0.8)).escalate_to is None
     off = route(_policy(classifier=False), hard)
     assert off.model == "small" and off.reason == "classifier off for this tenant; tenant default"
@@ -350,12 +350,12 @@ def test_route_arms_takes_the_cheapest_arm_near_the_best_within_the_tenants_caps
     probs = {"small": 0.60, "large": 0.62, "large+think256": 0.70}
     route = lambda p, predict=lambda: probs: route_arms(p, arms, "small", "large", predict, lambda a: price[a.name])
     r = route(_policy(arm_margin=0.1))
-    assert (r.arm, r.model, r.thinking_budget, r.context_budget, r.escalate_to) == ("small", "small", 0, 256, "large")
+    assert (r.arm, r.model, r.thinking_tokens, r.context_budget, r.escalate_to) == ("small", "small", 0, 256, "large")
     assert (r.source, r.confidence) == ("arms", 0.60)
     assert r.reason.startswith("arms: small (P(right) 0.60, $1.000000) is the cheapest within 0.10 of the best, "
                                "large+think256 (0.70)")
     best = route(_policy(arm_margin=0.0))
-    assert (best.arm, best.model, best.thinking_budget, best.escalate_to) == ("large+think256", "large", 256, None)
+    assert (best.arm, best.model, best.thinking_tokens, best.escalate_to) == ("large+think256", "large", 256, None)
     assert best.reason.endswith("is the best")
     # The tenant's thinking budgets cap the arms it may get: without 256 thinking tokens, large is the best left.
     capped = route(_policy(arm_margin=0.0, thinking={"easy": 0, "medium": 0, "hard": 64}))
@@ -363,7 +363,7 @@ def test_route_arms_takes_the_cheapest_arm_near_the_best_within_the_tenants_caps
     # An arm with no classifier for this kind of question is not offered, not refused by the tenant.
     other_kind = route(_policy(arm_margin=0.0), predict=lambda: {a: p for a, p in probs.items() if a != "small"})
     assert other_kind.arm == "large+think256" and other_kind.reason.endswith("is the best")
-    assert route(_policy(arm_margin=0.0, max_thinking=0)).arm == "large"
+    assert route(_policy(arm_margin=0.0, router_thinking_cap=0)).arm == "large"
     assert route(_policy(arm_margin=0.0, force="never_large")).arm == "small"
     assert route(_policy(arm_margin=1.0, force="always_large")).arm == "large"
     assert route(_policy(arm_margin=0.0, allowed=("small",))).arm == "small"

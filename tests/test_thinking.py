@@ -29,7 +29,7 @@ def thinking_span(c, budget):
 @pytest.mark.parametrize("budget", [1, 5, 13])
 def test_budget_is_never_exceeded_and_the_answer_follows(folder, budget, speculative):
     e = engine(folder, speculative=speculative)
-    c = e.generate(prompts(1, seed=31), SamplingParams(max_tokens=6, ignore_eos=True, thinking_budget=budget))[0]
+    c = e.generate(prompts(1, seed=31), SamplingParams(max_tokens=6, ignore_eos=True, max_thinking_tokens=budget))[0]
     assert c.prompt_token_ids[-1] == OPEN
     assert c.num_thinking_tokens == budget
     assert c.token_ids[budget:budget + 2] == [NUDGE, CLOSE]           # forced, right at the budget
@@ -40,10 +40,10 @@ def test_budget_is_never_exceeded_and_the_answer_follows(folder, budget, specula
 
 def test_natural_close_within_budget_is_kept(folder):
     free = engine(folder).generate(prompts(1, seed=32), SamplingParams(max_tokens=12, ignore_eos=True,
-                                                                       thinking_budget=50))[0]
+                                                                       max_thinking_tokens=50))[0]
     marker = free.token_ids[3]                        # a token this model writes anyway: call it the close
     e = engine(folder, close=marker)
-    c = e.generate(prompts(1, seed=32), SamplingParams(max_tokens=5, ignore_eos=True, thinking_budget=50))[0]
+    c = e.generate(prompts(1, seed=32), SamplingParams(max_tokens=5, ignore_eos=True, max_thinking_tokens=50))[0]
     first = free.token_ids.index(marker)
     assert c.num_thinking_tokens == first + 1 and NUDGE not in c.token_ids
     assert c.token_ids[:first + 1] == free.token_ids[:first + 1]
@@ -53,13 +53,13 @@ def test_natural_close_within_budget_is_kept(folder):
 @pytest.mark.parametrize("speculative", [False, True])
 def test_a_closed_span_is_never_followed_by_an_empty_answer(folder, speculative):
     free = engine(folder).generate(prompts(1, seed=32), SamplingParams(max_tokens=12, ignore_eos=True,
-                                                                       thinking_budget=50))[0]
+                                                                       max_thinking_tokens=50))[0]
     marker = free.token_ids[3]
     after = next(t for t in free.token_ids[free.token_ids.index(marker) + 1:] if t != marker)
     e = engine(folder, close=marker, speculative=speculative)
     # `after` is what the model writes once the span closes: as a stop token it would end the
     # turn with nothing answered, so it is banned there; once the answer has begun it stops.
-    params = SamplingParams(max_tokens=40, ignore_eos=True, thinking_budget=50, stop_token_ids=[after])
+    params = SamplingParams(max_tokens=40, ignore_eos=True, max_thinking_tokens=50, stop_token_ids=[after])
     c = e.generate(prompts(1, seed=32), params)[0]
     end = c.token_ids.index(marker) + 1
     assert c.num_thinking_tokens == end and c.token_ids[:end] == free.token_ids[:end]
@@ -74,11 +74,11 @@ def test_a_closed_span_is_never_followed_by_an_empty_answer(folder, speculative)
 @pytest.mark.parametrize("speculative", [False, True])
 def test_a_stop_token_inside_the_span_closes_it_and_the_answer_follows(folder, speculative):
     free = engine(folder).generate(prompts(1, seed=33), SamplingParams(max_tokens=12, ignore_eos=True,
-                                                                       thinking_budget=50))[0]
+                                                                       max_thinking_tokens=50))[0]
     stop = free.token_ids[3]
     first = free.token_ids.index(stop)
     c = engine(folder, speculative=speculative).generate(
-        prompts(1, seed=33), SamplingParams(max_tokens=8, ignore_eos=True, thinking_budget=50,
+        prompts(1, seed=33), SamplingParams(max_tokens=8, ignore_eos=True, max_thinking_tokens=50,
                                             stop_token_ids=[stop]))[0]
     assert c.num_thinking_tokens == first and c.token_ids[:first] == free.token_ids[:first]
     assert c.token_ids[first] == CLOSE and NUDGE not in c.token_ids     # closed in the stop's place, no nudge
@@ -90,7 +90,7 @@ def test_a_stop_token_inside_the_span_closes_it_and_the_answer_follows(folder, s
 def test_budget_zero_means_no_thinking(folder):
     """0 is the default: no span for a model that thinks only when asked; a native thinker,
     which would open one itself, gets its span opened and closed in the prompt."""
-    sp = SamplingParams(max_tokens=4, ignore_eos=True, thinking_budget=0)
+    sp = SamplingParams(max_tokens=4, ignore_eos=True, max_thinking_tokens=0)
     plain = engine(folder).generate(prompts(1), SamplingParams(max_tokens=4, ignore_eos=True))[0]
     zero = engine(folder).generate(prompts(1), sp)[0]
     assert zero.prompt_token_ids == plain.prompt_token_ids and zero.token_ids == plain.token_ids
@@ -101,7 +101,7 @@ def test_budget_zero_means_no_thinking(folder):
 
 def test_include_thinking_returns_the_span_too(folder):
     e = engine(folder)
-    sp = dict(max_tokens=3, ignore_eos=True, thinking_budget=4)
+    sp = dict(max_tokens=3, ignore_eos=True, max_thinking_tokens=4)
     hidden = e.generate(prompts(1), SamplingParams(**sp))[0]
     shown = e.generate(prompts(1), SamplingParams(**sp, include_thinking=True))[0]
     assert shown.text.startswith(hidden.thinking_text) and shown.text.endswith(hidden.text)
@@ -113,5 +113,5 @@ def test_prompted_thinking_for_a_non_native_model(folder):
     p = e.prompter().chat_text([{"role": "user", "content": "hi"}], thinking=True)
     assert ThinkingConfig().instruction in p
     assert ThinkingConfig().instruction not in e.prompter().chat_text([{"role": "user", "content": "hi"}])
-    with pytest.raises(ValueError, match="thinking_budget"):
-        SamplingParams(thinking_budget=-1)
+    with pytest.raises(ValueError, match="max_thinking_tokens"):
+        SamplingParams(max_thinking_tokens=-1)

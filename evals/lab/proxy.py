@@ -70,7 +70,7 @@ def plan_score(pipeline: Pipeline, config: RunConfig, example: Example, model: s
                answers: tuple[int, ...] = (0,)) -> ScoreJob:
     """The prompt `model` is served for the question, through the answers' own pipeline."""
     query = Query(example.question, endpoint="eval", mode=model, max_output_tokens=config.max_tokens,
-                  thinking_budget=0)
+                  requested_thinking=0)
     try:
         plan = pipeline.plan(MODES[model].terms(config), query, collection if example.retrieve else None,
                              f"proxy-{model}-{example.id}")

@@ -178,7 +178,7 @@ def _ask_done(meta: Meta, done: Done) -> s.AskResponse:
 async def ask(request: Request, data: JSONBody[s.AskRequest], tenant: NamedDependency[Tenant]) -> s.AskResponse:
     query = Query(question=data.question, endpoint="ask", collection=data.collection, mode=data.mode,
                   max_output_tokens=data.max_output_tokens, temperature=data.temperature, top_p=data.top_p,
-                  seed=data.seed, thinking_budget=data.thinking_budget)
+                  seed=data.seed, requested_thinking=data.thinking_budget)
     gateway = gateway_of(request)
     if not data.stream:
         return _ask_done(*await until_disconnect(request, gateway.ask(tenant, query)))

@@ -98,8 +98,9 @@ class PrefixKeys:
         messages = [{"role": m.role, "content": m.content if isinstance(m.content, str) else
                      "".join(p.text for p in m.content)} for m in prefix.messages] or None
         question = prefix.question or next((m["content"] for m in reversed(messages or []) if m["role"] == "user"), "")
-        query = Query(question, messages=messages, collection=prefix.collection, thinking_budget=prefix.thinking_budget,
-                      mode=prefix.mode if path == "/v1/ask" else prefix.model)
+        query = Query(question, messages=messages, collection=prefix.collection,
+                      mode=prefix.mode if path == "/v1/ask" else prefix.model,
+                      requested_thinking=prefix.thinking_budget)
         try:
             collection = None if prefix.collection is None else \
                 self.collections.collection(tenant.id, prefix.collection, create=False)
