@@ -2,12 +2,14 @@
 
 Every `ThinkingExit.every` thinking tokens the request forks a probe: its tokens so far plus the
 closing marker, a new sequence that the prefix cache serves all but the last partial block of,
-so it costs its own few tokens. The probe reads the answer greedily up to the end of its first
-line (at most `answer_tokens`), and its confidence: the 25th percentile of those tokens'
-probabilities, the cascade's default rule. The request waits meanwhile, so that an exit lands
-exactly where the probe forked: when the last `agree` probes read the same answer, every one a
-whole line, and the last is at least `confidence` sure, the span is closed there with the same
-marker and the answer is generated from it (greedy, that is the probe's answer again). Answers
+so it costs its own few tokens. The probe reads the whole answer greedily, to its end (eos or a
+stop token) within `answer_tokens`, and its confidence: the 25th percentile of those tokens'
+probabilities, the cascade's default rule. An answer longer than that is not judged: its first
+tokens (a first line such as "The final answer is") need not hold the answer. The request
+waits meanwhile, so that an exit lands exactly where the probe forked: when the last `agree`
+probes read the same answer, every one whole, and the last is at least `confidence` sure, the
+span is closed there with the same marker and the answer is generated from it (greedy, that is
+the probe's answer again). Answers
 are compared by their last number when they hold one, else by their words: the question is
 whether the answer changed, not its wording.
 
@@ -36,7 +38,7 @@ def answer_key(text: str) -> str:
     return numbers[-1].replace(",", "") if numbers else " ".join(text.lower().split())
 
 
-def line_confidence(logprobs: list[float]) -> float:
+def answer_confidence(logprobs: list[float]) -> float:
     """The 25th percentile of the tokens' probabilities (0 for an empty answer: nothing to trust)."""
     return float(np.exp(np.percentile(logprobs, 25))) if logprobs else 0.0
 
@@ -69,27 +71,22 @@ class Prober:
         self.num_probes += 1
 
     def read(self, probe: Sequence) -> None:
-        """A probe's step was applied: once its first line is whole (or it stopped), record it
-        and decide for its request, which goes on thinking or answers from where it forked."""
-        answer = probe.token_ids[probe.num_prompt_tokens:]
-        text = self.tok.decode(answer)
-        ended = "\n" in text.lstrip()
-        if not (ended or probe.is_finished or probe.error):
-            return
+        """A probe's step was applied: once it has finished, record it and decide for its
+        request, which goes on thinking or answers from where it forked."""
         if probe.error:         # what it wrote may hold NaNs: its blocks are zeroed, its request goes on
             self.worker.runner.clear(self.scheduler.finish(probe, "error"))
-        elif not probe.is_finished:
-            self.scheduler.finish(probe, "stop")
+        if not probe.is_finished:
+            return
         seq, th, ee = probe.probe_of, probe.probe_of.thinking, probe.probe_of.params.thinking_exit
         th.probe = None
         if probe.error or seq.is_finished:
             return
-        # The line's own tokens: not the newline's, not a stop token's.
-        line = answer[:-1] if ended or (answer and answer[-1] in probe.stop_ids) else answer
-        whole = ended or probe.finish_reason == "stop"
+        answer = probe.token_ids[probe.num_prompt_tokens:]
+        whole = probe.finish_reason == "stop"
+        text = answer[:-1] if whole else answer         # not the stop token
         cost = len(self.close) + len(answer)
-        th.probes.append(Probe(th.num_tokens(len(seq)), self.tok.decode(line).strip(),
-                               line_confidence(probe.logprobs[:len(line)]), whole, cost))
+        th.probes.append(Probe(th.num_tokens(len(seq)), self.tok.decode(text).strip(),
+                               answer_confidence(probe.logprobs[:len(text)]), whole, cost))
         self.num_probe_tokens += cost
         if not ee.observe and self.settled(th.probes, ee.agree, ee.confidence):
             verdict = self.stop.close_early(th, len(seq))
@@ -98,7 +95,8 @@ class Prober:
 
     @staticmethod
     def settled(probes: list[Probe], agree: int, confidence: float) -> bool:
-        """The last `agree` probes read the same whole answer, the last at least `confidence` sure."""
+        """The last `agree` probes read the same answer, each to its end, the last at least
+        `confidence` sure."""
         last = probes[-agree:]
         return (len(last) == agree and all(p.complete for p in last) and last[-1].confidence >= confidence
                 and len({answer_key(p.text) for p in last}) == 1)

@@ -24,7 +24,7 @@ class ThinkingExit(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     every: int = 64
     confidence: float = 0.9
     agree: int = 2
-    answer_tokens: int = 24             # a probe reads at most this many answer tokens (its first line)
+    answer_tokens: int = 32             # a probe reads the answer to its end within this many tokens
     observe: bool = False
 
     def errors(self) -> list[tuple[str, str]]:

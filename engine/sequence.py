@@ -28,9 +28,9 @@ _ids = itertools.count()
 class Probe:
     """One look at the answer while a request thinks (engine/early_exit.py)."""
     at: int                     # thinking tokens when it forked
-    text: str                   # the first line of the answer it read
-    confidence: float           # 25th percentile of that line's token probabilities
-    complete: bool              # the line ended within the probe's answer tokens
+    text: str                   # the answer it read
+    confidence: float           # 25th percentile of its token probabilities
+    complete: bool              # the answer ended (eos or a stop token) within the probe's tokens
     tokens: int                 # what it cost: the closing marker and the answer tokens
 
 

@@ -9,9 +9,9 @@ t answers from, so one observed run answers for every policy that probes at mult
   the first probe where engine.early_exit.Prober.settled holds, its answer; thinking tokens up
   to there, and every probe made on the way billed.
 
-A probe reads the answer's first line; a GSM8K answer is scored on that line (its last number),
-which is what an exit's answer opens with. A real early-exit run (`--early-exit` with the
-chosen settings) checks it: `--real RUN` tabulates that run on the same questions.
+A probe reads the whole answer, so what it scores is what an exit answers (greedy decoding). A
+real early-exit run (`--early-exit` with the chosen settings) checks it: `--real RUN` tabulates
+that run on the same questions.
 
 The chosen policy: the fewest thinking and probe tokens per question keeping `target` of the
 full run's exact match. Writes exits.json, exits.md and exits.png.
