@@ -10,7 +10,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[dev,triton,ray]'
 	touch $@
 
-.PHONY: run test lint test-slow test-ray services manuals browser dashboard-screenshot bench soak router context-curve eval-report thinking-table
+.PHONY: run test lint test-slow test-ray services manuals browser dashboard-screenshot bench soak router context-curve eval-report thinking-table early-exit
 run: $(VENV)/.installed
 	$(VENV)/bin/sluice serve --demo
 
@@ -203,6 +203,32 @@ eval-report: $(VENV)/.installed
 	mkdir -p docs/eval-report
 	cd $(REPORT_RUN) && cp report.md summary.json quality_cost.png latency.png $(CURDIR)/docs/eval-report/
 	$(SLUICE) eval budgets $(REPORT_RUN) $(REPORT_THINK) --out docs/eval-report/thinking
+
+# Early exit from thinking (docs/early-exit/): the router lab fits its settings on GSM8K problems
+# of the train half that a run observed with probes every 32 thinking tokens (never exiting), then
+# judges them on problems of the test half observed the same way, and serves them there for real.
+# Runs resume; EXIT_LIMIT answers the first N of each draw.
+EXIT_N ?= 150
+EXIT_TEST_N ?= 300
+EXIT_LIMIT ?= $(EXIT_TEST_N)
+EXIT_TRAIN := $(EVALS)/train-gsm8k-observe32
+EXIT_TEST := $(EVALS)/test-gsm8k-observe32
+EXIT_SERVED := $(EVALS)/test-gsm8k-exit
+EXIT_OBSERVE := observe,every=32,answer_tokens=32
+EXIT_RUN = $(SLUICE) eval run gsm8k --quant int8 --modes large --thinking-budget 1024 --concurrency 24
+early-exit: $(VENV)/.installed
+	$(call unpacked,$(EXIT_TRAIN))
+	$(EXIT_RUN) -n $(EXIT_N) --split train --early-exit $(EXIT_OBSERVE) --out $(EXIT_TRAIN)
+	$(call packed,$(EXIT_TRAIN))
+	$(SLUICE) eval exits $(EXIT_TRAIN) --out docs/early-exit/train
+	$(call unpacked,$(EXIT_TEST))
+	$(EXIT_RUN) -n $(EXIT_TEST_N) --limit $(EXIT_LIMIT) --split test --early-exit $(EXIT_OBSERVE) --out $(EXIT_TEST)
+	$(call packed,$(EXIT_TEST))
+	$(call unpacked,$(EXIT_SERVED))
+	policy=$$($(PY) -c 'import json; print(json.load(open("docs/early-exit/train/exits.json"))["flag"])') && \
+	$(EXIT_RUN) -n $(EXIT_TEST_N) --limit $(EXIT_LIMIT) --split test --early-exit $$policy --out $(EXIT_SERVED) && \
+	$(call packed,$(EXIT_SERVED)) && \
+	$(SLUICE) eval exits $(EXIT_TEST) --policy $$policy --real $(EXIT_SERVED) --out docs/early-exit/test
 
 # GSM8K exact match by thinking budget (docs/thinking-budgets/): the report's GSM8K problems at
 # budgets 64, 256 and 1024 (1024 goes on with the report's own thinking run, and the smaller

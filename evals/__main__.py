@@ -372,7 +372,7 @@ def cmd_budgets(args) -> int:
 def cmd_exits(args) -> int:
     policy = None
     if args.policy is not None:
-        _, every = traces(Path(args.folder))
+        every = traces(Path(args.folder))[1].every
         if args.policy.every % every:
             raise RunError(f"--policy every={args.policy.every} is not a multiple of the run's probe interval {every}")
         policy = {"stride": args.policy.every // every, "agree": args.policy.agree,

@@ -28,6 +28,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from engine import ThinkingExit  # noqa: E402
 from engine.early_exit import Prober  # noqa: E402
 from engine.sequence import Probe  # noqa: E402
 from evals.budgets import save_plot  # noqa: E402
@@ -60,8 +61,8 @@ class Outcome:
     exited: bool
 
 
-def traces(folder: Path, mode: str = "large") -> tuple[list[Trace], int]:
-    """The observed run's questions (of `mode`) with their probes; and the probe interval."""
+def traces(folder: Path, mode: str = "large") -> tuple[list[Trace], ThinkingExit]:
+    """The observed run's questions (of `mode`) with their probes; and how it probed."""
     config = read_config(folder)
     if config.thinking_exit is None or not config.thinking_exit.observe:
         raise RunError(f"{folder} is not an observed run: it needs --early-exit observe (its run.json has "
@@ -77,7 +78,7 @@ def traces(folder: Path, mode: str = "large") -> tuple[list[Trace], int]:
                          [score(ex.kind, p.text, ex.answers).em for p in probes]))
     if not out:
         raise RunError(f"{folder}: no answered {mode!r} questions")
-    return out, config.thinking_exit.every
+    return out, config.thinking_exit
 
 
 def exit_outcome(t: Trace, stride: int, agree: int, confidence: float) -> Outcome:
@@ -130,7 +131,8 @@ def fit(folder: Path, out: Path, target: float = TARGET, policy: dict | None = N
         real: Path | None = None) -> str:
     """Tabulate every policy on the observed run; `policy` (stride, agree, confidence) given:
     judge that one (a held-out split), else choose the cheapest at `target`."""
-    ts, every = traces(folder)
+    ts, observed = traces(folder)
+    every = observed.every
     full = summarize([Outcome(t.thinking, 0, t.em, False) for t in ts], policy="full thinking")
     rows = [summarize([exit_outcome(t, s, a, c) for t in ts], full, every=s * every, stride=s, agree=a,
                       confidence=c) for s in STRIDES for a in AGREE for c in CONFIDENCE]
@@ -149,8 +151,11 @@ def fit(folder: Path, out: Path, target: float = TARGET, policy: dict | None = N
         mine = [t for t in ts if t.id in set(served["ids"])]
         served["full_em"] = float(np.mean([t.em for t in mine]))
         served["full_thinking_tokens"] = float(np.mean([t.thinking for t in mine]))
+    # What `eval run --early-exit` and a tenant's [thinking_budget.exit] take.
+    flag = (f"every={chosen['every']},confidence={chosen['confidence']},agree={chosen['agree']},"
+            f"answer_tokens={observed.answer_tokens}")
     result = {"run": str(folder), "n": len(ts), "probe_every": every, "target": target, "full": full,
-              "chosen": chosen, "given": policy is not None, "fixed_budgets": fixed, "policies": rows,
+              "chosen": chosen, "flag": flag, "given": policy is not None, "fixed_budgets": fixed, "policies": rows,
               "served": served}
     out.mkdir(parents=True, exist_ok=True)
     (out / "exits.json").write_text(json.dumps(result, indent=2) + "\n")
