@@ -8,17 +8,20 @@ probabilities, the cascade's default rule. An answer longer than that is not jud
 tokens (a first line such as "The final answer is") need not hold the answer. The request
 waits meanwhile, so that an exit lands exactly where the probe forked: when the last `agree`
 probes read the same answer, every one whole, and the last is at least `confidence` sure, the
-span is closed there with the same marker and the answer is generated from it (greedy, that is
-the probe's answer again). Answers
+span is closed there with the same marker and the last probe's answer is the request's: greedy
+decoding would write it again from there, so it is taken as it is (where it ended on one of the
+request's own stop tokens; else the answer is generated from the marker). Answers
 are compared by their last number when they hold one, else by their words: the question is
 whether the answer changed, not its wording.
 
 A probe is billed: the marker and the answer tokens it read count as probe tokens of the
-request. A request without early exit, or without thinking, forks nothing.
+request, but for the answer taken, which counts as its answer. A request without early exit, or
+without thinking, forks nothing.
 """
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -57,10 +60,11 @@ class Prober:
         if ee is None or th is None or th.end is not None or th.probe is not None or seq.is_finished:
             return
         thought = th.num_tokens(len(seq))
-        if thought < max(th.next_probe, ee.every):
+        if thought < (th.next_probe or ee.first or ee.every):
             return
         th.next_probe = thought + ee.every
-        probe = Sequence(seq.token_ids + self.close, SamplingParams(max_tokens=ee.answer_tokens), salt=seq.salt,
+        tokens = min(ee.answer_tokens, seq.params.max_tokens)      # an answer it may take stays within max_tokens
+        probe = Sequence(seq.token_ids + self.close, SamplingParams(max_tokens=tokens), salt=seq.salt,
                          request_id=f"{seq.request_id}/probe{len(th.probes)}", probe_of=seq,
                          stop_ids=seq.stop_ids | self.stop.eos_ids)     # an answer ends at eos, ignored or not
         try:
@@ -70,17 +74,19 @@ class Prober:
         th.probe = probe
         self.num_probes += 1
 
-    def read(self, probe: Sequence) -> None:
+    def read(self, probe: Sequence) -> tuple[Sequence, int, list[float]] | None:
         """A probe's step was applied: once it has finished, record it and decide for its
-        request, which goes on thinking or answers from where it forked."""
+        request, which goes on thinking or answers from where it forked. Returns the request's
+        update (the sequence, its length before, its new log-probabilities) when it took the
+        probe's answer and finished."""
         if probe.error:         # what it wrote may hold NaNs: its blocks are zeroed, its request goes on
             self.worker.runner.clear(self.scheduler.finish(probe, "error"))
         if not probe.is_finished:
-            return
+            return None
         seq, th, ee = probe.probe_of, probe.probe_of.thinking, probe.probe_of.params.thinking_exit
         th.probe = None
         if probe.error or seq.is_finished:
-            return
+            return None
         answer = probe.token_ids[probe.num_prompt_tokens:]
         whole = probe.finish_reason == "stop"
         text = answer[:-1] if whole else answer         # not the stop token
@@ -88,10 +94,20 @@ class Prober:
         th.probes.append(Probe(th.num_tokens(len(seq)), self.tok.decode(text).strip(),
                                answer_confidence(probe.logprobs[:len(text)]), whole, cost))
         self.num_probe_tokens += cost
-        if not ee.observe and self.settled(th.probes, ee.agree, ee.confidence):
-            verdict = self.stop.close_early(th, len(seq))
+        if ee.observe or not self.settled(th.probes, ee.agree, ee.confidence):
+            return None
+        self.num_exits += 1
+        length = len(seq)
+        verdict = self.stop.close_early(th, length)
+        if not (whole and answer[-1] in seq.stop_ids):      # it ended where the request would not
             self.scheduler.replace_tail(seq, verdict.keep, verdict.forced)
-            self.num_exits += 1
+            return None
+        th.probes[-1] = replace(th.probes[-1], taken=True)
+        self.num_probe_tokens -= cost
+        seq.token_ids.extend(probe.token_ids[length:])
+        seq.logprobs.extend(probe.logprobs)
+        self.scheduler.finish(seq, "stop")
+        return seq, length, list(probe.logprobs)
 
     @staticmethod
     def settled(probes: list[Probe], agree: int, confidence: float) -> bool:

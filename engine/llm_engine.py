@@ -46,8 +46,8 @@ class Completion:
 
     @property
     def num_probe_tokens(self) -> int:
-        """What its probes cost."""
-        return sum(p.tokens for p in self.probes)
+        """What its probes cost (an answer taken from one counts as the answer)."""
+        return sum(p.tokens for p in self.probes if not p.taken)
 
     @property
     def num_billed_tokens(self) -> int:
@@ -177,7 +177,8 @@ class LLMEngine:
                 prober = self.probers[worker.name]
                 for seq, length, logprobs in worker.scheduler.postprocess(sched, out):
                     if seq.probe_of is not None:
-                        prober.read(seq)
+                        if (took := prober.read(seq)) is not None:        # its request answered with it
+                            outputs.append(self._output(worker, *took))
                         continue
                     outputs.append(self._output(worker, seq, length, logprobs))
                     prober.after_step(seq)

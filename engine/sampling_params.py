@@ -19,9 +19,10 @@ class ThinkingExit(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     thinking tokens the engine closes the span in a fork and reads the answer it would give
     now; once `agree` probes in a row give the same answer, the last with confidence (the 25th
     percentile of its token probabilities, the cascade's default rule) of at least `confidence`,
-    the span is closed where that probe forked and the answer generated from there.
+    the span is closed where that probe forked and its answer is the request's.
     `observe`: probe and record, never exit (what the router lab fits thresholds on)."""
     every: int = 64
+    first: int = 0                      # thinking tokens before the first probe (0: every)
     confidence: float = 0.9
     agree: int = 2
     answer_tokens: int = 32             # a probe reads the answer to its end within this many tokens
@@ -31,6 +32,7 @@ class ThinkingExit(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         """(key, what it must be) for each bad setting."""
         return [(key, message) for bad, key, message in (
             (self.every < 1, "every", f"must be >= 1 (thinking tokens between probes), got {self.every}"),
+            (self.first < 0, "first", f"must be >= 0 (thinking tokens before the first probe), got {self.first}"),
             (not 0 < self.confidence < 1, "confidence", f"must be in (0, 1), got {self.confidence}"),
             (self.agree < 1, "agree", f"must be >= 1 (probes in a row that agree), got {self.agree}"),
             (self.answer_tokens < 1, "answer_tokens", f"must be >= 1, got {self.answer_tokens}")) if bad]

@@ -32,6 +32,7 @@ class Probe:
     confidence: float           # 25th percentile of its token probabilities
     complete: bool              # the answer ended (eos or a stop token) within the probe's tokens
     tokens: int                 # what it cost: the closing marker and the answer tokens
+    taken: bool = False         # its answer became the request's (early exit), so its tokens are the answer's
 
 
 @dataclass

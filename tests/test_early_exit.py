@@ -1,7 +1,7 @@
 """Early exit from thinking (engine/early_exit.py) on a tiny random model whose markers are
 words of its vocabulary: probes read exactly what a request forked at their point would
 answer, a request waits for them so its own tokens never change, and an exit lands where the
-probe forked and answers what it read."""
+probe forked and answers what it read: the same tokens as a request forked there."""
 import pytest
 
 from engine.early_exit import Prober, answer_key
@@ -41,6 +41,11 @@ def test_observed_probes_read_what_a_fork_would_answer_and_change_nothing(folder
     assert stats["thinking_early_exits"] == 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
 
 
+def test_the_first_probe_forks_where_the_settings_say(folder):
+    _, seen = think(folder, ThinkingExit(every=8, first=12, answer_tokens=3, observe=True))
+    assert [p.at for p in seen.probes] == [12, 20, 28, 36]
+
+
 def test_an_exit_lands_where_the_probe_forked_and_answers_what_it_read(folder):
     _, plain = think(folder, ThinkingExit(every=8, answer_tokens=8, observe=True))
     first = plain.probes[0]
@@ -51,9 +56,16 @@ def test_an_exit_lands_where_the_probe_forked_and_answers_what_it_read(folder):
     e, c = think(folder, ThinkingExit(every=8, confidence=1e-9, agree=1, answer_tokens=8), stop_token_ids=[answer[k]])
     assert c.thinking_exited and c.num_thinking_tokens == 8
     assert c.token_ids == plain.token_ids[:8] + [CLOSE] + answer[:k + 1] and c.finish_reason == "stop"
-    assert [(p.at, words(p.text), p.complete) for p in c.probes] == [(8, answer[:k], True)]
+    assert [(p.at, words(p.text), p.complete, p.taken) for p in c.probes] == [(8, answer[:k], True, True)]
+    assert c.num_probe_tokens == 0 and c.num_billed_tokens == len(c.token_ids)      # its answer is the answer
+    fork = c.prompt_token_ids + plain.token_ids[:8] + [CLOSE]
+    alone = engine(folder).generate([fork], SamplingParams(max_tokens=6, ignore_eos=True,
+                                                           stop_token_ids=[answer[k]]))[0]
+    assert c.token_ids[9:] == alone.token_ids and c.text == alone.text and c.logprobs[-len(alone.logprobs):] == \
+        pytest.approx(alone.logprobs, abs=1e-4)
     stats = e.stats()["tiny"]
-    assert stats["thinking_early_exits"] == 1 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert stats["thinking_early_exits"] == 1 and stats["thinking_probe_tokens"] == 0
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
 
 
 def test_an_unsure_or_unsettled_answer_keeps_thinking(folder):
