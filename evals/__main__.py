@@ -373,10 +373,13 @@ def cmd_exits(args) -> int:
     policy = None
     if args.policy is not None:
         every = traces(Path(args.folder))[1].every
-        if args.policy.every % every:
-            raise RunError(f"--policy every={args.policy.every} is not a multiple of the run's probe interval {every}")
-        policy = {"stride": args.policy.every // every, "agree": args.policy.agree,
-                  "confidence": args.policy.confidence}
+        p = args.policy
+        first = p.first or p.every
+        if p.every % every or first % every:
+            raise RunError(f"--policy every={p.every}, first={first}: each must be a multiple of the run's probe "
+                           f"interval {every}")
+        policy = {"first": first, "every": p.every, "agree": p.agree, "confidence": p.confidence,
+                  "answer_tokens": p.answer_tokens}
     print(fit(Path(args.folder), Path(args.out), args.target, policy, Path(args.real) if args.real else None))
     return 0
 

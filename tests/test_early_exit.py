@@ -127,15 +127,23 @@ def test_the_lab_simulates_exits_and_fixed_budgets_from_observed_probes():
     p = lambda at, text, conf=0.95, whole=True: Probe(at, text, conf, whole, 5)     # noqa: E731
     # Right at 64 and 128 (12), wrong at 32 (10); 150 tokens of thinking in full, then right.
     t = Trace("q", [p(32, "10", 0.5), p(64, "12"), p(96, "12"), p(128, "12")], 150, 1.0, [0.0, 1.0, 1.0, 1.0])
-    assert exit_outcome(t, 1, 1, 0.4).__dict__ == {"thinking": 32, "probe_tokens": 5, "em": 0.0, "exited": True}
-    assert exit_outcome(t, 1, 2, 0.9).__dict__ == {"thinking": 96, "probe_tokens": 15, "em": 1.0, "exited": True}
-    assert exit_outcome(t, 2, 2, 0.9).__dict__ == {"thinking": 128, "probe_tokens": 10, "em": 1.0, "exited": True}
+    # An exit takes the deciding probe's answer: the probes before it are what it cost.
+    assert exit_outcome(t, 1, 1, 0.4).__dict__ == {"thinking": 32, "probe_tokens": 0, "em": 0.0, "exited": True}
+    assert exit_outcome(t, 1, 2, 0.9).__dict__ == {"thinking": 96, "probe_tokens": 10, "em": 1.0, "exited": True}
+    assert exit_outcome(t, 2, 2, 0.9, first=2).__dict__ == {"thinking": 128, "probe_tokens": 5, "em": 1.0,
+                                                            "exited": True}
+    assert exit_outcome(t, 2, 2, 0.9).__dict__ == {"thinking": 150, "probe_tokens": 10, "em": 1.0, "exited": False}
+    assert exit_outcome(t, 1, 1, 0.9, first=2).__dict__ == {"thinking": 64, "probe_tokens": 0, "em": 1.0,
+                                                            "exited": True}
     assert exit_outcome(t, 1, 3, 0.99).__dict__ == {"thinking": 150, "probe_tokens": 20, "em": 1.0, "exited": False}
+    # Read with a smaller answer cap, these 4-token answers (marker 1) would have been cut: never whole.
+    assert exit_outcome(t, 1, 1, 0.4, answer_tokens=3, marker=1).__dict__ == \
+        {"thinking": 150, "probe_tokens": 16, "em": 1.0, "exited": False}
     assert budget_outcome(t, 32).em == 0.0 and budget_outcome(t, 64).thinking == 64
     assert budget_outcome(t, 256).__dict__ == {"thinking": 150, "probe_tokens": 0, "em": 1.0, "exited": False}
     full = {"em": 1.0, "thinking_tokens": 150}
     row = summarize([exit_outcome(t, 1, 2, 0.9)], full)
-    assert row["spent"] == 111 and row["spent_share"] == 111 / 150 and row["em_share"] == 1.0
+    assert row["spent"] == 106 and row["spent_share"] == 106 / 150 and row["em_share"] == 1.0
     rows = [{"em": 0.5, "spent": 10}, {"em": 0.4, "spent": 20}, {"em": 0.9, "spent": 30}]
     assert pareto(rows) == [rows[0], rows[2]]
 

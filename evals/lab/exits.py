@@ -5,9 +5,11 @@ reads the answer greedy decoding gives when the span is closed at t, which is wh
 t answers from, so one observed run answers for every policy that probes at multiples of E:
 
 - fixed budgets: thinking stopped at t, the probe's answer (no probe cost);
-- early exit (every k*E tokens, `agree` probes in a row, the last at least `confidence` sure):
-  the first probe where engine.early_exit.Prober.settled holds, its answer; thinking tokens up
-  to there, and every probe made on the way billed.
+- early exit (the first probe at `first`, then every k*E tokens, `agree` probes in a row, the
+  last at least `confidence` sure, each reading at most `answer_tokens`): the first probe where
+  engine.early_exit.Prober.settled holds, its answer taken as the answer; thinking tokens up to
+  there, and every probe made before it billed. A probe that read more answer tokens than a
+  policy's `answer_tokens` would have been cut there: not whole, and cheaper.
 
 A probe reads the whole answer, so what it scores is what an exit answers (greedy decoding). A
 real early-exit run (`--early-exit` with the chosen settings) checks it: `--real RUN` tabulates
@@ -28,7 +30,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from engine import ThinkingExit  # noqa: E402
+from engine import EngineConfig, ModelEntry, Prompter, ThinkingExit  # noqa: E402
 from engine.early_exit import Prober  # noqa: E402
 from engine.sequence import Probe  # noqa: E402
 from evals.budgets import save_plot  # noqa: E402
@@ -37,8 +39,10 @@ from evals.records import Record, RecordLog  # noqa: E402
 from evals.runner import RECORDS_FILE, RunError, load_dataset, read_config  # noqa: E402
 
 STRIDES = (1, 2, 3, 4)                  # policies probe every k * E tokens
+FIRSTS = (1, 2, 3, 4)                   # from the j-th observed probe on (at j * E tokens)
 AGREE = (1, 2, 3)
 CONFIDENCE = (0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98)
+ANSWER_TOKENS = (16, 24, 32)
 TARGET = 0.95                           # of the full run's exact match
 THINKING_TARGET = 0.5                   # of its thinking tokens, probes included (issue's target)
 
@@ -81,17 +85,29 @@ def traces(folder: Path, mode: str = "large") -> tuple[list[Trace], ThinkingExit
     return out, config.thinking_exit
 
 
-def exit_outcome(t: Trace, stride: int, agree: int, confidence: float) -> Outcome:
-    """What early exit at these settings would have done on this question."""
+def exit_outcome(t: Trace, stride: int, agree: int, confidence: float, first: int = 1,
+                 answer_tokens: int | None = None, marker: int = 0) -> Outcome:
+    """What early exit at these settings would have done on this question (`marker`: the
+    closing marker's tokens, which every probe's cost includes)."""
     seen, spent = [], 0
     for i, p in enumerate(t.probes):
-        if (i + 1) % stride:
+        if i + 1 < first or (i + 1 - first) % stride:
             continue
+        if answer_tokens is not None and p.tokens - marker > answer_tokens:     # cut short at the cap
+            p = Probe(p.at, p.text, p.confidence, False, marker + answer_tokens)
         seen.append(p)
-        spent += p.tokens
         if Prober.settled(seen, agree, confidence):
             return Outcome(p.at, spent, t.probe_em[i], True)
+        spent += p.tokens
     return Outcome(t.thinking, spent, t.em, False)
+
+
+def marker_tokens(folder: Path) -> int:
+    """The closing marker's tokens in the run's large model (what each probe's cost includes)."""
+    config = read_config(folder)
+    engine = EngineConfig(models={"large": ModelEntry(config.models["large"])})
+    prompter = Prompter.load(engine, "large")
+    return len(prompter.encode(prompter.thinking.early_close))
 
 
 def budget_outcome(t: Trace, budget: int) -> Outcome:
@@ -132,10 +148,12 @@ def fit(folder: Path, out: Path, target: float = TARGET, policy: dict | None = N
     """Tabulate every policy on the observed run; `policy` (stride, agree, confidence) given:
     judge that one (a held-out split), else choose the cheapest at `target`."""
     ts, observed = traces(folder)
-    every = observed.every
+    every, marker = observed.every, marker_tokens(folder)
     full = summarize([Outcome(t.thinking, 0, t.em, False) for t in ts], policy="full thinking")
-    rows = [summarize([exit_outcome(t, s, a, c) for t in ts], full, every=s * every, stride=s, agree=a,
-                      confidence=c) for s in STRIDES for a in AGREE for c in CONFIDENCE]
+    caps = [n for n in ANSWER_TOKENS if n <= observed.answer_tokens]
+    rows = [summarize([exit_outcome(t, s, a, c, f, n, marker) for t in ts], full, first=f * every, every=s * every,
+                      stride=s, agree=a, confidence=c, answer_tokens=n)
+            for f in FIRSTS for s in STRIDES for a in AGREE for c in CONFIDENCE for n in caps]
     budgets = sorted({p.at for t in ts for p in t.probes})
     fixed = [summarize([budget_outcome(t, b) for t in ts], full, budget=b) for b in budgets]
     if policy is not None:
@@ -152,8 +170,8 @@ def fit(folder: Path, out: Path, target: float = TARGET, policy: dict | None = N
         served["full_em"] = float(np.mean([t.em for t in mine]))
         served["full_thinking_tokens"] = float(np.mean([t.thinking for t in mine]))
     # What `eval run --early-exit` and a tenant's [thinking_budget.exit] take.
-    flag = (f"every={chosen['every']},confidence={chosen['confidence']},agree={chosen['agree']},"
-            f"answer_tokens={observed.answer_tokens}")
+    flag = (f"every={chosen['every']},first={chosen['first']},confidence={chosen['confidence']},"
+            f"agree={chosen['agree']},answer_tokens={chosen['answer_tokens']}")
     result = {"run": str(folder), "n": len(ts), "probe_every": every, "target": target, "full": full,
               "chosen": chosen, "flag": flag, "given": policy is not None, "fixed_budgets": fixed, "policies": rows,
               "served": served}
@@ -182,7 +200,8 @@ def markdown(result: dict) -> str:
     lines = [f"# Early exit from thinking: {result['run']}", "",
              f"{result['n']} questions, probed every {result['probe_every']} thinking tokens. Full thinking: "
              f"exact match {full['em']:.3f}, {full['thinking_tokens']:.0f} thinking tokens per question.", "",
-             f"{'Judged' if result['given'] else 'Chosen'}: probe every {c['every']}, {c['agree']} agreeing, "
+             f"{'Judged' if result['given'] else 'Chosen'}: probes from {c['first']} every {c['every']} thinking "
+             f"tokens reading up to {c['answer_tokens']} answer tokens, {c['agree']} agreeing, "
              f"confidence >= {c['confidence']}: exact match {c['em']:.3f} ({pct(c['em_share'])} of full thinking's; "
              f"target {pct(result['target'])}), {c['spent']:.0f} tokens per question ({c['thinking_tokens']:.0f} "
              f"thinking + {c['probe_tokens']:.0f} probe) = {pct(c['spent_share'])} of full thinking's (target <= "
@@ -198,7 +217,8 @@ def markdown(result: dict) -> str:
     lines += ["| policy | exact match | share | thinking | probe | spent | share | exited |",
               "|---|---|---|---|---|---|---|---|"]
     for r in pareto(result["policies"]):
-        lines.append(f"| every {r['every']}, agree {r['agree']}, conf {r['confidence']} | {r['em']:.3f} | "
+        lines.append(f"| first {r['first']}, every {r['every']}, agree {r['agree']}, conf {r['confidence']}, "
+                     f"answer {r['answer_tokens']} | {r['em']:.3f} | "
                      f"{pct(r['em_share'])} | {r['thinking_tokens']:.0f} | {r['probe_tokens']:.0f} | "
                      f"{r['spent']:.0f} | {pct(r['spent_share'])} | {pct(r['exited'])} |")
     lines += ["", "Fixed budgets (thinking stopped at the budget, the probe's answer):", "",
