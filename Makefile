@@ -205,30 +205,27 @@ eval-report: $(VENV)/.installed
 	$(SLUICE) eval budgets $(REPORT_RUN) $(REPORT_THINK) --out docs/eval-report/thinking
 
 # Early exit from thinking (docs/early-exit/): the router lab fits its settings on GSM8K problems
-# of the train half that a run observed with probes every 32 thinking tokens (never exiting), then
-# judges them on problems of the test half observed the same way, and serves them there for real.
-# Runs resume; EXIT_LIMIT answers the first N of each draw.
+# of the train half that a run observed with probes every 32 thinking tokens (never exiting);
+# the chosen settings are then served on the report's GSM8K problems of the test half, beside
+# the report's own large + 1,024 thinking run over them (eval budgets). Runs resume; EXIT_N and
+# EXIT_LIMIT answer the first N of each draw.
 EXIT_N ?= 150
-EXIT_TEST_N ?= 300
-EXIT_LIMIT ?= $(EXIT_TEST_N)
+EXIT_LIMIT ?= $$(( $(REPORT_LIMIT) / 3 ))
 EXIT_TRAIN := $(EVALS)/train-gsm8k-observe32
-EXIT_TEST := $(EVALS)/test-gsm8k-observe32
-EXIT_SERVED := $(EVALS)/test-gsm8k-exit
-EXIT_OBSERVE := observe,every=32,answer_tokens=32
+EXIT_SERVED := $(EVALS)/gsm8k-test-think1024-exit
 EXIT_RUN = $(SLUICE) eval run gsm8k --quant int8 --modes large --thinking-budget 1024 --concurrency 24
 early-exit: $(VENV)/.installed
 	$(call unpacked,$(EXIT_TRAIN))
-	$(EXIT_RUN) -n $(EXIT_N) --split train --early-exit $(EXIT_OBSERVE) --out $(EXIT_TRAIN)
+	$(EXIT_RUN) -n 150 --limit $(EXIT_N) --split train --early-exit observe,every=32,answer_tokens=32 \
+		--out $(EXIT_TRAIN)
 	$(call packed,$(EXIT_TRAIN))
 	$(SLUICE) eval exits $(EXIT_TRAIN) --out docs/early-exit/train
-	$(call unpacked,$(EXIT_TEST))
-	$(EXIT_RUN) -n $(EXIT_TEST_N) --limit $(EXIT_LIMIT) --split test --early-exit $(EXIT_OBSERVE) --out $(EXIT_TEST)
-	$(call packed,$(EXIT_TEST))
+	$(call unpacked,$(REPORT_THINK))
 	$(call unpacked,$(EXIT_SERVED))
 	policy=$$($(PY) -c 'import json; print(json.load(open("docs/early-exit/train/exits.json"))["flag"])') && \
-	$(EXIT_RUN) -n $(EXIT_TEST_N) --limit $(EXIT_LIMIT) --split test --early-exit $$policy --out $(EXIT_SERVED) && \
-	$(call packed,$(EXIT_SERVED)) && \
-	$(SLUICE) eval exits $(EXIT_TEST) --policy $$policy --real $(EXIT_SERVED) --out docs/early-exit/test
+	$(EXIT_RUN) -n 100 --limit $(EXIT_LIMIT) --split test --early-exit $$policy --out $(EXIT_SERVED)
+	$(call packed,$(EXIT_SERVED))
+	$(SLUICE) eval budgets $(REPORT_THINK) $(EXIT_SERVED) --out docs/early-exit/test
 
 # GSM8K exact match by thinking budget (docs/thinking-budgets/): the report's GSM8K problems at
 # budgets 64, 256 and 1024 (1024 goes on with the report's own thinking run, and the smaller

@@ -50,6 +50,7 @@ class BudgetRun:
     mode: str
     budget: int
     records: list[Record]
+    early_exit: bool = False    # served with early exit from thinking (engine/early_exit.py)
 
 
 def read_runs(folders: list[Path], kind: str = "gsm8k", budget: str = "thinking_budget") -> list[BudgetRun]:
@@ -63,7 +64,9 @@ def read_runs(folders: list[Path], kind: str = "gsm8k", budget: str = "thinking_
         for mode in [m for m in MODES if m in log.modes()]:
             records = [r for r in log.of_mode(mode) if r.kind == kind]
             if records:
-                runs.append(BudgetRun(folder, config.models[MODES[mode].model], mode, getattr(config, budget), records))
+                exits = config.thinking_exit is not None and not config.thinking_exit.observe
+                runs.append(BudgetRun(folder, config.models[MODES[mode].model], mode + " + early exit" * exits,
+                                      getattr(config, budget), records, exits))
         answered = ({r.id for r in log.of_mode(m) if r.kind == kind} for m in ROUTED_MODES if m in log.modes())
         routed += [ids for ids in answered if ids]      # a routed mode with none of this kind limits nothing
     if not runs:
@@ -73,7 +76,7 @@ def read_runs(folders: list[Path], kind: str = "gsm8k", budget: str = "thinking_
         raise RunError(f"no {kind} question was answered in every one of {', '.join(map(str, folders))}")
     for run in runs:
         run.records = sorted((r for r in run.records if r.id in shared), key=lambda r: r.id)
-    return sorted(runs, key=lambda r: (list(MODES).index(r.mode), r.budget))
+    return sorted(runs, key=lambda r: (list(MODES).index(r.mode.split()[0]), r.budget, r.early_exit))
 
 
 def budget_rows(runs: list[BudgetRun]) -> list[dict]:
@@ -82,9 +85,11 @@ def budget_rows(runs: list[BudgetRun]) -> list[dict]:
 
 def _row(mode: str, model: str, budget: int | None, records: list[Record], folder: Path | None) -> dict:
     thinking = np.array([r.tokens("thinking") for r in records])
+    probes = np.array([r.tokens("probe") for r in records])
     return {"model": model, "mode": mode, "budget": budget,
             "questions": len(records), "em": float(np.mean([r.em for r in records])),
-            "thinking_tokens": float(thinking.mean()),
+            # Early exit's probes count as thinking spent.
+            "thinking_tokens": float((thinking + probes).mean()), "probe_tokens": float(probes.mean()),
             "output_tokens": float(np.mean([r.tokens("output") for r in records])),
             # Spans the engine cut at the budget (budget forcing) rather than the model closed.
             "forced_share": float((thinking >= budget).mean()) if budget else 0.0,
@@ -171,7 +176,8 @@ def policy_markdown(table: dict, kind: str) -> str:
 def markdown(rows: list[dict], kind: str, best: dict) -> str:
     lines = [f"# {kind} exact match by thinking budget", "",
              f"{rows[0]['questions']} questions, the same in every row; tokens and engine seconds are means per "
-             "question; forced: share of thinking spans the engine closed at the budget. Engine seconds are a "
+             "question (thinking tokens include early exit's probes); forced: share of thinking spans the engine "
+             "closed at the budget. Engine seconds are a "
              "share of batched steps, so they depend on each run's concurrency and mix: compare them within "
              "a run, not across rows from different runs. The oracle takes, per question, the cheapest right "
              "answer of the fixed rows; a routed row is the arms router served for real. \"vs best\": exact "

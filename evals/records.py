@@ -64,7 +64,7 @@ class Record:
         return sum(c.cost for c in self.calls)
 
     def tokens(self, kind: str) -> int:
-        """Sum over calls of "prompt", "cached", "output" or "thinking" tokens."""
+        """Sum over calls of "prompt", "cached", "output", "thinking" or "probe" tokens."""
         return sum(getattr(c, f"{kind}_tokens") for c in self.calls)
 
     @property

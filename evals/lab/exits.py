@@ -35,7 +35,7 @@ from engine.early_exit import Prober  # noqa: E402
 from engine.sequence import Probe  # noqa: E402
 from evals.budgets import save_plot  # noqa: E402
 from evals.metrics import score  # noqa: E402
-from evals.records import Record, RecordLog  # noqa: E402
+from evals.records import Record, read_records  # noqa: E402
 from evals.runner import RECORDS_FILE, RunError, load_dataset, read_config  # noqa: E402
 
 STRIDES = (1, 2, 3, 4)                  # policies probe every k * E tokens
@@ -73,7 +73,7 @@ def traces(folder: Path, mode: str = "large") -> tuple[list[Trace], ThinkingExit
                        f"thinking_exit {config.thinking_exit})")
     answers = {ex.id: ex for ex in load_dataset(config).examples}
     out = []
-    for r in RecordLog(folder / RECORDS_FILE).records:
+    for r in read_records(folder / RECORDS_FILE):
         if r.mode != mode or r.error or not r.calls:
             continue
         call, ex = r.calls[-1], answers[r.id]
@@ -132,7 +132,7 @@ def summarize(outcomes: list[Outcome], full: dict | None = None, **settings) -> 
 
 def real_row(folder: Path, ids: set[str], mode: str = "large") -> dict:
     """A run served with early exit, on the observed questions it answered."""
-    records: list[Record] = [r for r in RecordLog(folder / RECORDS_FILE).records
+    records: list[Record] = [r for r in read_records(folder / RECORDS_FILE)
                              if r.mode == mode and r.id in ids and not r.error and r.calls]
     if not records:
         raise RunError(f"{folder}: none of the observed run's questions answered in mode {mode!r}")
