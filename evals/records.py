@@ -27,8 +27,8 @@ class Call:
     finish_reason: str
     logprobs: list[float]    # of each output token, for confidence features
     # Early exit (engine/early_exit.py): what its probes cost (in output_tokens), each probe as
-    # [thinking tokens when it forked, the answer line it read, its confidence, whether the line
-    # was whole, its tokens], and whether thinking ended there.
+    # [thinking tokens when it forked, the answer it read, its confidence, whether that ended within
+    # its cap, its tokens, whether the answer was taken as the call's], and whether thinking ended early.
     probe_tokens: int = 0
     probes: list[list] = field(default_factory=list)
     thinking_exited: bool = False

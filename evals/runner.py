@@ -285,7 +285,7 @@ class Runner:
         return Call(c.model, len(c.prompt_token_ids), c.num_cached_tokens, c.num_billed_tokens, c.num_thinking_tokens,
                     call_cost(self.config.prices[c.model], c), retrieval_s, c.ttft, c.latency, c.engine_s,
                     c.finish_reason, [round(x, 4) for x in c.logprobs], c.num_probe_tokens,
-                    [[p.at, p.text, round(p.confidence, 4), p.complete, p.tokens] for p in c.probes],
+                    [[p.at, p.text, round(p.confidence, 4), p.complete, p.tokens, p.taken] for p in c.probes],
                     c.thinking_exited)
 
     def _record(self, mode: Mode, q: _Question) -> Record:

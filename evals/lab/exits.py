@@ -77,7 +77,7 @@ def traces(folder: Path, mode: str = "large") -> tuple[list[Trace], ThinkingExit
         if r.mode != mode or r.error or not r.calls:
             continue
         call, ex = r.calls[-1], answers[r.id]
-        probes = [Probe(at, text, conf, whole, tokens) for at, text, conf, whole, tokens in call.probes]
+        probes = [Probe(*p[:5]) for p in call.probes]
         out.append(Trace(r.id, probes, call.thinking_tokens, r.em,
                          [score(ex.kind, p.text, ex.answers).em for p in probes]))
     if not out:
@@ -137,7 +137,11 @@ def real_row(folder: Path, ids: set[str], mode: str = "large") -> dict:
     if not records:
         raise RunError(f"{folder}: none of the observed run's questions answered in mode {mode!r}")
     calls = [r.calls[-1] for r in records]
-    return {"policy": f"served ({folder.name})", "n": len(records), "em": float(np.mean([r.em for r in records])),
+    # Each exit's answer against the observed run's probe at the same point: equal where greedy
+    # decoding writes the same tokens whatever the batch (batch invariance).
+    taken = {r.id: p for r, c in zip(records, calls) for p in c.probes if p[5:6] == [True]}
+    return {"policy": f"served ({folder.name})", "taken": taken, "n": len(records),
+            "em": float(np.mean([r.em for r in records])),
             "thinking_tokens": float(np.mean([c.thinking_tokens for c in calls])),
             "probe_tokens": float(np.mean([c.probe_tokens for c in calls])),
             "exited": float(np.mean([c.thinking_exited for c in calls])), "ids": sorted(r.id for r in records)}
@@ -163,18 +167,23 @@ def fit(folder: Path, out: Path, target: float = TARGET, policy: dict | None = N
     else:
         good = [r for r in rows if r["em_share"] >= target]
         chosen = min(good, key=lambda r: (r["spent"], -r["em"])) if good else max(rows, key=lambda r: r["em"])
+    pays = chosen["spent"] < full["thinking_tokens"]
     served = None
     if real is not None:
         served = real_row(real, {t.id for t in ts})
         mine = [t for t in ts if t.id in set(served["ids"])]
         served["full_em"] = float(np.mean([t.em for t in mine]))
         served["full_thinking_tokens"] = float(np.mean([t.thinking for t in mine]))
+        seen = {(t.id, p.at): p.text for t in mine for p in t.probes}
+        taken = served.pop("taken")
+        served["exits_as_observed"] = sum(seen.get((i, p[0])) == p[1] for i, p in taken.items())
+        served["exits_observed"] = sum((i, p[0]) in seen for i, p in taken.items())
     # What `eval run --early-exit` and a tenant's [thinking_budget.exit] take.
     flag = (f"every={chosen['every']},first={chosen['first']},confidence={chosen['confidence']},"
             f"agree={chosen['agree']},answer_tokens={chosen['answer_tokens']}")
     result = {"run": str(folder), "n": len(ts), "probe_every": every, "target": target, "full": full,
-              "chosen": chosen, "flag": flag, "given": policy is not None, "fixed_budgets": fixed, "policies": rows,
-              "served": served}
+              "chosen": chosen, "pays": pays, "flag": flag, "given": policy is not None, "fixed_budgets": fixed,
+              "policies": rows, "served": served}
     out.mkdir(parents=True, exist_ok=True)
     (out / "exits.json").write_text(json.dumps(result, indent=2) + "\n")
     text = markdown(result)
@@ -205,7 +214,9 @@ def markdown(result: dict) -> str:
              f"confidence >= {c['confidence']}: exact match {c['em']:.3f} ({pct(c['em_share'])} of full thinking's; "
              f"target {pct(result['target'])}), {c['spent']:.0f} tokens per question ({c['thinking_tokens']:.0f} "
              f"thinking + {c['probe_tokens']:.0f} probe) = {pct(c['spent_share'])} of full thinking's (target <= "
-             f"{pct(THINKING_TARGET)}); {pct(c['exited'])} exited early.", ""]
+             f"{pct(THINKING_TARGET)}); {pct(c['exited'])} exited early."
+             + ("" if result["pays"] else " It spends more than full thinking: on these questions early exit does "
+                "not pay at this quality, and a tenant should leave it off."), ""]
     if result["served"]:
         s = result["served"]
         spent = s["thinking_tokens"] + s["probe_tokens"]
@@ -213,7 +224,8 @@ def markdown(result: dict) -> str:
                   f"against {s['full_em']:.3f} with full thinking ({pct(s['em'] / max(s['full_em'], 1e-9))}), "
                   f"{spent:.0f} tokens ({s['thinking_tokens']:.0f} thinking + {s['probe_tokens']:.0f} probe) against "
                   f"{s['full_thinking_tokens']:.0f} ({pct(spent / max(s['full_thinking_tokens'], 1))}); "
-                  f"{pct(s['exited'])} exited early.", ""]
+                  f"{pct(s['exited'])} exited early. Of its exits at a point the observed run probed, "
+                  f"{s['exits_as_observed']} of {s['exits_observed']} answered exactly what the probe read there.", ""]
     lines += ["| policy | exact match | share | thinking | probe | spent | share | exited |",
               "|---|---|---|---|---|---|---|---|"]
     for r in pareto(result["policies"]):
