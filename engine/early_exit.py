@@ -46,6 +46,14 @@ def answer_confidence(logprobs: list[float]) -> float:
     return float(np.exp(np.percentile(logprobs, 25))) if logprobs else 0.0
 
 
+def settled(probes: list[Probe], agree: int, confidence: float) -> bool:
+    """The last `agree` probes read the same answer, each to its end, the last at least
+    `confidence` sure: thinking may end (the router lab replays observed probes with it)."""
+    last = probes[-agree:]
+    return (len(last) == agree and all(p.complete for p in last) and last[-1].confidence >= confidence
+            and len({answer_key(p.text) for p in last}) == 1)
+
+
 class Prober:
     """One model's probes: forks them, reads them, and closes a span whose answer settled."""
 
@@ -94,7 +102,7 @@ class Prober:
         th.probes.append(Probe(th.num_tokens(len(seq)), self.tok.decode(text).strip(),
                                answer_confidence(probe.logprobs[:len(text)]), whole, cost))
         self.num_probe_tokens += cost
-        if ee.observe or not self.settled(th.probes, ee.agree, ee.confidence):
+        if ee.observe or not settled(th.probes, ee.agree, ee.confidence):
             return None
         self.num_exits += 1
         length = len(seq)
@@ -108,14 +116,6 @@ class Prober:
         seq.logprobs.extend(probe.logprobs)
         self.scheduler.finish(seq, "stop")
         return seq, length, list(probe.logprobs)
-
-    @staticmethod
-    def settled(probes: list[Probe], agree: int, confidence: float) -> bool:
-        """The last `agree` probes read the same answer, each to its end, the last at least
-        `confidence` sure."""
-        last = probes[-agree:]
-        return (len(last) == agree and all(p.complete for p in last) and last[-1].confidence >= confidence
-                and len({answer_key(p.text) for p in last}) == 1)
 
     def drop(self, seq: Sequence) -> None:
         """Its request is gone (aborted): so is its probe."""

@@ -4,7 +4,7 @@ answer, a request waits for them so its own tokens never change, and an exit lan
 probe forked and answers what it read: the same tokens as a request forked there."""
 import pytest
 
-from engine.early_exit import Prober, answer_key
+from engine.early_exit import answer_key, settled
 from engine.sampling_params import SamplingParams, ThinkingExit
 from engine.sequence import Probe
 from tests.test_engine import folder, prompts  # noqa: F401  (fixture)
@@ -80,12 +80,12 @@ def test_an_unsure_or_unsettled_answer_keeps_thinking(folder):
 
 def test_settled_needs_agreeing_whole_answers_and_a_sure_last_one():
     p = lambda text, conf=0.95, whole=True: Probe(8, text, conf, whole, 4)      # noqa: E731
-    assert Prober.settled([p("x is 12"), p("The answer is 12.")], agree=2, confidence=0.9)
-    assert not Prober.settled([p("The answer is 12.")], agree=2, confidence=0.9)        # too few
-    assert not Prober.settled([p("12"), p("13")], agree=2, confidence=0.9)               # changed
-    assert not Prober.settled([p("12"), p("12", conf=0.5)], agree=2, confidence=0.9)    # unsure
-    assert not Prober.settled([p("12"), p("12", whole=False)], agree=2, confidence=0.9)  # cut short
-    assert Prober.settled([p("13"), p("Paris"), p(" paris ")], agree=2, confidence=0.9)
+    assert settled([p("x is 12"), p("The answer is 12.")], agree=2, confidence=0.9)
+    assert not settled([p("The answer is 12.")], agree=2, confidence=0.9)        # too few
+    assert not settled([p("12"), p("13")], agree=2, confidence=0.9)               # changed
+    assert not settled([p("12"), p("12", conf=0.5)], agree=2, confidence=0.9)    # unsure
+    assert not settled([p("12"), p("12", whole=False)], agree=2, confidence=0.9)  # cut short
+    assert settled([p("13"), p("Paris"), p(" paris ")], agree=2, confidence=0.9)
     assert answer_key("It costs $1,250.50 in all") == "1250.50" and answer_key("The  City") == "the city"
 
 

@@ -7,7 +7,7 @@ t answers from, so one observed run answers for every policy that probes at mult
 - fixed budgets: thinking stopped at t, the probe's answer (no probe cost);
 - early exit (the first probe at `first`, then every k*E tokens, `agree` probes in a row, the
   last at least `confidence` sure, each reading at most `answer_tokens`): the first probe where
-  engine.early_exit.Prober.settled holds, its answer taken as the answer; thinking tokens up to
+  engine.early_exit.settled holds, its answer taken as the answer; thinking tokens up to
   there, and every probe made before it billed. A probe that read more answer tokens than a
   policy's `answer_tokens` would have been cut there: not whole, and cheaper.
 
@@ -30,9 +30,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from engine import EngineConfig, ModelEntry, Prompter, ThinkingExit  # noqa: E402
-from engine.early_exit import Prober  # noqa: E402
-from engine.sequence import Probe  # noqa: E402
+from engine import EngineConfig, ModelEntry, Probe, Prompter, ThinkingExit, settled  # noqa: E402
 from evals.budgets import save_plot  # noqa: E402
 from evals.metrics import score  # noqa: E402
 from evals.records import Record, read_records  # noqa: E402
@@ -96,7 +94,7 @@ def exit_outcome(t: Trace, stride: int, agree: int, confidence: float, first: in
         if answer_tokens is not None and p.tokens - marker > answer_tokens:     # cut short at the cap
             p = Probe(p.at, p.text, p.confidence, False, marker + answer_tokens)
         seen.append(p)
-        if Prober.settled(seen, agree, confidence):
+        if settled(seen, agree, confidence):
             return Outcome(p.at, spent, t.probe_em[i], True)
         spent += p.tokens
     return Outcome(t.thinking, spent, t.em, False)
