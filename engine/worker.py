@@ -62,8 +62,10 @@ def weight_bytes(model: CausalLM, per_token: bool = False) -> int:
     a decode step reads, which leaves out the embedding table (one row of it is read)."""
     total = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     if per_token:
-        # int4 on dot products reads its zeros as zero * scale (zero_scales).
+        # int4 on dot products reads its zeros as zero * scale (zero_scales); a dense copy of
+        # quantized weights (batch buckets) is read instead of them, at the buckets that use it.
         unread = [m.zeros for m in model.modules() if getattr(m, "zero_scales", None) is not None]
+        unread += [m.dense_w for m in model.modules() if getattr(m, "dense_w", None) is not None]
         # The embedding is read a row at a time, unless the head reads the same bytes (gguf, tied).
         head = {t.data_ptr() for t in [*model.lm_head.parameters(), *model.lm_head.buffers()]}
         unread += [t for t in [*model.embed_tokens.parameters(), *model.embed_tokens.buffers()]
