@@ -89,7 +89,12 @@ def ways(w: torch.Tensor) -> dict[str, tuple[object, int]]:
     out["int4 triton"] = (QuantLinear("int4", int4, None, GROUP, packed=False, device="cuda"),
                           q4.nbytes + 2 * s4.nbytes)
     q8f, s8f = quantize_fp8(w)
-    out["fp8"] = (QuantLinear("fp8", {"w": q8f, "scales": s8f}, None, GROUP, device="cuda"), q8f.nbytes + s8f.nbytes)
+    fp8 = QuantLinear("fp8", {"w": q8f, "scales": s8f}, None, GROUP, device="cuda")
+    try:        # never run on a device before this check: a shape _scaled_mm refuses costs its column only
+        fp8(torch.zeros(1, w.shape[1], device="cuda", dtype=torch.bfloat16))
+        out["fp8"] = (fp8, q8f.nbytes + s8f.nbytes)
+    except RuntimeError as e:
+        console.print(f"[red]fp8 cannot run a {tuple(w.shape)} layer here: {e}[/]")
     for qtype in ("Q4_K", "Q6_K", "Q5_0", "Q8_0"):
         if w.shape[1] % gguf_quant.TYPES[qtype].block == 0:
             blocks = gguf_quant.random_blocks(qtype, *w.shape)

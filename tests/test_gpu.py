@@ -272,7 +272,7 @@ def test_quantized_layers_at_engine_shapes(model, M):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not fp8_native(torch.device("cuda")),
                     reason="FP8 tensor cores need compute capability 8.9 or more")
-@pytest.mark.parametrize("M", [1, 16, 64, 300])
+@pytest.mark.parametrize("M", [1, 64, 300])
 def test_fp8_layers_on_scaled_mm_match_their_emulation(M):
     """fp8 on torch._scaled_mm (bf16 activations rounded to e4m3 per row) against the float32
     emulation of the same rounding on the CPU, at the 1.5B's shapes and the LM head's: equal to
