@@ -3,14 +3,21 @@
 # of the tree on a machine with no network, install what the image lacks from wheels kept beside
 # the tree (.whl/, git-ignored: msgspec, gguf, transformers), then
 #   1. tests/test_gpu.py                 the engine and every Triton kernel on CUDA against their twins
-#   2. benchmarks/gpu_kernels.py         each way to run a linear layer, and decode attention, per shape
-#   3. benchmarks/gpu_bench.py           both Qwen shapes, bf16/int8/int4, batch 1/16/64, with a
-#                                        per-kernel profile of a decode step at batch 1 and 64
+#   2. benchmarks/gpu_kernels.py         each way to run a linear layer (fp8 on torch._scaled_mm
+#                                        among them), and decode attention, per shape; from them the
+#                                        batch-bucket table (kernel or dense bf16 per precision and
+#                                        decode batch), written to engine/precision_buckets.json
+#   3. benchmarks/gpu_bench.py           both Qwen shapes, bf16/int8/int4/fp8, batch 1/16/64 (the
+#                                        engine reading that table), with a per-kernel profile of a
+#                                        decode step at batch 1 and 64, and issue 53's targets
 #   4. benchmarks/step_overhead.py       the engine's host work per step there, the model stubbed
-# Results go to benchmarks/results/ (and to $OUT when the device tool sets it), with
-# gpu_check-<device>.json saying what ran, passed, failed or was skipped. Without a GPU it says
-# what it skipped and exits 0, so it can be dry-run anywhere. Arguments name the steps to run
-# (tests kernels bench host; all by default), so a step that failed can be run again alone.
+# Results go to benchmarks/results/ (and to $OUT when the device tool sets it, with the table),
+# with gpu_check-<device>.json naming the device and saying what ran, passed, failed or was
+# skipped, the table's picks, fp8 against bf16 and the targets. The whole run keeps within
+# $GPU_CHECK_SECONDS (480): a step's limit is cut to what is left, and a step with nothing left
+# is skipped. Without a GPU it says what it skipped and exits 0, so it can be dry-run anywhere.
+# Arguments name the steps to run (tests kernels bench host; all by default), so a step that
+# failed can be run again alone.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -34,10 +41,16 @@ slug=$(echo "$device" | tr 'A-Z' 'a-z' | sed -E 's/[^a-z0-9]+/-/g; s/^-|-$//g')
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv 2>/dev/null
 
 wanted=" ${*:-tests kernels bench host} "
+total=${GPU_CHECK_SECONDS:-480}
 declare -A status
 step() {    # step NAME SECONDS COMMAND...: run with a time limit, record its exit status
     local name=$1 limit=$2; shift 2
     [[ $wanted == *" $name "* ]] || return 0
+    local left=$((total - SECONDS))
+    if ((left < 10)); then
+        echo "== gpu_check: $name skipped: ${total}s spent"; status[$name]="skipped 0"; return 0
+    fi
+    ((left < limit)) && limit=$left
     echo "== gpu_check: $name (limit ${limit}s)"
     local start=$SECONDS
     timeout "$limit" "$@"
@@ -45,8 +58,8 @@ step() {    # step NAME SECONDS COMMAND...: run with a time limit, record its ex
 }
 # The tests' CPU references build Sluice's compiled CPU kernels on that host first (a minute or two).
 step tests 300 $PY -m pytest -q -p no:cacheprovider -o addopts= --durations=12 --junitxml="$RESULTS/gpu_tests-$slug.xml" tests/test_gpu.py
-step kernels 90 $PY benchmarks/gpu_kernels.py
-step bench 220 $PY benchmarks/gpu_bench.py --hf-batches --models qwen2.5-coder-1.5b qwen2.5-coder-0.5b
+step kernels 120 $PY benchmarks/gpu_kernels.py
+step bench 280 $PY benchmarks/gpu_bench.py --hf-batches --models qwen2.5-coder-1.5b qwen2.5-coder-0.5b
 step host 40 $PY benchmarks/step_overhead.py --device cuda --out "$RESULTS/step_overhead-$slug.json"
 
 steps=$(for k in "${!status[@]}"; do echo "$k ${status[$k]}"; done)
@@ -54,7 +67,7 @@ STEPS="$steps" DEVICE="$device" SLUG="$slug" $PY - <<'EOF'
 import json, os, xml.etree.ElementTree as ET
 from pathlib import Path
 results = Path("benchmarks/results")
-steps = {name: {"exit": int(code), "seconds": int(secs)}
+steps = {name: {"exit": int(code) if code.isdigit() else code, "seconds": int(secs)}
          for name, code, secs in (line.split() for line in os.environ["STEPS"].splitlines())}
 tests = {}
 xml = results / f"gpu_tests-{os.environ['SLUG']}.xml"
@@ -64,7 +77,22 @@ if xml.exists():
         tests[f"{case.get('classname')}::{case.get('name')}"] = outcome
 summary = {"device": os.environ["DEVICE"], "steps": steps, "tests": tests,
            "counts": {o: sum(v == o for v in tests.values()) for o in ("passed", "failure", "error", "skipped")}}
+table = Path("engine/precision_buckets.json")
+if table.exists():      # the batch-bucket picks gpu_kernels.py measured here, which gpu_bench.py ran with
+    summary["buckets"] = json.loads(table.read_text())["devices"].get(os.environ["DEVICE"])
+bench = results / f"gpu_bench-{os.environ['SLUG']}.json"
+if bench.exists():
+    b = json.loads(bench.read_text())
+    summary["fp8_vs_bf16"] = {
+        model: {batch: {"bf16_tok_s": q["none"]["decode"][batch]["tok_s"], "fp8_tok_s": d["tok_s"],
+                        "ratio": d["tok_s"] / q["none"]["decode"][batch]["tok_s"]}
+                for batch, d in q["fp8"]["decode"].items() if batch in q["none"]["decode"]}
+        for model, r in b["models"].items() if "fp8" in (q := r["quants"]) and "none" in q}
+    summary["targets"] = b.get("targets", {})
 (results / f"gpu_check-{os.environ['SLUG']}.json").write_text(json.dumps(summary, indent=2))
-print(json.dumps({"device": summary["device"], "steps": steps, "counts": summary["counts"]}))
+print(json.dumps({"device": summary["device"], "steps": steps, "counts": summary["counts"],
+                  "fp8_vs_bf16": summary.get("fp8_vs_bf16"), "buckets": summary.get("buckets")}))
 EOF
-if [ -n "${OUT:-}" ]; then cp "$RESULTS"/*-"$slug".json "$RESULTS/gpu_tests-$slug.xml" "$OUT"/ 2>/dev/null; fi
+if [ -n "${OUT:-}" ]; then
+    cp "$RESULTS"/*-"$slug".json "$RESULTS/gpu_tests-$slug.xml" engine/precision_buckets.json "$OUT"/ 2>/dev/null
+fi

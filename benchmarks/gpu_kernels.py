@@ -9,6 +9,8 @@ batch, a prompt chunk), and which is fastest where.
     int8 dequant    the reference twin: the whole weight dequantized to bf16, then cuBLAS
     int4 tinygemm   torch._weight_int4pack_mm, the layout QuantLinear packs on CUDA
     int4 triton     kernels/quant_matmul_triton.py on the stored format
+    fp8             QuantLinear's fp8: activations rounded to e4m3 per row, then torch._scaled_mm
+                    on FP8 tensor cores (compute capability 8.9 and up; below, its emulation)
     Q4_K triton ... kernels/gguf_quant_triton.py on a GGUF type's own blocks (random contents, the
                     layer's shape; each type whose block divides the layer's input)
 
@@ -20,6 +22,14 @@ weight bytes each read.
 Decode attention: the split-KV (flash-decoding) launch the kernel picks against one pass per
 (sequence, KV head), per batch and context length, bf16 KV.
 
+The batch-bucket table: per precision (int8, int4, fp8) and decode batch bucket (the row counts
+measured up to --max-bucket), the time of one decode step's linear layers on its own kernel
+against dense bf16 (F.linear on the weights dequantized once, what QuantLinear's dense copy runs),
+summed over every layer of the models measured (each decoder layer's four, times the layer count,
+and the LM head), and the faster of the two. It goes into the results JSON and, for this device,
+into engine/precision_buckets.json, which the engine reads (engine/quantize.py's dense_rows).
+`--table-from RESULTS.json` rebuilds the table from a saved run, without a GPU.
+
 Prints tables and writes benchmarks/results/gpu_kernels-<device>.json, with the fastest way per
 layer and row count and the one QuantLinear takes.
 """
@@ -30,13 +40,23 @@ import json
 import math
 import re
 import sys
+from pathlib import Path
 
 import torch
-from common import RESULTS, machine
+from common import RESULTS, ROOT, machine
 from rich.console import Console
 from rich.table import Table
 
-from engine.quantize import DEQUANT_ROWS, GGUFLinear, QuantLinear, quantize_int4, quantize_int8
+from engine.quantize import (
+    BUCKETS,
+    DEQUANT_ROWS,
+    GGUFLinear,
+    QuantLinear,
+    fp8_native,
+    quantize_fp8,
+    quantize_int4,
+    quantize_int8,
+)
 from kernels import gguf_quant, quant_matmul
 
 console = Console(width=160)
@@ -48,6 +68,8 @@ SHAPES = {
                            "lm_head": (1536, 151936)},
 }
 GROUP = 128
+LAYERS = {"qwen2.5-coder-0.5b": 24, "qwen2.5-coder-1.5b": 28}     # decoder layers: each holds one of every linear
+PRECISIONS = ("int8", "int4", "fp8")
 
 
 def ways(w: torch.Tensor) -> dict[str, tuple[object, int]]:
@@ -66,6 +88,13 @@ def ways(w: torch.Tensor) -> dict[str, tuple[object, int]]:
         out["int4 tinygemm"] = (tiny, q4.nbytes + 2 * s4.nbytes)
     out["int4 triton"] = (QuantLinear("int4", int4, None, GROUP, packed=False, device="cuda"),
                           q4.nbytes + 2 * s4.nbytes)
+    q8f, s8f = quantize_fp8(w)
+    fp8 = QuantLinear("fp8", {"w": q8f, "scales": s8f}, None, GROUP, device="cuda")
+    try:        # never run on a device before this check: a shape _scaled_mm refuses costs its column only
+        fp8(torch.zeros(1, w.shape[1], device="cuda", dtype=torch.bfloat16))
+        out["fp8"] = (fp8, q8f.nbytes + s8f.nbytes)
+    except RuntimeError as e:
+        console.print(f"[red]fp8 cannot run a {tuple(w.shape)} layer here: {e}[/]")
     for qtype in ("Q4_K", "Q6_K", "Q5_0", "Q8_0"):
         if w.shape[1] % gguf_quant.TYPES[qtype].block == 0:
             blocks = gguf_quant.random_blocks(qtype, *w.shape)
@@ -120,28 +149,86 @@ def attention_table(models: list[str], batches: list[int], contexts: list[int], 
 
 
 def engine_way(quant: str, rows: int) -> str:
-    """The way QuantLinear runs a bf16 model's layer of `quant` for `rows` rows on CUDA."""
-    if quant == "int4":
-        return "int4 tinygemm"
+    """The way QuantLinear runs a bf16 model's layer of `quant` for `rows` rows on CUDA, on its
+    own kernel (the bucket table aside)."""
+    if quant in ("int4", "fp8"):
+        return "int4 tinygemm" if quant == "int4" else "fp8"
     return "int8 dequant" if rows >= DEQUANT_ROWS["cuda"] else "int8 triton"
+
+
+def bucket_table(models: dict, max_bucket: int) -> dict:
+    """Per precision and decode batch bucket: µs of one step's linear layers on the precision's
+    kernel and on dense bf16, summed over the models' layers, and the faster ("kernel" on a tie)."""
+    table: dict[str, dict] = {}
+    for quant in PRECISIONS:
+        table[quant] = {}
+        rows = sorted({int(r) for layers in models.values() for layer in layers.values() for r in layer["rows"]})
+        for r in (r for r in rows if r <= max_bucket):
+            kernel = dense = 0.0
+            for model, layers in models.items():
+                for name, layer in layers.items():
+                    ways = (layer["rows"].get(r) or layer["rows"].get(str(r)) or {}).get("ways", {})
+                    if engine_way(quant, r) not in ways or "bf16 [out,in]" not in ways:
+                        continue
+                    count = 1 if name == "lm_head" else LAYERS[model]
+                    kernel += count * ways[engine_way(quant, r)]["us"]
+                    dense += count * ways["bf16 [out,in]"]["us"]
+            if kernel and dense:
+                table[quant][str(r)] = {"kernel_us": kernel, "dense_us": dense,
+                                        "pick": "dense" if dense < kernel else "kernel"}
+    return {quant: t for quant, t in table.items() if t}
+
+
+def show_buckets(table: dict, device: str) -> None:
+    t = Table(title=f"Batch buckets on {device}: one decode step's linear layers, µs on the precision's kernel / "
+                    f"dense bf16 (the pick in bold)")
+    buckets = sorted({int(b) for q in table.values() for b in q})
+    for col in ("precision", *map(str, buckets)):
+        t.add_column(col)
+    for quant, rows in table.items():
+        t.add_row(quant, *[(f"[bold]{c['kernel_us']:.0f}[/] / {c['dense_us']:.0f}" if c["pick"] == "kernel" else
+                            f"{c['kernel_us']:.0f} / [bold]{c['dense_us']:.0f}[/]") if (c := rows.get(str(b))) else "-"
+                           for b in buckets])
+    console.print(t)
+
+
+def record_buckets(table: dict, device: str, source: str, torch_version: str, path: Path) -> None:
+    """This device's picks into the engine's table file (other devices' entries kept)."""
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    data.setdefault("devices", {})[device] = {
+        "source": source, "torch": torch_version,
+        "buckets": {quant: {b: c["pick"] for b, c in rows.items()} for quant, rows in table.items()}}
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    ap.add_argument("--rows", nargs="+", type=int, default=[1, 16, 64, 256])
+    ap.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32, 64, 256])
     ap.add_argument("--batches", nargs="*", type=int, default=[1, 16, 64], help="decode attention (none: skip it)")
     ap.add_argument("--contexts", nargs="+", type=int, default=[256, 2048], help="decode attention")
+    ap.add_argument("--max-bucket", type=int, default=64, help="the largest decode batch bucket the table holds")
+    ap.add_argument("--table", type=Path, default=BUCKETS, help="the engine's table file this device's picks go to")
+    ap.add_argument("--table-from", type=Path, help="rebuild the table from a saved gpu_kernels JSON (no GPU)")
     args = ap.parse_args()
+    if args.table_from:
+        saved = json.loads(args.table_from.read_text())
+        device = saved["machine"]["device"]
+        table = bucket_table(saved["models"], args.max_bucket)
+        show_buckets(table, device)
+        record_buckets(table, device, str(args.table_from), saved["machine"].get("torch", ""), args.table)
+        console.print(f"wrote {args.table}")
+        return
     if not torch.cuda.is_available():
         sys.exit(f"gpu_kernels needs a CUDA GPU, and torch {torch.__version__} sees none here")
     device = torch.cuda.get_device_name()
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    results = {"machine": machine() | {"device": device, "torch": torch.__version__, "l2_bytes": l2},
+    results = {"machine": machine() | {"device": device, "torch": torch.__version__, "l2_bytes": l2,
+                                       "fp8_tensor_cores": fp8_native(torch.device("cuda"))},
                "dequant_rows": DEQUANT_ROWS["cuda"], "models": {}}
     table = Table(title=f"Linear layers on {device}: µs per call (GB/s of weight read), fastest in bold")
     for col in ("model", "layer", "rows", "bf16 [in,out]", "bf16 [out,in]", "int8 triton", "int8 dequant",
-                "int4 tinygemm", "int4 triton", "int8 / int4 engine"):
+                "int4 tinygemm", "int4 triton", "fp8", "int8 / int4 engine"):
         table.add_column(col)
     for model, shapes in SHAPES.items():
         if model not in args.models:
@@ -161,13 +248,13 @@ def main() -> None:
                     us = median_us([s[name][0] for s in sets], x)
                     times[name] = {"us": us, "gb_s": nbytes / (us * 1e3)}
                 best = min(times, key=lambda t: times[t]["us"])
-                picks = {q: engine_way(q, rows) for q in ("int8", "int4")}
+                picks = {q: engine_way(q, rows) for q in PRECISIONS}
                 rows_out[rows] = {"ways": times, "fastest": best, "engine": picks}
                 table.add_row(model, layer, str(rows),
                               *[(f"[bold]{t['us']:.1f}[/] ({t['gb_s']:.0f})" if name == best else
                                  f"{t['us']:.1f} ({t['gb_s']:.0f})") if (t := times.get(name)) else "-"
                                 for name in ("bf16 [in,out]", "bf16 [out,in]", "int8 triton", "int8 dequant",
-                                             "int4 tinygemm", "int4 triton")],
+                                             "int4 tinygemm", "int4 triton", "fp8")],
                               f"{picks['int8']} / {picks['int4']}")
             results["models"][model][layer] = {"in": k, "out": n, "copies": copies,
                                                "int4_copies_over_l2": copies * n * k / 2 / l2, "rows": rows_out}
@@ -175,6 +262,11 @@ def main() -> None:
             del sets
             torch.cuda.empty_cache()
     console.print(table)
+    results["buckets"] = bucket_table(results["models"], args.max_bucket)
+    show_buckets(results["buckets"], device)
+    out = save(results, device)
+    record_buckets(results["buckets"], device, str(out.relative_to(ROOT)), torch.__version__, args.table)
+    console.print(f"wrote {args.table}")
     if args.batches:
         results["attention"] = attention_table(args.models, args.batches, args.contexts)
     console.print(f"wrote {save(results, device)}")

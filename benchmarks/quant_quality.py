@@ -1,7 +1,9 @@
 """What weight quantization costs in quality: perplexity on a fixed SQuAD text and exact
 match / F1 on the same SQuAD questions answered from their gold paragraph, for each model at
 none (float32: the GGUF's blocks dequantized, the reference), gguf (the same blocks as stored, on
-int8 activations), int8 and int4 (and with --kv, each KV cache dtype). `int8` and `int4` decode on torch's
+int8 activations), int8 and int4, and fp8 (those float32 weights rounded to e4m3 per output
+channel, activations per token: on the CPU the float32 emulation of what FP8 tensor cores
+compute) (and with --kv, each KV cache dtype). `int8` and `int4` decode on torch's
 packed ops, `int8-dot` and `int4-dot` on integer dot products on int8 activations
 (ModelEntry.dot_rows = 1); prompts run where the engine's default puts them (on the integer
 kernels where the compiled AVX2 ones serve, else on dequantized float32 weights, but for packed
@@ -49,7 +51,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
     ap.add_argument("--quants", nargs="+", default=["none", "gguf", "int8-dot", "int4-dot"],
-                    choices=["none", "gguf", "int8", "int8-dot", "int4", "int4-dot"])
+                    choices=["none", "gguf", "int8", "int8-dot", "int4", "int4-dot", "fp8"])
     ap.add_argument("--kv", nargs="+", default=["float32"], choices=["float32", "int8"], help="KV cache dtypes")
     ap.add_argument("--cpu-kernels", nargs="+", default=["on"], choices=["on", "off"])
     ap.add_argument("--prompts", nargs="+", default=["default"], choices=["default", "dequantized"])

@@ -36,9 +36,10 @@ class ThinkingConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         return f"\n{self.close}\n\n"
 
 
-# Weights: float, quantized from float (int8, int4), the GGUF's own blocks as they ship (gguf), or
-# a 4-bit AWQ or GPTQ checkpoint's own integers on the int4 kernels (awq, gptq; engine/awq_gptq.py).
-QUANT_SCHEMES = ("none", "int8", "int4", "gguf", "awq", "gptq")
+# Weights: float, quantized from float (int8, int4 weight-only; fp8 weights and activations), the
+# GGUF's own blocks as they ship (gguf), or a 4-bit AWQ or GPTQ checkpoint's own integers on the
+# int4 kernels (awq, gptq; engine/awq_gptq.py).
+QUANT_SCHEMES = ("none", "int8", "int4", "fp8", "gguf", "awq", "gptq")
 FLOAT_DTYPES = ("float32", "bfloat16")       # compute dtypes, and unquantized KV
 
 
@@ -49,7 +50,9 @@ class ModelEntry(msgspec.Struct, forbid_unknown_fields=True):
     # Share of the KV memory this model gets, relative to the other models' shares.
     kv_share: float = 1.0
     # weight-only: "none" | "int8" | "int4" | "gguf" (a GGUF's own blocks) | "awq" | "gptq" (the
-    # checkpoint's own int4 weights, in its own group size)
+    # checkpoint's own int4 weights, in its own group size); "fp8": float8 e4m3 weights (per output
+    # channel) and activations (per token), on torch._scaled_mm on CUDA devices of compute
+    # capability 8.9 and up, elsewhere an exact float32 emulation (slow: a quality check)
     quant: str = "none"
     group_size: int = 128         # int4 group along the input dimension, quantizing float weights: 32, 64 or 128
     # A step of at least this many tokens (a prompt chunk) multiplies densely over dequantized
@@ -63,6 +66,11 @@ class ModelEntry(msgspec.Struct, forbid_unknown_fields=True):
     # is the alternative, chosen at load); 0: never; None: engine/quantize.py's dot_rows_default
     # for the CPU (its ISA, and whether the compiled kernels build).
     dot_rows: int | None = None
+    # On CUDA, int8 / int4 / fp8 choose per decode batch bucket between their kernel and a dense
+    # matmul on their weights dequantized once (a copy in the compute dtype), as the device's
+    # measured table says (engine/precision_buckets.json, written by benchmarks/gpu_kernels.py);
+    # no table, or False: their kernel at every decode batch.
+    dense_buckets: bool = True
     thinking: ThinkingConfig = ThinkingConfig()
 
     def __post_init__(self) -> None:

@@ -1,9 +1,14 @@
-"""Weight-only quantization of the decoder's linear layers.
+"""Quantization of the decoder's linear layers: weight-only int8 and int4, and fp8 (weights and
+activations).
 
-Formats (shared with the Triton kernels in kernels/):
+Formats (shared with the kernels in kernels/):
   int8: w int8 [N, K], scales [N]; symmetric per output channel: w ~= q * scale.
   int4: q 0..15 two per byte [N, K // 2] (low nibble = even k), scales and zeros [N, K // group];
         asymmetric per group: w ~= (q - zero) * scale.
+  fp8:  w float8 e4m3 [N, K], scales [N]: per output channel, a row's largest weight at 448;
+        activations are rounded to e4m3 too, per token, as the matmul runs. FP8 tensor cores
+        (CUDA compute capability 8.9 and up: Ada, Hopper) multiply them on `torch._scaled_mm`;
+        everywhere else the kernels' float32 emulation of the same rounding runs.
 On CPU the matmuls run on torch's packed int8/int4 ops, which are fast only with bf16
 activations, so activations are cast to bf16 just around them; norms, attention and sampling
 stay in float32. Where integer dot products run (`dot_matmul`), a matmul over a few rows (decode)
@@ -11,12 +16,14 @@ quantizes its activations to int8 instead and sums their products with the weigh
 llama.cpp does. Those ops compute rather than stream: their time grows with every row, so a
 matmul over many rows (a prompt chunk) runs the kernels' float reference instead, on weights
 dequantized a slice at a time (`dequant_rows`). Elsewhere (CUDA) they run on the kernels
-package, from the stored format as is.
+package, from the stored format as is. Where a device's measured table says so (`dense_rows`),
+a decode batch bucket multiplies densely on a copy of the weights dequantized once, instead.
 """
 from __future__ import annotations
 
 import copy
 import functools
+import json
 import logging
 from pathlib import Path
 
@@ -47,8 +54,26 @@ def quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tens
     return q[:, 0::2] | (q[:, 1::2] << 4), scales, zeros
 
 
+def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    q, scales = quant_matmul.quantize_fp8(w)
+    return q, scales.view(-1)
+
+
+def dequantize(mode: str, tensors: dict[str, torch.Tensor], group: int) -> torch.Tensor:
+    """A layer's stored format back in float32 [N, K]."""
+    if mode == "int4":
+        return quant_matmul.dequantize_int4(tensors["w"], tensors["scales"], tensors["zeros"], group)
+    return tensors["w"].float() * tensors["scales"][:, None]
+
+
+def fp8_native(device: torch.device) -> bool:
+    """Whether `device` multiplies float8 on tensor cores (`torch._scaled_mm`): CUDA compute
+    capability 8.9 (Ada) and up (Hopper 9.0)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 class QuantLinear(Module):
-    """A Linear whose weight is int8 or int4; built from the shared format above.
+    """A Linear whose weight is int8, int4 or fp8; built from the shared format above.
 
     `packed`: torch's packed op where the device has one, with bf16 activations around it:
     int8 and int4 on the CPU (int4 converted once here into its layout), int4 on CUDA (tinygemm,
@@ -58,13 +83,20 @@ class QuantLinear(Module):
     packed op does not read, so it takes them from one row whenever `dot_rows` is not 0). From
     `dequant_rows` rows on (a prompt chunk), a layer that keeps the stored format multiplies
     densely over its dequantized weights instead: the quantized kernels stream weights, which
-    pays for a few rows, and a dense GEMM computes, which pays for many."""
+    pays for a few rows, and a dense GEMM computes, which pays for many. fp8 runs
+    `torch._scaled_mm` where the device has FP8 tensor cores (`fp8_native`) and the layer's sizes
+    are multiples of 16, else the kernels' emulation (`fp8_matmul`); its dequantized path is
+    weight-only (activations not rounded). `dense`: for each row count below its length, whether
+    to multiply on `dense_w`, the weights dequantized once into `dtype` (a device's measured
+    choice per decode batch bucket, `dense_rows`); past it, `dequant_rows` decides."""
 
     def __init__(self, mode: str, tensors: dict[str, torch.Tensor], bias: torch.Tensor | None, group: int,
-                 packed: bool = True, device: torch.device | str = "cpu", dequant_rows: int = 0, dot_rows: int = 0):
+                 packed: bool = True, device: torch.device | str = "cpu", dequant_rows: int = 0, dot_rows: int = 0,
+                 dense: tuple[bool, ...] = (), dtype: torch.dtype = torch.float32):
         super().__init__()
         device = torch.device(device)
-        self.mode, self.group = mode, group
+        self.mode, self.group, self.dense = mode, group, dense
+        self.scaled_mm = mode == "fp8" and fp8_native(device) and all(d % 16 == 0 for d in tensors["w"].shape)
         dot = dot_matmul(mode, group) if dot_rows and device.type == "cpu" else None
         # How many activations share an int8 scale: int4's group; on the compiled int8 kernel a
         # block of the input (no dot products where it takes none), on `_int_mm` a whole row
@@ -73,14 +105,16 @@ class QuantLinear(Module):
             quant_matmul.act_block(tensors["w"].shape[1])
         self.dot = dot if dot is quant_matmul.int8_int8_matmul or self.block else None
         self.dot_rows = 0 if self.dot is None else dot_rows if mode == "int8" else 1
-        self.packed = packed and (mode == "int8" or self.dot is None) and (
+        self.packed = packed and mode != "fp8" and (mode == "int8" or self.dot is None) and (
             device.type == "cpu" or (device.type == "cuda" and mode == "int4"
                                      and _tinygemm_tiles(*tensors["w"].shape) > 0))
         # The CPU's packed int8 layout is the stored one; int4's packed layouts are not.
         self.dequant_rows = dequant_rows if not self.packed or mode == "int8" else 0
         self.register_buffer("bias", bias, persistent=False)
+        self.register_buffer("dense_w", dequantize(mode, tensors, group).to(device, dtype) if any(dense) else None,
+                             persistent=False)
         if not self.packed:
-            for name in ("w", "scales", "zeros")[:2 if mode == "int8" else 3]:
+            for name in ("w", "scales", "zeros")[:3 if mode == "int4" else 2]:
                 self.register_buffer(name, tensors[name].to(device), persistent=False)
             if mode == "int4":     # what the dot products take off for the zeros
                 self.register_buffer("zero_scales", (self.zeros * self.scales).contiguous() if self.dot else None,
@@ -107,12 +141,18 @@ class QuantLinear(Module):
         # Buffers read from _buffers: nn.Module's attribute fallback costs microseconds a lookup,
         # and a 1.5B decode step makes some 500 of them here.
         b, rows = self._buffers, x.shape[0]
-        if 0 < self.dequant_rows <= rows:
-            y = (quant_matmul.int8_matmul(x, b["w"], b["scales"]) if self.mode == "int8"
-                 else quant_matmul.int4_matmul(x, b["w"], b["scales"], b["zeros"], self.group))
+        dense = self.dense[rows] if rows < len(self.dense) else 0 < self.dequant_rows <= rows
+        if dense and b["dense_w"] is not None:
+            y = torch.nn.functional.linear(x, b["dense_w"])
+        elif dense:     # int8's reference serves fp8's e4m3 weights too: both are x @ (w * scale).T
+            y = (quant_matmul.int4_matmul(x, b["w"], b["scales"], b["zeros"], self.group) if self.mode == "int4"
+                 else quant_matmul.int8_matmul(x, b["w"], b["scales"]))
         elif 0 < self.dot_rows <= rows:
             y = (self.dot(x, b["w"], b["dot_scales" if self.packed else "scales"], self.block) if self.mode == "int8"
                  else self.dot(x, b["w"], b["scales"], b["zero_scales"], self.group))
+        elif self.mode == "fp8":
+            y = fp8_scaled_mm(x, b["w"], b["scales"]) if self.scaled_mm else quant_matmul.fp8_matmul(
+                x, b["w"], b["scales"])
         elif not self.packed:
             y = (int8_matmul(x, b["w"], b["scales"]) if self.mode == "int8"
                  else int4_matmul(x, b["w"], b["scales"], b["zeros"], self.group))
@@ -145,6 +185,14 @@ class QuantLinear(Module):
                         b.index_select(1 if name == "scales_and_zeros" else 0, ids)
                         for name, b in self._buffers.items()}
         return sub
+
+
+def fp8_scaled_mm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """fp8_matmul on FP8 tensor cores: x rounded as its twin rounds it, then one `_scaled_mm`
+    with row-wise scales (x's per row [M, 1], the weights' per output [1, N]; w [N, K] row-major
+    is the column-major [K, N] operand it takes). Row-wise scales take a bf16 output."""
+    xq, x_scale = quant_matmul.quantize_fp8(x)
+    return torch._scaled_mm(xq, w.t(), scale_a=x_scale, scale_b=scales[None], out_dtype=torch.bfloat16).to(x.dtype)
 
 
 def _tinygemm_tiles(n: int, half_k: int) -> int:
@@ -182,10 +230,38 @@ DEQUANT_ROWS = {"cpu": 64, "cuda": 512}
 def dequant_rows_default(device: str, mode: str, group: int, dot_rows: int) -> int:
     """DEQUANT_ROWS for the device, except where a prompt's matmuls run on the compiled AVX2
     integer kernels (`dot_rows` not 0): there the kernels stay faster than dequantized float32 at
-    every row count (cache-tiled, benchmarks/prefill_bench.py), and nothing dequantizes."""
-    if device == "cpu" and dot_rows and dot_matmul(mode, group) not in (None, quant_matmul.int8_int8_matmul):
+    every row count (cache-tiled, benchmarks/prefill_bench.py), and nothing dequantizes. fp8
+    never: FP8 tensor cores compute at twice bf16's rate, so prompts gain the most, and on the
+    CPU its emulation multiplies dense float32 weights already."""
+    if mode == "fp8" or (device == "cpu" and dot_rows
+                         and dot_matmul(mode, group) not in (None, quant_matmul.int8_int8_matmul)):
         return 0
     return DEQUANT_ROWS[device]
+
+
+# Per CUDA device (its torch name), per precision, per decode batch bucket: whether a layer runs
+# its own kernel or multiplies densely on its weights dequantized once into the compute dtype (a
+# copy held beside the quantized ones). benchmarks/gpu_kernels.py measures both at the served
+# models' layer shapes and writes the faster into this file; without it, or without the device
+# in it, every precision runs its kernel at every decode batch (ModelEntry.dense_buckets: off).
+BUCKETS = Path(__file__).with_name("precision_buckets.json")
+
+
+def dense_rows(mode: str, device_name: str, table: Path = BUCKETS) -> tuple[bool, ...]:
+    """From `table`, whether `mode`'s layers multiply densely at each row count up to the largest
+    bucket measured on `device_name`: a row count takes the choice of the smallest bucket measured
+    at or above it (the CUDA graph it pads to). Empty where the table has no such entry: rows
+    past the buckets follow `dequant_rows`."""
+    if not table.is_file():
+        return ()
+    entry = json.loads(table.read_text()).get("devices", {}).get(device_name, {}).get("buckets", {}).get(mode)
+    if not entry:
+        return ()
+    if not set(entry.values()) <= {"kernel", "dense"}:
+        raise ValueError(f"{table}: {device_name} {mode}: each bucket picks \"kernel\" or \"dense\", "
+                         f"got {sorted(set(entry.values()))}")
+    buckets = sorted((int(b), pick == "dense") for b, pick in entry.items())
+    return tuple(next(d for b, d in buckets if b >= rows) for rows in range(buckets[-1][0] + 1))
 
 
 @functools.cache
@@ -202,8 +278,8 @@ def dot_matmul(mode: str, group: int):
     1.22-1.32x at 8, with a scale per 128 activations rather than per row. `_int_mm` computes
     faster from 16 rows (one layer, weights in cache), but its per-row scale gave the down
     projections 3.5-4.5x the error of 128-value blocks (benchmarks/act_quant_error.py), so
-    prompts stay on the compiled kernel too."""
-    if mode == "int4" and group % 32:
+    prompts stay on the compiled kernel too. fp8 has none: its activations are e4m3, not int8."""
+    if mode == "fp8" or (mode == "int4" and group % 32):
         return None
     compiled = quant_matmul_cpu.load()
     if compiled is None:
@@ -360,8 +436,8 @@ def quantize_tensors(model: CausalLM, mode: str, group: int) -> dict[str, torch.
     for name, module in model.named_modules():
         if isinstance(module, Linear):
             w = module.weight_t.t().contiguous()
-            if mode == "int8":
-                q, s = quantize_int8(w)
+            if mode in ("int8", "fp8"):
+                q, s = quantize_int8(w) if mode == "int8" else quantize_fp8(w)
                 out |= {f"{name}.w": q, f"{name}.scales": s}
             else:
                 q, s, z = quantize_int4(w, group)
@@ -370,11 +446,12 @@ def quantize_tensors(model: CausalLM, mode: str, group: int) -> dict[str, torch.
 
 
 def apply_quantization(model: CausalLM, mode: str, group: int = 128, cache: Path | None = None,
-                       dequant_rows: int = 0, dot_rows: int = 0) -> CausalLM:
-    """Swap the model's Linears for quantized ones (mode "int8" or "int4"); with `cache`,
+                       dequant_rows: int = 0, dot_rows: int = 0, buckets: Path | None = None) -> CausalLM:
+    """Swap the model's Linears for quantized ones (mode "int8", "int4" or "fp8"); with `cache`,
     quantize once and reuse. `dequant_rows`: matmuls over at least this many rows on a stored
     format dequantize (0: never). `dot_rows`: on the CPU, matmuls over at least this many rows
-    run on integer dot products (0: never; int4 from one row when not 0)."""
+    run on integer dot products (0: never; int4 from one row when not 0). `buckets`: on CUDA, the
+    measured table of `dense_rows` (None: none)."""
     if cache is not None and cache.exists():
         # Copies, not views of the file: torch's int8 kernel segfaults on weights that are not
         # aligned as its own allocator aligns them.
@@ -386,13 +463,14 @@ def apply_quantization(model: CausalLM, mode: str, group: int = 128, cache: Path
             tmp = cache.with_suffix(".tmp")
             save_file(tensors, tmp)
             tmp.rename(cache)
-    device = model.norm.weight.device
+    device, dtype = model.norm.weight.device, model.norm.weight.dtype
+    dense = dense_rows(mode, torch.cuda.get_device_name(device), buckets) if buckets and device.type == "cuda" else ()
     for name, module in list(model.named_modules()):
         if isinstance(module, Linear):
             parent, _, child = name.rpartition(".")
             own = {k.removeprefix(name + "."): v for k, v in tensors.items() if k.startswith(name + ".")}
             bias = None if module.bias is None else module.bias.data
             layer = QuantLinear(mode, own, bias, group, device=device, dequant_rows=dequant_rows,
-                                dot_rows=dot_rows)
+                                dot_rows=dot_rows, dense=dense, dtype=dtype)
             setattr(model.get_submodule(parent) if parent else model, child, layer)
     return model

@@ -14,7 +14,14 @@ from engine.config import EngineConfig, ModelConfig, ModelEntry, ThinkingConfig
 from engine.model import CausalLM, load_model
 from engine.model_runner import Device, ModelRunner
 from engine.prompter import Prompter
-from engine.quantize import QuantLinear, apply_gguf, apply_quantization, dequant_rows_default, dot_rows_default
+from engine.quantize import (
+    BUCKETS,
+    QuantLinear,
+    apply_gguf,
+    apply_quantization,
+    dequant_rows_default,
+    dot_rows_default,
+)
 from engine.scheduler import Scheduler
 from engine.stop_checker import StopChecker
 from engine.tokenizer import Tokenizer
@@ -35,6 +42,7 @@ class Worker:
     stop: StopChecker
     dequant_rows: int = 0           # quantized matmuls over this many rows or more dequantize (0: never)
     dot_rows: int = 0               # quantized matmuls over this many rows or more run on integer dot products
+    dense_buckets: tuple[int, ...] = ()     # captured decode batch sizes whose quantized matmuls run dense
 
     @cached_property
     def prompter(self) -> Prompter:
@@ -54,8 +62,10 @@ def weight_bytes(model: CausalLM, per_token: bool = False) -> int:
     a decode step reads, which leaves out the embedding table (one row of it is read)."""
     total = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     if per_token:
-        # int4 on dot products reads its zeros as zero * scale (zero_scales).
+        # int4 on dot products reads its zeros as zero * scale (zero_scales); a dense copy of
+        # quantized weights (batch buckets) is read instead of them, at the buckets that use it.
         unread = [m.zeros for m in model.modules() if getattr(m, "zero_scales", None) is not None]
+        unread += [m.dense_w for m in model.modules() if getattr(m, "dense_w", None) is not None]
         # The embedding is read a row at a time, unless the head reads the same bytes (gguf, tied).
         head = {t.data_ptr() for t in [*model.lm_head.parameters(), *model.lm_head.buffers()]}
         unread += [t for t in [*model.embed_tokens.parameters(), *model.embed_tokens.buffers()]
@@ -96,8 +106,11 @@ def load_workers(config: EngineConfig, progress: bool = True) -> dict[str, Worke
         runner = ModelRunner(model, cfg, blocks, config.block_size, kv_int8, stop.bans, device, cpu_ops)
         runner.capture_graphs(config.max_num_seqs, scheduler.max_model_len)
         quant = next((m for m in model.modules() if isinstance(m, QuantLinear)), None)
+        dense = quant.dense if quant else ()
         workers[name] = Worker(name, cfg, model, tok, bm, scheduler, runner, thinking, stop,
-                               quant.dequant_rows if quant else 0, quant.dot_rows if quant else 0)
+                               quant.dequant_rows if quant else 0, quant.dot_rows if quant else 0,
+                               tuple(b for b in runner.graphs.buckets if b < len(dense) and dense[b])
+                               if runner.graphs else ())
     return workers
 
 
@@ -127,5 +140,6 @@ def _load(entry: ModelEntry, progress: bool, device: Device) -> tuple[ModelConfi
         dot = dot_rows_default() if entry.dot_rows is None else entry.dot_rows
         rows = (dequant_rows_default(device.device.type, entry.quant, entry.group_size, dot)
                 if entry.dequant_rows is None else entry.dequant_rows)
-        model = apply_quantization(model, entry.quant, entry.group_size, cache, rows, dot)
+        model = apply_quantization(model, entry.quant, entry.group_size, cache, rows, dot,
+                                   BUCKETS if entry.dense_buckets else None)
     return cfg, model, Tokenizer(folder)

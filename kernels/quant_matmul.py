@@ -5,7 +5,10 @@ Formats (engine/quantize.py produces them):
   int8: w int8 [N, K], scales float32 [N]; symmetric per output channel: w ~= q * scale.
   int4: w uint8 [N, K // 2], two values 0..15 per byte (low nibble = even k, high = odd k),
         scales and zeros float32 [N, K // group]; asymmetric per group: w ~= (q - zero) * scale.
-Both compute x [M, K] @ w.T -> [M, N] in x's dtype.
+  fp8:  w float8 e4m3 [N, K], scales float32 [N]; per output channel, the largest weight of a
+        row at e4m3's largest value (448): w ~= q * scale. Its activations are rounded the same
+        way per row (token), so both operands of the matmul are e4m3.
+Each computes x [M, K] @ w.T -> [M, N] in x's dtype.
 """
 import torch
 
@@ -89,10 +92,39 @@ def int4_int8_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, zer
     return y.sum(-1).to(x.dtype)
 
 
+def dequantize_int4(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """int4 weights [N, K // 2] in float32 [N, K]."""
+    q = unpack_int4(w).float()
+    return (q - zeros.repeat_interleave(group_size, 1)) * scales.repeat_interleave(group_size, 1)
+
+
 def int4_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                 group_size: int) -> torch.Tensor:
     def weights(r0: int, r1: int) -> torch.Tensor:
-        q = unpack_int4(w[r0:r1]).float()
-        deq = (q - zeros[r0:r1].repeat_interleave(group_size, 1)) * scales[r0:r1].repeat_interleave(group_size, 1)
-        return deq.to(x.dtype)
+        return dequantize_int4(w[r0:r1], scales[r0:r1], zeros[r0:r1], group_size).to(x.dtype)
     return _dense(x, w.shape[0], 2 * w.shape[1], weights)
+
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0         # e4m3fn's largest finite value
+
+
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x float [M, K] as float8 e4m3, scaled per row so that its largest magnitude lands on 448,
+    and the scales float32 [M, 1] (x ~= q * scale). A row of zeros takes scale 1, not 0 / 0. The
+    same ops on every device, so a GPU rounds activations as this twin does."""
+    xf = x.float()
+    amax = xf.abs().amax(-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return (xf / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def fp8_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x rounded to e4m3 per row (`quantize_fp8`), times the e4m3 weights w [N, K], summed in
+    float32, then each row's and each output's scale: what torch._scaled_mm computes with
+    row-wise scales on FP8 tensor cores, emulated exactly where there are none. A product of two
+    e4m3 values (4 significant bits each) is exact in float32; only the sums round."""
+    xq, x_scale = quantize_fp8(x)
+    n, k = w.shape
+    out = _dense(xq.float(), n, k, lambda r0, r1: w[r0:r1].float())
+    return (out * x_scale * scales).to(x.dtype)

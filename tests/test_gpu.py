@@ -7,7 +7,7 @@ import torch
 
 from engine.config import EngineConfig, ModelEntry, SpecConfig
 from engine.llm_engine import LLMEngine
-from engine.quantize import QuantLinear
+from engine.quantize import QuantLinear, fp8_native, quantize_fp8
 from engine.sampling_params import SamplingParams
 from tests.conftest import make_tiny_model, quantized
 from tests.test_engine import prompts
@@ -268,6 +268,31 @@ def test_quantized_layers_at_engine_shapes(model, M):
             if N == 151936 and M == 1:
                 ids = torch.arange(0, 4096, device="cuda")
                 torch.testing.assert_close(layer.rows(ids)(x), layer(x)[:, ids], rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not fp8_native(torch.device("cuda")),
+                    reason="FP8 tensor cores need compute capability 8.9 or more")
+@pytest.mark.parametrize("M", [1, 64, 300])
+def test_fp8_layers_on_scaled_mm_match_their_emulation(M):
+    """fp8 on torch._scaled_mm (bf16 activations rounded to e4m3 per row) against the float32
+    emulation of the same rounding on the CPU, at the 1.5B's shapes and the LM head's: equal to
+    bf16's rounding of the output (the sums' order aside); and a graph replay equal to the call."""
+    from kernels.quant_matmul import fp8_matmul
+    torch.manual_seed(M)
+    for K, N in ((1536, 2048), (1536, 1536), (1536, 17920), (8960, 1536), (1536, 151936)):
+        w = torch.randn(N, K) / K ** 0.5
+        x = torch.randn(M, K).to(torch.bfloat16)
+        q, s = quantize_fp8(w)
+        layer = QuantLinear("fp8", {"w": q, "scales": s}, None, 128, device="cuda")
+        assert layer.scaled_mm and layer.dequant_rows == 0
+        got = layer(x.cuda())
+        assert rel_err(got, fp8_matmul(x.float(), q, s).cuda()) < 1e-2, (K, N)
+        graph, out = torch.cuda.CUDAGraph(), None
+        xs = x.cuda()
+        with torch.cuda.graph(graph):
+            out = layer(xs)
+        graph.replay()
+        torch.testing.assert_close(out, got, rtol=0, atol=0)
 
 
 @pytest.mark.anyio

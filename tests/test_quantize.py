@@ -1,5 +1,7 @@
 """Weight-only quantization: the shared formats round-trip, the CPU ops agree with plain
 dequantized math, and a quantized engine still follows its float model."""
+import json
+
 import pytest
 import torch
 
@@ -9,15 +11,20 @@ from engine.model import Linear
 from engine.quantize import (
     DEQUANT_ROWS,
     QuantLinear,
+    dense_rows,
     dequant_rows_default,
+    dequantize,
     dot_matmul,
+    fp8_scaled_mm,
+    quantize_fp8,
     quantize_int4,
     quantize_int8,
     unpack_int4,
 )
 from engine.sampling_params import SamplingParams
 from kernels.cpu_build import vnni
-from kernels.quant_matmul import int4_int8_matmul, int4_matmul, int8_int8_matmul
+from kernels.quant_matmul import fp8_matmul, int4_int8_matmul, int4_matmul, int8_int8_matmul
+from kernels.quant_matmul import quantize_fp8 as fp8_rows
 from tests.conftest import make_tiny_model, quantized
 
 NO_DOT = "no integer dot products on this CPU (no VNNI, and the AVX2 kernels cannot be built here)"
@@ -159,7 +166,7 @@ def test_bad_quant_config_is_rejected():
         ModelEntry("x", quant="int8", dequant_rows=-1)
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "fp8"])
 def test_quantized_engine_stays_close_to_float(tmp_path, mode, monkeypatch):
     monkeypatch.setenv("SLUICE_CACHE", str(tmp_path / "cache"))
     folder = make_tiny_model(tmp_path / "m", "qwen2", seed=3)
@@ -175,6 +182,12 @@ def test_quantized_engine_stays_close_to_float(tmp_path, mode, monkeypatch):
     assert list((tmp_path / "cache" / "derived").glob(f"*/{mode}-g32.safetensors"))
     again = engine(mode).generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0]
     assert again.token_ids == got.token_ids          # the cached quantized weights are the same
+    if mode == "fp8":
+        # Weights and activations in e4m3 (the float32 emulation on the CPU, every row count):
+        # the random model's first greedy token holds, its log-probability within 0.1.
+        assert got.token_ids[0] == ref.token_ids[0] and abs(got.logprobs[0] - ref.logprobs[0]) < 0.1
+        stats = engine(mode).stats()["m"]
+        assert (stats["quant"], stats["dequant_rows"], stats["dot_rows"], stats["dense_buckets"]) == ("fp8", 0, 0, [])
     if mode == "int8":
         # Per-channel int8 is close enough that the first greedy token of a random model holds,
         # whether the 40-token prefill runs on the packed op or dequantized (from 4 rows).
@@ -219,3 +232,127 @@ def test_rows_compute_those_outputs_of_the_layer(mode):
     b = max(layer.row_block, 32)
     ids = torch.cat([torch.arange(0, b), torch.arange(256 - b, 256)])
     torch.testing.assert_close(layer.rows(ids)(x), layer(x)[:, ids], rtol=0, atol=1e-5)
+
+
+# fp8: float8 e4m3 weights per output channel, activations per token (row).
+E4M3_HALF_STEP = 2.0 ** -4          # round to nearest with 3 stored mantissa bits: half a step, relative
+E4M3_SUBNORMAL_HALF_STEP = 2.0 ** -10       # below 2**-6 the step is 2**-9 (absolute, before scaling)
+
+
+def _fp8_rounding_bound(v: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """How far e4m3 rounding may move each value of v (scaled by `scale` per row)."""
+    return E4M3_HALF_STEP * v.abs() + E4M3_SUBNORMAL_HALF_STEP * scale
+
+
+def test_fp8_rounds_each_row_to_its_largest_value_at_448_and_leaves_zero_rows_zero():
+    torch.manual_seed(0)
+    x = torch.randn(6, 96) * torch.logspace(-6, 3, 6)[:, None]
+    x[3] = 0
+    q, scale = fp8_rows(x)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (6, 1)
+    assert scale[3].item() == 1 and (q[3].float() == 0).all()          # no 0 / 0
+    deq = q.float() * scale
+    assert torch.allclose(q.float().abs().amax(1)[[0, 1, 2, 4, 5]], torch.full((5,), 448.0))
+    assert ((deq - x).abs() <= _fp8_rounding_bound(x, scale) * (1 + 1e-6)).all()
+    wq, wscale = quantize_fp8(torch.randn(32, 96))              # weights: the same rounding per output channel
+    assert wq.dtype == torch.float8_e4m3fn and wscale.shape == (32,)
+
+
+def test_fp8_matmul_emulates_the_rounded_operands_exactly_up_to_float32_sums():
+    """fp8_matmul against a straightforward computation of the same rounding: the e4m3 products
+    summed exactly (float64 holds every sum of them here), times both scales. They differ only by
+    float32's accumulation, bounded by K * 2**-24 times the sum of the products' magnitudes."""
+    torch.manual_seed(0)
+    w, x = torch.randn(80, 512), torch.randn(9, 512) * torch.logspace(-3, 3, 9)[:, None]
+    x[4] = 0
+    wq, ws = quantize_fp8(w)
+    xq, xs = fp8_rows(x)
+    got = fp8_matmul(x, wq, ws)
+    exact = (xq.double() @ wq.double().T) * xs.double() * ws.double()
+    slack = 512 * 2.0 ** -24 * (xq.double().abs() @ wq.double().abs().T) * xs.double() * ws.double()
+    assert ((got.double() - exact).abs() <= slack + 1e-30).all()
+    assert (got[4] == 0).all()
+
+
+def test_fp8_layer_stays_within_e4m3_rounding_of_the_unquantized_layer():
+    """Against x @ w.T in float32, each product's error is bounded by both operands' rounding:
+    |x^ w^ - x w| <= |x^ - x| |w^| + |x| |w^ - w|, with |v^ - v| <= 2**-4 |v| + 2**-10 scale;
+    summed over k that is the bound checked per output. On Gaussian data the relative error of
+    the whole output comes out near 4% (each operand's rounding about 2.6% rms)."""
+    torch.manual_seed(1)
+    w, b, x = torch.randn(128, 256) / 16, torch.randn(128), torch.randn(7, 256)
+    wq, ws = quantize_fp8(w)
+    layer = QuantLinear("fp8", {"w": wq, "scales": ws}, b, 128)
+    assert not layer.packed and layer.dot is None and not layer.scaled_mm       # the CPU: the emulation
+    got = layer(x) - b
+    want = x @ w.T
+    w_err, x_err = _fp8_rounding_bound(w, ws[:, None]), _fp8_rounding_bound(x, fp8_rows(x)[1])
+    bound = x_err @ (w.abs() + w_err).T + x.abs() @ w_err.T
+    assert ((got - want).abs() <= bound * (1 + 1e-5) + 1e-6).all()
+    assert 0.01 < ((got - want).norm() / want.norm()).item() < 0.06
+
+
+def test_fp8_scaled_mm_takes_the_operands_as_the_emulation_does():
+    """The call the GPU makes (torch._scaled_mm with row-wise scales, bf16 out) runs on the CPU
+    too: on the same operands it equals the emulation to bf16's rounding, which checks the
+    layout and scales it is handed. (Its speed, and its FP8 tensor cores, only a GPU measures.)"""
+    torch.manual_seed(2)
+    w, x = torch.randn(64, 128), torch.randn(5, 128)
+    wq, ws = quantize_fp8(w)
+    want = fp8_matmul(x, wq, ws)
+    got = fp8_scaled_mm(x, wq, ws)
+    assert ((got - want).abs() <= 2.0 ** -8 * want.abs() + 1e-6).all()
+
+
+def test_fp8_layer_dequantizes_weights_only_and_restricts_to_rows():
+    torch.manual_seed(3)
+    w, x = torch.randn(96, 64), torch.randn(6, 64)
+    wq, ws = quantize_fp8(w)
+    layer = QuantLinear("fp8", {"w": wq, "scales": ws}, None, 128, dequant_rows=6)
+    torch.testing.assert_close(layer(x), x @ (wq.float() * ws[:, None]).T, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(layer(x[:5]), fp8_matmul(x[:5], wq, ws), rtol=0, atol=0)
+    ids = torch.tensor([0, 5, 17, 95])
+    torch.testing.assert_close(layer.rows(ids)(x[:2]), layer(x[:2])[:, ids], rtol=0, atol=0)
+    assert dequant_rows_default("cuda", "fp8", 128, 0) == 0 and dequant_rows_default("cpu", "fp8", 128, 1) == 0
+    assert dot_matmul("fp8", 128) is None
+
+
+def test_bucket_table_picks_per_row_count_from_the_smallest_bucket_at_or_above_it(tmp_path):
+    table = tmp_path / "buckets.json"
+    assert dense_rows("int8", "GPU A", table) == ()                 # no file: today's behaviour
+    table.write_text(json.dumps({"devices": {"GPU A": {"buckets": {
+        "int4": {"1": "kernel", "8": "kernel", "16": "dense", "64": "dense"},
+        "int8": {"1": "dense", "4": "kernel"}}}}}))
+    picks = dense_rows("int4", "GPU A", table)
+    assert len(picks) == 65
+    assert not any(picks[:9]) and all(picks[9:])                    # 9..16 pad to 16's graph
+    assert dense_rows("int8", "GPU A", table) == (True, True, False, False, False)
+    assert dense_rows("fp8", "GPU A", table) == () and dense_rows("int8", "GPU B", table) == ()
+    table.write_text(json.dumps({"devices": {"GPU A": {"buckets": {"int8": {"1": "bf16"}}}}}))
+    with pytest.raises(ValueError, match="kernel.*dense"):
+        dense_rows("int8", "GPU A", table)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4", "fp8"])
+def test_quant_layer_runs_dense_where_its_table_says_and_its_kernel_elsewhere(mode):
+    """Row counts the table marks dense multiply on the weights dequantized once (exactly
+    x @ deq.T); the others run the precision's own kernel; past the table, dequant_rows decides."""
+    torch.manual_seed(4)
+    w, b, x = torch.randn(64, 128), torch.randn(64), torch.randn(12, 128)
+    tensors = {"w": quantize_fp8(w)[0], "scales": quantize_fp8(w)[1]} if mode == "fp8" else quantized(w, mode, 32)[0]
+    deq = dequantize(mode, tensors, 32)
+    dense = (False, False, True, True, False)           # rows 2 and 3 dense
+    layer = QuantLinear(mode, tensors, b, 32, dense=dense, dequant_rows=10)
+    kernel = QuantLinear(mode, tensors, b, 32)
+    assert layer.dense_w is not None and kernel.dense_w is None
+    for rows in (1, 4, 5):
+        torch.testing.assert_close(layer(x[:rows]), kernel(x[:rows]), rtol=0, atol=0)
+    for rows in (2, 3):
+        torch.testing.assert_close(layer(x[:rows]), x[:rows] @ deq.T + b, rtol=1e-6, atol=1e-5)
+    # Past the table, dequant_rows as before: the dense copy where the layer dequantizes at all
+    # (the CPU's packed int4 keeps no stored format, so it never does).
+    assert layer.dequant_rows == (0 if mode == "int4" and layer.packed else 10)
+    for rows in (10, 12):
+        want = x[:rows] @ deq.T + b if layer.dequant_rows else kernel(x[:rows])
+        torch.testing.assert_close(layer(x[:rows]), want, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(layer(x[:9]), kernel(x[:9]), rtol=0, atol=0)
