@@ -194,6 +194,9 @@ class GatewayMetrics:
                       lambda: {(m, s["quant"]): s["weight_bytes"] for m, s in engine_stats().items()}))
         r.add(Sampled("sluice_engine_dequant_rows", "rows from which quantized matmuls dequantize to float32 "
                       "(0: never)", ("model",), lambda: {(m,): s["dequant_rows"] for m, s in engine_stats().items()}))
+        r.add(Sampled("sluice_engine_dense_buckets", "decode batch sizes whose quantized matmuls run on a dense "
+                      "dequantized copy, per the device's measured bucket table (ModelEntry.dense_buckets)", ("model",),
+                      lambda: {(m,): len(s["dense_buckets"]) for m, s in engine_stats().items()}))
         r.add(Sampled("sluice_engine_dot_rows", "rows from which quantized matmuls run on integer dot products on "
                       "the CPU (0: never)", ("model",),
                       lambda: {(m,): s["dot_rows"] for m, s in engine_stats().items()}))
