@@ -41,6 +41,13 @@ def test_observed_probes_read_what_a_fork_would_answer_and_change_nothing(folder
     assert stats["thinking_early_exits"] == 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
 
 
+def test_a_request_without_thinking_forks_no_probe(folder):
+    e = engine(folder)
+    c = e.generate(prompts(1, seed=41), SamplingParams(max_tokens=40, ignore_eos=True,
+                                                       thinking_exit=ThinkingExit(every=4)))[0]
+    assert len(c.token_ids) == 40 and c.probes == [] and e.stats()["tiny"]["thinking_probes"] == 0
+
+
 def test_the_first_probe_forks_where_the_settings_say(folder):
     _, seen = think(folder, ThinkingExit(every=8, first=12, answer_tokens=3, observe=True))
     assert [p.at for p in seen.probes] == [12, 20, 28, 36]
