@@ -27,7 +27,8 @@ share of the read bandwidth, and Sluice's ratio to llama.cpp. The bandwidth is s
 turn of a decode row, after the two engines, and the share taken of that row's median: on a
 shared host it moves (31 to 64 GB/s within one run on a 2-core EPYC), so one figure from the
 run's start would misstate the rows after it; it writes
-benchmarks/results/cpu_decode_bench.json with the host's ISA. Where llama.cpp cannot be built it
+benchmarks/results/cpu_decode_bench.json with the host's ISA, and with each row the weights'
+bytes as loaded (what the start-up log states) and the GGUF file's size. Where llama.cpp cannot be built it
 says why and exits 2: it never quotes figures from another run.
 """
 from __future__ import annotations
@@ -201,6 +202,8 @@ def main() -> None:
                                             memory_budget_gb=3.0, cpu_kernels=compiled != "off",
                                             cpu_step=compiled == "step"), progress=False)
             sluice_bytes = weight_bytes(engine.worker("m").model, per_token=True)
+            # What the start-up log states the weights hold, against the file they came from.
+            loaded = {"weight_bytes": weight_bytes(engine.worker("m").model), "gguf_file_bytes": gguf.stat().st_size}
             sluice_decode(engine, 1, 4, rng)                        # warm-up
             for what, batch in [("decode", b) for b in args.batches] + [("prefill", 1)]:
                 runs: dict[str, list[float]] = {"sluice": [], "llama.cpp": []}
@@ -222,7 +225,7 @@ def main() -> None:
                              "what": what, "batch": batch, "tokens": args.tokens if what == "decode" else args.prompt,
                              "tok_s": tok_s, "runs": runs, "gb_s": gb_s, "read_bandwidth_gbs": read_gbs,
                              "bandwidth_share": {k: v / statistics.median(read_gbs) for k, v in gb_s.items()},
-                             "ratio": tok_s["sluice"] / tok_s["llama.cpp"]})
+                             "ratio": tok_s["sluice"] / tok_s["llama.cpp"]} | loaded)
                 console.print(f"{name} {quant} (layer kernels {compiled}) {what} batch {batch}: "
                               f"Sluice {tok_s['sluice']:.1f} tok/s, "
                               f"llama.cpp {tok_s['llama.cpp']:.1f} ({rows[-1]['ratio']:.2f}x)")

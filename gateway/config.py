@@ -47,7 +47,8 @@ def default_memory_budget_gb() -> float:
 def default_engine() -> EngineConfig:
     # The small model drafts for the large one: greedy answers are the large model's own.
     # int8 weights: within a point of float32 exact match at a third of the memory (the
-    # quantization quality table in the README).
+    # quantization quality table in the README). Not gguf (the file's own blocks): as good and
+    # smaller, but slower at 8 sequences on both models (docs/engine.md, the GGUF section).
     return EngineConfig(models={"small": ModelEntry("qwen2.5-coder-0.5b", quant="int8"),
                                 "large": ModelEntry("qwen2.5-coder-1.5b", quant="int8")},
                         memory_budget_gb=default_memory_budget_gb(),
