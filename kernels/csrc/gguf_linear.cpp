@@ -165,60 +165,58 @@ static inline void block(const uint8_t* blk, const Act& x, int64_t b, int rows, 
             acc[r] = scaled(acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), ones), d * sx);
             if constexpr (T == Q4_1) off[r] += m * sx * (float)x.sum[r * sums_per_row + b];
         }
-    } else if constexpr (T == Q4_K) {
-        const float d = f16(blk), dmin = f16(blk + 2);
-        const __m256i sm = _mm256_cvtepu8_epi16(scales_mins(blk + 4));
-        const __m256i scales = _mm256_permute2x128_si256(sm, sm, 0x00);
-        const __m128i mins = _mm256_extracti128_si256(sm, 1);
-        for (int h = 0; h < 2; ++h) {
-            const __m256i p0 = load(blk + 16 + 64 * h), p1 = load(blk + 48 + 64 * h);
-            const __m256i q0 = _mm256_and_si256(p0, low), q1 = _mm256_and_si256(_mm256_srli_epi16(p0, 4), low);
-            const __m256i q2 = _mm256_and_si256(p1, low), q3 = _mm256_and_si256(_mm256_srli_epi16(p1, 4), low);
-            const __m256i s0 = _mm256_shuffle_epi8(scales, load(WORD[4 * h])), s1 = _mm256_shuffle_epi8(scales, load(WORD[4 * h + 1]));
-            const __m256i s2 = _mm256_shuffle_epi8(scales, load(WORD[4 * h + 2])), s3 = _mm256_shuffle_epi8(scales, load(WORD[4 * h + 3]));
+    } else {
+        // A K-quant half block (128 weights): each row's four unit dot products; the halves add up
+        // before `finish` applies the block's scales once (with Q4_K's mins, Q6_K's -32).
+        const auto half = [&](int h, __m256i q0, __m256i q1, __m256i q2, __m256i q3, __m256i s0, __m256i s1,
+                              __m256i s2, __m256i s3, auto&& finish) {
             for (int r = 0; r < R; ++r) {
-                const int8_t* xr = x.q + r * K + k0 + 128 * h;
-                const __m256i sum = dot4(q0, q1, q2, q3, xr, s0, s1, s2, s3);
-                if (h == 0) {
-                    part[r] = sum;
-                    continue;
-                }
-                const float sx = x.scale[r * scales_per_row + b];
-                const __m128i xs = _mm_loadu_si128((const __m128i*)(x.sum + r * sums_per_row + k0 / 32));
-                const __m256i min_sum = _mm256_zextsi128_si256(_mm_madd_epi16(mins, xs));
-                acc[r] = scaled(scaled(acc[r], _mm256_add_epi32(part[r], sum), d * sx), min_sum, -dmin * sx);
+                const __m256i sum = dot4(q0, q1, q2, q3, x.q + r * K + k0 + 128 * h, s0, s1, s2, s3);
+                if (h == 0) part[r] = sum;
+                else finish(r, _mm256_add_epi32(part[r], sum), x.scale[r * scales_per_row + b]);
             }
-        }
-    } else {                                    // Q6_K: q - 32 as q 0..63, and -32 times x's unit sums
-        const uint8_t *ql = blk, *qh = blk + 128;
-        const float d = f16(blk + 208);
-        const __m128i sc = _mm_loadu_si128((const __m128i*)(blk + 192));
-        const __m256i sc16 = _mm256_cvtepi8_epi16(sc);
-        const __m256i three = _mm256_set1_epi8(3);
-        for (int h = 0; h < 2; ++h) {
-            const __m256i l0 = load(ql + 64 * h), l1 = load(ql + 64 * h + 32), hb = load(qh + 32 * h);
-            const __m256i q0 = _mm256_or_si256(_mm256_and_si256(l0, low), _mm256_slli_epi16(_mm256_and_si256(hb, three), 4));
-            const __m256i q1 = _mm256_or_si256(_mm256_and_si256(l1, low),
-                                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), three), 4));
-            const __m256i q2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
-                                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), three), 4));
-            const __m256i q3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low),
-                                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), three), 4));
-            const auto pair = [&](int j) {
-                return _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc, _mm_load_si128((const __m128i*)PAIR[j])));
-            };
-            const __m256i s0 = pair(4 * h), s1 = pair(4 * h + 1), s2 = pair(4 * h + 2), s3 = pair(4 * h + 3);
-            for (int r = 0; r < R; ++r) {
-                const int8_t* xr = x.q + r * K + k0 + 128 * h;
-                const __m256i sum = dot4(q0, q1, q2, q3, xr, s0, s1, s2, s3);
-                if (h == 0) {
-                    part[r] = sum;
-                    continue;
-                }
-                const float sx = x.scale[r * scales_per_row + b];
-                const __m256i xs = load(x.sum + r * sums_per_row + k0 / 16);
-                const __m256i shift = _mm256_slli_epi32(_mm256_madd_epi16(xs, sc16), 5);
-                acc[r] = scaled(acc[r], _mm256_sub_epi32(_mm256_add_epi32(part[r], sum), shift), d * sx);
+        };
+        if constexpr (T == Q4_K) {
+            const float d = f16(blk), dmin = f16(blk + 2);
+            const __m256i sm = _mm256_cvtepu8_epi16(scales_mins(blk + 4));
+            const __m256i scales = _mm256_permute2x128_si256(sm, sm, 0x00);
+            const __m128i mins = _mm256_extracti128_si256(sm, 1);
+            for (int h = 0; h < 2; ++h) {
+                const __m256i p0 = load(blk + 16 + 64 * h), p1 = load(blk + 48 + 64 * h);
+                const __m256i q0 = _mm256_and_si256(p0, low), q1 = _mm256_and_si256(_mm256_srli_epi16(p0, 4), low);
+                const __m256i q2 = _mm256_and_si256(p1, low), q3 = _mm256_and_si256(_mm256_srli_epi16(p1, 4), low);
+                const __m256i s0 = _mm256_shuffle_epi8(scales, load(WORD[4 * h])), s1 = _mm256_shuffle_epi8(scales, load(WORD[4 * h + 1]));
+                const __m256i s2 = _mm256_shuffle_epi8(scales, load(WORD[4 * h + 2])), s3 = _mm256_shuffle_epi8(scales, load(WORD[4 * h + 3]));
+                half(h, q0, q1, q2, q3, s0, s1, s2, s3, [&](int r, __m256i total, float sx) {
+                    const __m128i xs = _mm_loadu_si128((const __m128i*)(x.sum + r * sums_per_row + k0 / 32));
+                    const __m256i min_sum = _mm256_zextsi128_si256(_mm_madd_epi16(mins, xs));
+                    acc[r] = scaled(scaled(acc[r], total, d * sx), min_sum, -dmin * sx);
+                });
+            }
+        } else {                                    // Q6_K: q - 32 as q 0..63, and -32 times x's unit sums
+            const uint8_t *ql = blk, *qh = blk + 128;
+            const float d = f16(blk + 208);
+            const __m128i sc = _mm_loadu_si128((const __m128i*)(blk + 192));
+            const __m256i sc16 = _mm256_cvtepi8_epi16(sc);
+            const __m256i three = _mm256_set1_epi8(3);
+            for (int h = 0; h < 2; ++h) {
+                const __m256i l0 = load(ql + 64 * h), l1 = load(ql + 64 * h + 32), hb = load(qh + 32 * h);
+                const __m256i q0 = _mm256_or_si256(_mm256_and_si256(l0, low), _mm256_slli_epi16(_mm256_and_si256(hb, three), 4));
+                const __m256i q1 = _mm256_or_si256(_mm256_and_si256(l1, low),
+                                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), three), 4));
+                const __m256i q2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
+                                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), three), 4));
+                const __m256i q3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low),
+                                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), three), 4));
+                const auto pair = [&](int j) {
+                    return _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc, _mm_load_si128((const __m128i*)PAIR[j])));
+                };
+                const __m256i s0 = pair(4 * h), s1 = pair(4 * h + 1), s2 = pair(4 * h + 2), s3 = pair(4 * h + 3);
+                half(h, q0, q1, q2, q3, s0, s1, s2, s3, [&](int r, __m256i total, float sx) {
+                    const __m256i xs = load(x.sum + r * sums_per_row + k0 / 16);
+                    const __m256i shift = _mm256_slli_epi32(_mm256_madd_epi16(xs, sc16), 5);
+                    acc[r] = scaled(acc[r], _mm256_sub_epi32(total, shift), d * sx);
+                });
             }
         }
     }
