@@ -36,8 +36,12 @@ class Prompter:
         ee = params.thinking_exit
         if ee is None or not params.max_thinking_tokens:
             return 0
-        each = len(self.encode(self.thinking.early_close)) + ee.answer_tokens
-        return (params.max_thinking_tokens - 1) // ee.every * each
+        return (params.max_thinking_tokens - 1) // ee.every * (self.marker_tokens + ee.answer_tokens)
+
+    @cached_property
+    def marker_tokens(self) -> int:
+        """The tokens of the marker that closes a span early (what every probe appends)."""
+        return len(self.encode(self.thinking.early_close))
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)

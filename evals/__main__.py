@@ -25,7 +25,7 @@ from engine import QUANT_SCHEMES, EngineConfig, LLMEngine, ModelEntry, SpecConfi
 from evals.budgets import write_budget_table
 from evals.datasets import DATASETS, SPLITS, DatasetError, files_for, parse_mix
 from evals.lab.contexts import write_context_curve
-from evals.lab.exits import fit, traces
+from evals.lab.exits import fit
 from evals.lab.heldout import HELDOUT_FILE, write_heldout
 from evals.lab.labels import LABELS_FILE, write_labels
 from evals.lab.proxy import PROXY_FILE, PROXY_REPORT, agreement, read_thresholds, score_run
@@ -370,17 +370,7 @@ def cmd_budgets(args) -> int:
 
 
 def cmd_exits(args) -> int:
-    policy = None
-    if args.policy is not None:
-        every = traces(Path(args.folder))[1].every
-        p = args.policy
-        first = p.first or p.every
-        if p.every % every or first % every:
-            raise RunError(f"--policy every={p.every}, first={first}: each must be a multiple of the run's probe "
-                           f"interval {every}")
-        policy = {"first": first, "every": p.every, "agree": p.agree, "confidence": p.confidence,
-                  "answer_tokens": p.answer_tokens}
-    print(fit(Path(args.folder), Path(args.out), args.target, policy, Path(args.real) if args.real else None))
+    print(fit(Path(args.folder), Path(args.out), args.target, args.policy, Path(args.real) if args.real else None))
     return 0
 
 

@@ -65,8 +65,8 @@ def read_runs(folders: list[Path], kind: str = "gsm8k", budget: str = "thinking_
             records = [r for r in log.of_mode(mode) if r.kind == kind]
             if records:
                 exits = config.thinking_exit is not None and not config.thinking_exit.observe
-                runs.append(BudgetRun(folder, config.models[MODES[mode].model], mode + " + early exit" * exits,
-                                      getattr(config, budget), records, exits))
+                runs.append(BudgetRun(folder, config.models[MODES[mode].model], mode, getattr(config, budget),
+                                      records, exits))
         answered = ({r.id for r in log.of_mode(m) if r.kind == kind} for m in ROUTED_MODES if m in log.modes())
         routed += [ids for ids in answered if ids]      # a routed mode with none of this kind limits nothing
     if not runs:
@@ -76,11 +76,12 @@ def read_runs(folders: list[Path], kind: str = "gsm8k", budget: str = "thinking_
         raise RunError(f"no {kind} question was answered in every one of {', '.join(map(str, folders))}")
     for run in runs:
         run.records = sorted((r for r in run.records if r.id in shared), key=lambda r: r.id)
-    return sorted(runs, key=lambda r: (list(MODES).index(r.mode.split()[0]), r.budget, r.early_exit))
+    return sorted(runs, key=lambda r: (list(MODES).index(r.mode), r.budget, r.early_exit))
 
 
 def budget_rows(runs: list[BudgetRun]) -> list[dict]:
-    return [_row(run.mode, run.model, run.budget, run.records, run.folder) for run in runs]
+    return [_row(run.mode + " + early exit" * run.early_exit, run.model, run.budget, run.records, run.folder)
+            for run in runs]
 
 
 def _row(mode: str, model: str, budget: int | None, records: list[Record], folder: Path | None) -> dict:
@@ -135,7 +136,7 @@ def policy_table(runs: list[BudgetRun], router, embedder) -> dict:
     """Every thinking budget per difficulty the runs cover (one fixed budget for all among
     them), the classifier choosing the model; each with its exact match, thinking tokens and
     cost. Returns {"verdicts": difficulty -> questions, "rows": [...]}."""
-    answers = {(r.mode, r.budget): r.records for r in runs}
+    answers = {(r.mode, r.budget): r.records for r in runs if not r.early_exit}   # the fixed budgets
     budgets = sorted({r.budget for r in runs})
     if not all((m, b) in answers for m in ("small", "large") for b in budgets):
         raise RunError("a policy needs both models' answers at every budget")

@@ -104,8 +104,7 @@ def marker_tokens(folder: Path) -> int:
     """The closing marker's tokens in the run's large model (what each probe's cost includes)."""
     config = read_config(folder)
     engine = EngineConfig(models={"large": ModelEntry(config.models["large"])})
-    prompter = Prompter.load(engine, "large")
-    return len(prompter.encode(prompter.thinking.early_close))
+    return Prompter.load(engine, "large").marker_tokens
 
 
 def budget_outcome(t: Trace, budget: int) -> Outcome:
@@ -128,27 +127,32 @@ def summarize(outcomes: list[Outcome], full: dict | None = None, **settings) -> 
     return row
 
 
-def real_row(folder: Path, ids: set[str], mode: str = "large") -> dict:
-    """A run served with early exit, on the observed questions it answered."""
+def real_row(folder: Path, ts: list[Trace], mode: str = "large") -> dict:
+    """A run served with early exit, on the observed questions it answered, beside their full
+    thinking; and how many of its exits answered what the observed probe read at that point
+    (greedy decoding writes the same tokens whatever the batch: batch invariance)."""
+    observed = {t.id: t for t in ts}
     records: list[Record] = [r for r in read_records(folder / RECORDS_FILE)
-                             if r.mode == mode and r.id in ids and not r.error and r.calls]
+                             if r.mode == mode and r.id in observed and not r.error and r.calls]
     if not records:
         raise RunError(f"{folder}: none of the observed run's questions answered in mode {mode!r}")
-    calls = [r.calls[-1] for r in records]
-    # Each exit's answer against the observed run's probe at the same point: equal where greedy
-    # decoding writes the same tokens whatever the batch (batch invariance).
-    taken = {r.id: p for r, c in zip(records, calls) for p in c.probes if p[5:6] == [True]}
-    return {"policy": f"served ({folder.name})", "taken": taken, "n": len(records),
-            "em": float(np.mean([r.em for r in records])),
+    calls, mine = [r.calls[-1] for r in records], [observed[r.id] for r in records]
+    seen = {(t.id, p.at): p.text for t in mine for p in t.probes}
+    taken = [(r.id, p[0], p[1]) for r, c in zip(records, calls) for p in c.probes if len(p) > 5 and p[5]]
+    return {"policy": f"served ({folder.name})", "n": len(records), "em": float(np.mean([r.em for r in records])),
             "thinking_tokens": float(np.mean([c.thinking_tokens for c in calls])),
             "probe_tokens": float(np.mean([c.probe_tokens for c in calls])),
-            "exited": float(np.mean([c.thinking_exited for c in calls])), "ids": sorted(r.id for r in records)}
+            "exited": float(np.mean([c.thinking_exited for c in calls])),
+            "full_em": float(np.mean([t.em for t in mine])),
+            "full_thinking_tokens": float(np.mean([t.thinking for t in mine])),
+            "exits_as_observed": sum(seen.get((i, at)) == text for i, at, text in taken),
+            "exits_observed": sum((i, at) in seen for i, at, _ in taken)}
 
 
-def fit(folder: Path, out: Path, target: float = TARGET, policy: dict | None = None,
+def fit(folder: Path, out: Path, target: float = TARGET, policy: ThinkingExit | None = None,
         real: Path | None = None) -> str:
-    """Tabulate every policy on the observed run; `policy` (stride, agree, confidence) given:
-    judge that one (a held-out split), else choose the cheapest at `target`."""
+    """Tabulate every policy on the observed run; `policy` given (settings fitted on another
+    split): judge that one, else choose the cheapest at `target`."""
     ts, observed = traces(folder)
     every, marker = observed.every, marker_tokens(folder)
     full = summarize([Outcome(t.thinking, 0, t.em, False) for t in ts], policy="full thinking")
@@ -159,23 +163,17 @@ def fit(folder: Path, out: Path, target: float = TARGET, policy: dict | None = N
     budgets = sorted({p.at for t in ts for p in t.probes})
     fixed = [summarize([budget_outcome(t, b) for t in ts], full, budget=b) for b in budgets]
     if policy is not None:
-        chosen = next((r for r in rows if all(r[k] == v for k, v in policy.items())), None)
+        key = {"first": policy.first or policy.every, "every": policy.every, "agree": policy.agree,
+               "confidence": policy.confidence, "answer_tokens": policy.answer_tokens}
+        chosen = next((r for r in rows if all(r[k] == v for k, v in key.items())), None)
         if chosen is None:
-            raise RunError(f"policy {policy} is not on this run's grid (every a multiple of {every})")
+            raise RunError(f"--policy {key} is not on this run's grid: first and every multiples of its probe "
+                           f"interval {every}, agree in {AGREE}, confidence in {CONFIDENCE}, answer_tokens in {caps}")
     else:
         good = [r for r in rows if r["em_share"] >= target]
         chosen = min(good, key=lambda r: (r["spent"], -r["em"])) if good else max(rows, key=lambda r: r["em"])
     pays = chosen["spent"] < full["thinking_tokens"]
-    served = None
-    if real is not None:
-        served = real_row(real, {t.id for t in ts})
-        mine = [t for t in ts if t.id in set(served["ids"])]
-        served["full_em"] = float(np.mean([t.em for t in mine]))
-        served["full_thinking_tokens"] = float(np.mean([t.thinking for t in mine]))
-        seen = {(t.id, p.at): p.text for t in mine for p in t.probes}
-        taken = served.pop("taken")
-        served["exits_as_observed"] = sum(seen.get((i, p[0])) == p[1] for i, p in taken.items())
-        served["exits_observed"] = sum((i, p[0]) in seen for i, p in taken.items())
+    served = real_row(real, ts) if real is not None else None
     # What `eval run --early-exit` and a tenant's [thinking_budget.exit] take.
     flag = (f"every={chosen['every']},first={chosen['first']},confidence={chosen['confidence']},"
             f"agree={chosen['agree']},answer_tokens={chosen['answer_tokens']}")
