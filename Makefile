@@ -206,13 +206,14 @@ eval-report: $(VENV)/.installed
 
 # Early exit from thinking (docs/early-exit/): the router lab fits its settings on GSM8K problems
 # of the train half that a run observed with probes every 32 thinking tokens (never exiting);
-# the chosen settings are then served on the report's GSM8K problems of the test half, beside
-# the report's own large + 1,024 thinking run over them (eval budgets). Runs resume; EXIT_N and
-# EXIT_LIMIT answer the first N of each draw.
+# the chosen settings are then served on EXIT_TEST GSM8K problems of the test half, beside large
+# + 1,024 thinking over the same problems (its draw reuses the report's answers: --reuse), and
+# eval budgets compares the two. Runs resume; EXIT_N answers the first N of the train draw.
 EXIT_N ?= 150
-EXIT_LIMIT ?= $$(( $(REPORT_LIMIT) / 3 ))
+EXIT_TEST ?= 300
 EXIT_TRAIN := $(EVALS)/train-gsm8k-observe32
-EXIT_SERVED := $(EVALS)/gsm8k-test-think1024-exit
+EXIT_FULL := $(EVALS)/gsm8k-test$(EXIT_TEST)-think1024
+EXIT_SERVED := $(EVALS)/gsm8k-test$(EXIT_TEST)-think1024-exit
 EXIT_RUN = $(SLUICE) eval run gsm8k --quant int8 --modes large --thinking-budget 1024 --concurrency 24
 early-exit: $(VENV)/.installed
 	$(call unpacked,$(EXIT_TRAIN))
@@ -221,11 +222,14 @@ early-exit: $(VENV)/.installed
 	$(call packed,$(EXIT_TRAIN))
 	$(SLUICE) eval exits $(EXIT_TRAIN) --out docs/early-exit/train
 	$(call unpacked,$(REPORT_THINK))
+	$(call unpacked,$(EXIT_FULL))
+	$(EXIT_RUN) -n $(EXIT_TEST) --split test --reuse $(REPORT_THINK) --out $(EXIT_FULL)
+	$(call packed,$(EXIT_FULL))
 	$(call unpacked,$(EXIT_SERVED))
 	policy=$$($(PY) -c 'import json; print(json.load(open("docs/early-exit/train/exits.json"))["flag"])') && \
-	$(EXIT_RUN) -n 100 --limit $(EXIT_LIMIT) --split test --early-exit $$policy --out $(EXIT_SERVED)
+	$(EXIT_RUN) -n $(EXIT_TEST) --split test --early-exit $$policy --out $(EXIT_SERVED)
 	$(call packed,$(EXIT_SERVED))
-	$(SLUICE) eval budgets $(REPORT_THINK) $(EXIT_SERVED) --out docs/early-exit/test
+	$(SLUICE) eval budgets $(EXIT_FULL) $(EXIT_SERVED) --out docs/early-exit/test
 
 # GSM8K exact match by thinking budget (docs/thinking-budgets/): the report's GSM8K problems at
 # budgets 64, 256 and 1024 (1024 goes on with the report's own thinking run, and the smaller

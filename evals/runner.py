@@ -163,21 +163,24 @@ def read_config(folder: Path) -> RunConfig:
 def reusable(folder: Path, config: RunConfig) -> dict[tuple[str, str], Record]:
     """(mode, question id) -> an answer of another run that this run would give too: that run
     differs only in a larger thinking budget, and the answer spent fewer thinking tokens than
-    this run's budget, so the budget never cut it. Decoding is greedy, so both runs write the
-    same tokens (up to the rounding of a different batch), and the answer is copied rather than
-    generated again: a 256-token label is free wherever the 1,024-token answer thought less.
-    Single-model modes only: a routed mode's route depends on its own run. A copy keeps the
-    other run's timings (engine seconds, latency), measured at that run's concurrency. The other
-    run's log is only read: it may still be writing."""
+    this run's budget, so the budget never cut it; or it differs in its draw alone (`n`), and
+    its answer to any question both draws hold serves. Decoding is greedy, so both runs write the same tokens (up to the rounding of a
+    different batch), and the answer is copied rather than generated again: a 256-token label
+    is free wherever the 1,024-token answer thought less, and a larger draw pays only for its
+    new questions. Single-model modes only: a routed mode's route depends on its own run. A
+    copy keeps the other run's timings (engine seconds, latency), measured at that run's
+    concurrency. The other run's log is only read: it may still be writing."""
     theirs = read_config(folder)
-    if not 0 < config.thinking_budget < theirs.thinking_budget or \
-            msgspec.structs.replace(theirs, thinking_budget=config.thinking_budget) != config:
-        raise RunError(f"--reuse {folder}: its answers serve only a run with the same settings and a smaller thinking "
-                       f"budget than its {theirs.thinking_budget} (this run's: {config.thinking_budget})")
+    budget, same = config.thinking_budget, msgspec.structs.replace(theirs, thinking_budget=config.thinking_budget,
+                                                                  n=config.n) == config
+    if not same or not (budget == theirs.thinking_budget or 0 < budget < theirs.thinking_budget):
+        raise RunError(f"--reuse {folder}: its answers serve only a run with the same settings, a smaller thinking "
+                       f"budget than its {theirs.thinking_budget} or another draw size (-n) (this run's budget: "
+                       f"{budget})")
     records = read_records(folder / RECORDS_FILE)
     return {(r.mode, r.id): replace(r, copied_from=str(folder)) for r in records
             if r.mode in MODES and r.calls and r.error is None
-            and all(c.thinking_tokens < config.thinking_budget for c in r.calls)}
+            and (budget == theirs.thinking_budget or all(c.thinking_tokens < budget for c in r.calls))}
 
 
 def load_dataset(config: RunConfig) -> Dataset:

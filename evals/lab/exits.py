@@ -16,7 +16,8 @@ real early-exit run (`--early-exit` with the chosen settings) checks it: `--real
 that run on the same questions.
 
 The chosen policy: the fewest thinking and probe tokens per question keeping `target` of the
-full run's exact match. Writes exits.json, exits.md and exits.png.
+full run's exact match. Beside it, the bound no policy that reads its answer from these probes
+can beat: an oracle that knows which probes are right. Writes exits.json, exits.md and exits.png.
 """
 from __future__ import annotations
 
@@ -115,6 +116,32 @@ def budget_outcome(t: Trace, budget: int) -> Outcome:
     return Outcome(t.probes[i].at, 0, t.probe_em[i], True)
 
 
+def oracle(ts: list[Trace], target: float) -> dict:
+    """Each question exited at its first probe that reads the right answer, paying that probe
+    alone (no probe before it, wrong or right, is needed to know); one with no right probe exits
+    at its first (wrong) probe unless its full thinking is right. Then, down to `target` of full
+    thinking's exact match, the right answers that cost the most over their cheapest exit are
+    given up: the fewest tokens at that quality that any probing policy could spend."""
+    def cheapest(t: Trace) -> Outcome:
+        return Outcome(t.probes[0].at, t.probes[0].tokens, 0.0, True) if t.probes else Outcome(t.thinking, 0, 0.0, False)
+
+    outcomes = []
+    for t in ts:
+        i = next((i for i, em in enumerate(t.probe_em) if em == 1.0), None)
+        outcomes.append(Outcome(t.probes[i].at, t.probes[i].tokens, 1.0, True) if i is not None
+                        else Outcome(t.thinking, 0, 1.0, False) if t.em == 1.0 else cheapest(t))
+    full_em = float(np.mean([t.em for t in ts]))
+    cost = lambda o: o.thinking + o.probe_tokens     # noqa: E731
+    saving = sorted(((cost(o) - cost(cheapest(t)), k) for k, (o, t) in enumerate(zip(outcomes, ts)) if o.em == 1.0),
+                    reverse=True)
+    for _, k in saving:
+        if (sum(o.em for o in outcomes) - 1) / len(ts) < target * full_em:
+            break
+        outcomes[k] = cheapest(ts[k])
+    return summarize(outcomes, {"em": full_em, "thinking_tokens": float(np.mean([t.thinking for t in ts]))},
+                     policy="oracle")
+
+
 def summarize(outcomes: list[Outcome], full: dict | None = None, **settings) -> dict:
     row = settings | {"em": float(np.mean([o.em for o in outcomes])),
                       "thinking_tokens": float(np.mean([o.thinking for o in outcomes])),
@@ -173,13 +200,14 @@ def fit(folder: Path, out: Path, target: float = TARGET, policy: ThinkingExit | 
         good = [r for r in rows if r["em_share"] >= target]
         chosen = min(good, key=lambda r: (r["spent"], -r["em"])) if good else max(rows, key=lambda r: r["em"])
     pays = chosen["spent"] < full["thinking_tokens"]
+    bound = oracle(ts, target)
     served = real_row(real, ts) if real is not None else None
     # What `eval run --early-exit` and a tenant's [thinking_budget.exit] take.
     flag = (f"every={chosen['every']},first={chosen['first']},confidence={chosen['confidence']},"
             f"agree={chosen['agree']},answer_tokens={chosen['answer_tokens']}")
     result = {"run": str(folder), "n": len(ts), "probe_every": every, "target": target, "full": full,
               "chosen": chosen, "pays": pays, "flag": flag, "given": policy is not None, "fixed_budgets": fixed,
-              "policies": rows, "served": served}
+              "policies": rows, "oracle": bound, "served": served}
     front = pareto(rows)
     out.mkdir(parents=True, exist_ok=True)
     # The JSON keeps the front (the packed run replays the rest); the plot shows every policy.
@@ -203,7 +231,7 @@ def pareto(rows: list[dict]) -> list[dict]:
 
 
 def markdown(result: dict) -> str:
-    full, c = result["full"], result["chosen"]
+    full, c, o = result["full"], result["chosen"], result["oracle"]
     pct = lambda x: f"{100 * x:.0f}%"     # noqa: E731
     lines = [f"# Early exit from thinking: {result['run']}", "",
              f"{result['n']} questions, probed every {result['probe_every']} thinking tokens. Full thinking: "
@@ -215,7 +243,11 @@ def markdown(result: dict) -> str:
              f"thinking + {c['probe_tokens']:.0f} probe) = {pct(c['spent_share'])} of full thinking's (target <= "
              f"{pct(THINKING_TARGET)}); {pct(c['exited'])} exited early."
              + ("" if result["pays"] else " It spends more than full thinking: on these questions early exit does "
-                "not pay at this quality, and a tenant should leave it off."), ""]
+                "not pay at this quality, and a tenant should leave it off."), "",
+             f"The bound (an oracle that knows which probes read the right answer, each question exiting at its "
+             f"first right one and paying for that probe alone, giving up the costliest right answers down to "
+             f"{pct(result['target'])}): exact match {o['em']:.3f} ({pct(o['em_share'])}) at {o['spent']:.0f} tokens "
+             f"per question ({pct(o['spent_share'])}). No policy probing where this run probed spends less.", ""]
     if result["served"]:
         s = result["served"]
         spent = s["thinking_tokens"] + s["probe_tokens"]
@@ -250,6 +282,8 @@ def plot(result: dict, path: Path) -> None:
     full, c = result["full"], result["chosen"]
     ax.plot([full["thinking_tokens"]], [full["em"]], "k*", ms=10, label="full thinking")
     ax.plot([c["spent"]], [c["em"]], "r*", ms=10, label="chosen" if not result["given"] else "judged")
+    o = result["oracle"]
+    ax.plot([o["spent"]], [o["em"]], "m^", ms=7, label="oracle bound")
     if result["served"]:
         s = result["served"]
         ax.plot([s["thinking_tokens"] + s["probe_tokens"]], [s["em"]], "gD", ms=6, label="served with early exit")
