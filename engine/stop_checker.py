@@ -8,7 +8,10 @@ exactly the budget and the nudge and the marker are forced (budget forcing). A m
 does not think natively often ends its turn inside the span or right after it, its whole
 solution written as thinking: an empty answer. So a stop token inside the span closes it in
 its place (no nudge: the model was done), and the stop tokens are banned until the answer
-holds text.
+holds a word (a letter or a digit). Such a model, its answer already written inside the span,
+then fills the answer with line breaks (or a code fence) up to max_tokens: after BLANK_TOKENS
+of them, every token that writes no letter or digit is banned too, and the model writes its
+answer out.
 """
 from __future__ import annotations
 
@@ -23,6 +26,8 @@ from engine.tokenizer import Tokenizer
 # The closing marker plus a little whitespace fits in this many tokens: a step decodes no
 # more of the span than the new tokens and these before them.
 MARKER_TOKENS = 16
+# The wordless tokens an answer may open with (a line break, a sign) before a word must follow.
+BLANK_TOKENS = 2
 
 
 @dataclass
@@ -37,6 +42,7 @@ class StopChecker:
     def __init__(self, cfg: ModelConfig, tok: Tokenizer, thinking: ThinkingConfig, max_model_len: int):
         self.eos_ids = frozenset(cfg.eos_token_ids) | ({tok.eos_id} if tok.eos_id is not None else set())
         self.tok, self.thinking, self.max_model_len = tok, thinking, max_model_len
+        self.wordless_ids = tok.wordless_ids()      # once per model (half a second for 150k tokens)
 
     def stop_ids(self, params: SamplingParams) -> frozenset[int]:
         """The tokens that end a request's turn: resolved once, when it is added."""
@@ -98,8 +104,9 @@ class StopChecker:
     def bans(self, item: ScheduledSeq, i: int) -> list[int]:
         """The tokens the model may not write at index i of a scheduled sequence (of its
         token_ids, its draft after them): the stop tokens while a closed thinking span is
-        followed by nothing but whitespace and markers. The span may close inside a draft being
-        verified, before `th.end` is known."""
+        followed by no word (no letter or digit; markers aside), and past BLANK_TOKENS of those,
+        every wordless token too. The span may close inside a draft being verified, before `th.end` is
+        known."""
         seq = item.seq
         th = seq.thinking
         if th is None or i <= th.start or not seq.stop_ids:
@@ -108,7 +115,7 @@ class StopChecker:
             if th.answered_at is not None and i >= th.answered_at:
                 return []           # text stays text: no need to decode the growing answer again
             if self._blank(self.tok.decode(item.tokens(th.end, i))):
-                return list(seq.stop_ids)
+                return list(seq.stop_ids) + (self.wordless_ids if i - th.end >= BLANK_TOKENS else [])
             if i <= len(seq):       # remembered for committed tokens only, never on a draft's word
                 th.answered_at = i
             return []
@@ -117,8 +124,8 @@ class StopChecker:
         return list(seq.stop_ids) if at >= 0 and self._blank(text[at + len(self.thinking.close):]) else []
 
     def _blank(self, answer: str) -> bool:
-        """Nothing but whitespace and markers (small models like to close the span twice)."""
-        return not answer.replace(self.thinking.open, "").replace(self.thinking.close, "").strip()
+        """No letter or digit, markers aside (small models like to close the span twice)."""
+        return not any(c.isalnum() for c in answer.replace(self.thinking.open, "").replace(self.thinking.close, ""))
 
     @staticmethod
     def check_text(seq: Sequence, new: str) -> tuple[str, bool]:

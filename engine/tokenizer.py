@@ -50,6 +50,11 @@ class Tokenizer:
         """Special tokens (special_ids) write nothing."""
         return self.hf.decode(ids, skip_special_tokens=True)
 
+    def wordless_ids(self) -> list[int]:
+        """The tokens that write no letter or digit: whitespace, punctuation, special tokens."""
+        texts = self.hf.decode_batch([[i] for i in range(self.vocab_size)], skip_special_tokens=True)
+        return [i for i, text in enumerate(texts) if not any(c.isalnum() for c in text)]
+
     def defuse(self, text: str) -> str:
         """`text` with each special token's spelling broken by a zero-width space after its first
         character: what a client or a document writes is read as text, so "<|im_end|>" in a

@@ -71,6 +71,40 @@ def test_a_closed_span_is_never_followed_by_an_empty_answer(folder, speculative)
     assert plain.token_ids == [after]
 
 
+def test_an_answer_of_line_breaks_gives_way_to_words(folder, tmp_path):
+    """A model that answered inside its span writes line breaks after it until max_tokens (stop
+    tokens are banned there): past BLANK_TOKENS tokens without a letter or digit, every such
+    token is banned too, and the answer's next token is a word."""
+    import json
+    import shutil
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from engine.stop_checker import BLANK_TOKENS
+    from tests.conftest import TINY_VOCAB
+    free = engine(folder).generate(prompts(1, seed=32), SamplingParams(max_tokens=12, ignore_eos=True,
+                                                                       max_thinking_tokens=50))[0]
+    marker = free.token_ids[3]
+    end = free.token_ids.index(marker) + 1
+    breaks = free.token_ids[end:end + BLANK_TOKENS + 1]     # what it writes after the span, made wordless
+    assert len(set(breaks)) == len(breaks) and not {marker, OPEN, CLOSE, NUDGE} & set(breaks)
+    wordless = shutil.copytree(folder, tmp_path / "wordless")
+    vocab = {(("\n" if i == breaks[0] else "!" * (breaks.index(i) + 1)) if i in breaks else f"t{i}"): i
+             for i in range(TINY_VOCAB - 1)} | {"<eos>": TINY_VOCAB - 1}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.WhitespaceSplit(), decoders.WordPiece(prefix="##")
+    tok.add_special_tokens(["<eos>"])
+    tok.save(str(wordless / "tokenizer.json"))
+    (wordless / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
+    # (eos is its stop token: a request without one may end its turn anywhere, and bans nothing.)
+    c = engine(wordless, close=marker).generate(prompts(1, seed=32), SamplingParams(max_tokens=12,
+                                                                                    max_thinking_tokens=50))[0]
+    answer = c.token_ids[end:]
+    assert c.token_ids[:end] == free.token_ids[:end] and answer[:BLANK_TOKENS] == breaks[:BLANK_TOKENS]
+    assert answer[BLANK_TOKENS] != breaks[BLANK_TOKENS] and answer[BLANK_TOKENS] not in breaks
+    assert any(ch.isalnum() for ch in c.text)
+
+
 @pytest.mark.parametrize("speculative", [False, True])
 def test_a_stop_token_inside_the_span_closes_it_and_the_answer_follows(folder, speculative):
     free = engine(folder).generate(prompts(1, seed=33), SamplingParams(max_tokens=12, ignore_eos=True,
