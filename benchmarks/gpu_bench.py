@@ -99,7 +99,7 @@ def ids(rng: random.Random, n: int) -> list[int]:
 
 def engine_decode(engine: LLMEngine, batch: int, tokens: int) -> dict:
     """Steady-state decode of `batch` requests (all prefilled first), then the replay alone of
-    the captured graph the steps used."""
+    the captured graphs the steps used (the layers' and the head's)."""
     rng = random.Random(batch)
     for _ in range(batch):
         engine.add_request(ids(rng, 32), SamplingParams(max_tokens=tokens, ignore_eos=True))
@@ -114,12 +114,12 @@ def engine_decode(engine: LLMEngine, batch: int, tokens: int) -> dict:
     out = {"tok_s": n / elapsed, "step_ms": 1e3 * elapsed / steps}
     graphs = engine.worker("m").runner.graphs
     if graphs is not None:
-        graph = graphs.graphs[next(b for b in graphs.buckets if b >= batch)]
-        graph.replay()
+        bucket = next(b for b in graphs.buckets if b >= batch)
+        graphs.replay(bucket)
         torch.cuda.synchronize()
         start = time.perf_counter()
         for _ in range(50):
-            graph.replay()
+            graphs.replay(bucket)
         torch.cuda.synchronize()
         out["replay_ms"] = 1e3 * (time.perf_counter() - start) / 50
         out["engine_over_replay"] = out["step_ms"] / out["replay_ms"]

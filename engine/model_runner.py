@@ -4,8 +4,8 @@ positions, slot mapping, block tables, context lengths), one forward pass, then 
 Every device difference of the engine lives here (and in the kernels' dispatcher): `Device`
 resolves where the engine runs, its memory budget and how a step's host-built index tensors
 reach it; the runner keeps the KV cache on it, samples greedy rows there with one read back
-per step, and on CUDA replays decode steps from graphs. On the CPU the same code runs with
-every copy a no-op."""
+per step, and on CUDA replays decode steps from graphs: the layers', then the LM head's and
+the greedy picks'. On the CPU the same code runs with every copy a no-op."""
 from __future__ import annotations
 
 import itertools
@@ -124,9 +124,23 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     return best * 64 + blocks[torch.arange(rows), best].argmax(-1)
 
 
+def _greedy(logits: torch.Tensor, logprobs_out: torch.Tensor) -> torch.Tensor:
+    """Each row's greedy token and its log-probability, as one [rows, 2] float tensor (float32
+    holds token ids exactly, below 2**24), so that one read brings both back. The log-softmax
+    (into `logprobs_out`) is the one pass that computes over the logits (the argmax only reads
+    them), and their check: a row holding a NaN or +inf comes out NaN, which fails its request
+    (a -inf is a token ruled out, as a sub-vocabulary's are)."""
+    logprobs = torch.log_softmax(logits, -1, out=logprobs_out)
+    top = _argmax(logits)[:, None]
+    return torch.cat([top, logprobs.gather(1, top)], 1)
+
+
 @dataclass
 class _Graphs:
-    """Decode steps captured per padded batch size, and the static tensors they read and write."""
+    """Decode steps captured per padded batch size, and the static tensors they read and write:
+    the layers' graph (to `hidden`), and the head's (the LM head to `logits`, each row's greedy
+    token and log-probability to `top`). A drafter's steps replay the layers alone: it reads
+    its hidden states through a sub-vocabulary head of its own."""
     buckets: list[int]
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -134,7 +148,16 @@ class _Graphs:
     context_lens: torch.Tensor
     block_tables: torch.Tensor
     hidden: torch.Tensor
-    graphs: dict[int, torch.cuda.CUDAGraph] = field(default_factory=dict)     # batch size -> graph
+    logits: torch.Tensor
+    logprobs: torch.Tensor
+    top: torch.Tensor
+    graphs: dict[int, torch.cuda.CUDAGraph] = field(default_factory=dict)     # batch size -> layers' graph
+    heads: dict[int, torch.cuda.CUDAGraph] = field(default_factory=dict)      # batch size -> head's graph
+
+    def replay(self, bucket: int, head: bool = True) -> None:
+        self.graphs[bucket].replay()
+        if head:
+            self.heads[bucket].replay()
 
 
 def _capture(step: Callable[[], None], pool):
@@ -314,11 +337,12 @@ class ModelRunner:
             return
         dev, bs = self.device.device, self.block_size
         buckets = sorted({b for b in (1, 2, 4, 8, *range(16, max_num_seqs, 16)) if b < max_num_seqs} | {max_num_seqs})
-        n, width = buckets[-1], -(-max_model_len // bs)
+        n, width, vocab = buckets[-1], -(-max_model_len // bs), self.cfg.vocab_size
         g = _Graphs(buckets, torch.zeros(n, dtype=torch.long, device=dev), torch.zeros(n, dtype=torch.long, device=dev),
                     torch.full((n,), self.scratch * bs, device=dev), torch.ones(n, dtype=torch.long, device=dev),
                     torch.full((n, width), self.scratch, device=dev),
-                    torch.zeros(n, self.cfg.hidden_size, dtype=self.device.dtype, device=dev))
+                    torch.zeros(n, self.cfg.hidden_size, dtype=self.device.dtype, device=dev),
+                    torch.zeros(n, vocab, device=dev), torch.zeros(n, vocab, device=dev), torch.zeros(n, 2, device=dev))
         pool = None
         try:
             for b in reversed(buckets):
@@ -327,10 +351,16 @@ class ModelRunner:
 
                 def step(b: int = b, batch: StepBatch = batch) -> None:
                     g.hidden[:b] = self.model(g.input_ids[:b], g.positions[:b], batch)
+
+                def head(b: int = b) -> None:
+                    g.logits[:b] = self.model.logits(g.hidden[:b])
+                    g.top[:b] = _greedy(g.logits[:b], g.logprobs[:b])
                 step()                  # warm up: compile and launch every kernel before capture
+                head()
                 if "paged_decode_attention" in kernels.FALLBACKS:
                     raise RuntimeError("decode attention runs its reference twin, which cannot be captured")
                 g.graphs[b], pool = _capture(step, pool)
+                g.heads[b], pool = _capture(head, pool)
         except Exception as e:
             log.warning("CUDA graphs off for a %s model (%s); its decode steps run eagerly", self.cfg.arch, e)
             return
@@ -344,7 +374,10 @@ class ModelRunner:
             return 0
         return next(b for b in g.buckets if b >= len(scheduled))
 
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: StepBatch, bucket: int) -> torch.Tensor:
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: StepBatch, bucket: int,
+                 head: bool) -> torch.Tensor:
+        """The step's hidden states; replayed from a bucket's graphs, with `head` the head's too
+        (its logits and greedy picks in the graphs' static tensors)."""
         if not bucket:
             if self.cpu_step is not None and self.cpu_step.takes(batch, len(input_ids)):
                 return self.cpu_step(input_ids, positions, batch)
@@ -358,7 +391,7 @@ class ModelRunner:
         # Columns past this step's widest table keep stale blocks: the kernel reads no entry
         # past a row's context length.
         g.block_tables[:bucket, :batch.decode_block_tables.shape[1]] = batch.decode_block_tables
-        g.graphs[bucket].replay()
+        g.replay(bucket, head=head)
         return g.hidden[:bucket]
 
     def sub_vocab(self, first: int, keep: frozenset[int] | set[int]) -> SubVocab | None:
@@ -417,21 +450,32 @@ class ModelRunner:
         if placeholders:
             rows, seq_ids = zip(*placeholders)
             input_ids[list(rows)] = torch.tensor([self.last.get(i, 0) for i in seq_ids], device=input_ids.device)
-        hidden = self._forward(input_ids, positions, batch, bucket)
+        in_graph = bool(bucket) and vocab is None
+        hidden = self._forward(input_ids, positions, batch, bucket, head=in_graph)
         out = RunnerOutput.empty(len(items))
+        if in_graph:            # a decode-only step: each item samples from its own row
+            logits, greedy = self.graphs.logits[:len(items)], self.graphs.top[:len(items)]
+        elif sampling:
+            # One LM-head pass over every sampling row, as the head is the largest matrix.
+            rows = hidden.index_select(0, head_rows)
+            logits = (self.model.logits(rows) if vocab is None else vocab.logits(rows)).float()
+            # A buffer kept across steps: on the CPU a fresh one past 32 MiB is mapped, and
+            # page-faulted in, at every step.
+            if self.log_softmax_out.shape[0] < len(rows):
+                self.log_softmax_out = torch.empty_like(logits)
+            greedy = _greedy(logits, self.log_softmax_out[:len(rows)])
         if sampling:
-            self._sample(items, sampling, hidden, head_rows, out, return_probs, vocab)
+            self._sample(items, sampling, logits, greedy, out, return_probs)
         if self.queue is not None:
             self.last = {items[i].seq.seq_id: out.token_ids[i][-1] for i in sampling if out.token_ids[i]}
         return out
 
-    def _sample(self, items: list[ScheduledSeq], sampling: list[int], hidden: torch.Tensor, head_rows: torch.Tensor,
-                out: RunnerOutput, return_probs: bool, vocab: SubVocab | None) -> None:
-        """The sampling items' tokens into `out` (see run)."""
-        # One LM-head pass over every sampling row, as the head is the largest matrix.
-        rows = hidden.index_select(0, head_rows)
-        all_logits = (self.model.logits(rows) if vocab is None else vocab.logits(rows)).float()
-        top, top_lp = self._greedy(all_logits)
+    def _sample(self, items: list[ScheduledSeq], sampling: list[int], all_logits: torch.Tensor,
+                greedy: torch.Tensor, out: RunnerOutput, return_probs: bool) -> None:
+        """The sampling items' tokens into `out` (see run), from their rows of the head's logits
+        and greedy picks (read back once: the step's one sync)."""
+        top, top_lp = greedy.T.tolist()
+        top = [int(t) for t in top]
         at = 0
         for i in sampling:
             item = items[i]
@@ -459,19 +503,3 @@ class ModelRunner:
                 out.token_ids[i], out.logprobs[i] = tokens, lp.squeeze(1).tolist()
             except Exception as exc:
                 out.errors[i] = failure(seq, exc)
-
-    def _greedy(self, logits: torch.Tensor) -> tuple[list[int], list[float]]:
-        """Each row's greedy token and its log-probability, which is all a plain greedy request
-        needs, in the step's one read back. The log-softmax is the one pass that computes over
-        the logits (the argmax only reads them), and their check: a row holding a NaN or +inf
-        comes out NaN, which fails its request (a -inf is a token ruled out, as a
-        sub-vocabulary's are). It writes into a buffer kept across steps: on the CPU a fresh
-        one past 32 MiB is mapped, and page-faulted in, at every step."""
-        rows = logits.shape[0]
-        if self.log_softmax_out.shape[0] < rows:
-            self.log_softmax_out = torch.empty_like(logits)
-        logprobs = torch.log_softmax(logits, -1, out=self.log_softmax_out[:rows])
-        top = _argmax(logits)[:, None]
-        # float32 holds token ids exactly (below 2**24), so one tensor brings both back.
-        top, top_lp = torch.cat([top, logprobs.gather(1, top)], 1).T.tolist()
-        return [int(t) for t in top], top_lp

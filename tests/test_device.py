@@ -10,7 +10,7 @@ import torch
 
 import kernels
 from engine import model_runner
-from engine.config import EngineConfig, ModelEntry
+from engine.config import EngineConfig, ModelEntry, SpecConfig
 from engine.llm_engine import LLMEngine
 from engine.model_runner import Device
 from engine.quantize import QuantLinear
@@ -174,14 +174,18 @@ def emulated_graphs(monkeypatch):
 
 def test_decode_graph_padding_and_static_buffers_equal_eager(folder, emulated_graphs):  # noqa: F811
     # Five live sequences padded to 8 rows (the padding writes while every block is in use),
-    # then fewer as they finish.
+    # then fewer as they finish. Greedy rows take the head graph's picks; a sampled row and
+    # one with a stop token banned (after its thinking span) read its logits.
     ps = prompts(5, seed=5)
-    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (24, 24, 30, 36, 40)]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (24, 24, 30)] + \
+        [SamplingParams(max_tokens=36, ignore_eos=True, temperature=0.8, seed=3),
+         SamplingParams(max_tokens=40, max_thinking_tokens=6, stop_token_ids=[5])]
     eager = make_engine(folder, max_num_seqs=8).generate(ps, params)
     emulated_graphs.enable()
     engine = make_engine(folder, max_num_seqs=8)
     runner = engine.worker("tiny").runner
-    assert runner.graphs.buckets == [1, 2, 4, 8] and len(emulated_graphs.captured) == 4
+    # Per batch size, the layers' graph and the head's.
+    assert runner.graphs.buckets == [1, 2, 4, 8] and len(emulated_graphs.captured) == 8
     # One block beyond the block manager's: the padded rows' scratch block.
     assert runner.kv_caches[0][0].shape[0] == len(engine.worker("tiny").block_manager.blocks) + 1 == 257
     got = engine.generate(ps, params)
@@ -191,6 +195,29 @@ def test_decode_graph_padding_and_static_buffers_equal_eager(folder, emulated_gr
     assert emulated_graphs.replays > 0
     stats = engine.stats()["tiny"]
     assert stats["kv_blocks_free"] == 256 and stats["cuda_graph_batch_sizes"] == [1, 2, 4, 8]
+
+
+def test_a_drafter_replays_its_layers_alone_and_reads_its_own_sub_vocabulary(folder, emulated_graphs):  # noqa: F811
+    """The model drafts for itself through a 64-token sub-vocabulary head: its decode steps
+    replay the layers' graph, not the full head's, and greedy output is plain greedy's."""
+    ps = prompts(3, seed=8)
+    plain = make_engine(folder).generate(ps, GREEDY)
+    emulated_graphs.enable()
+    spec = SpecConfig(target="tiny", draft="draft", prompt_lookup=False, max_k=3, draft_cost=0.1, verify_cost=0.05,
+                      draft_vocab=64)
+    engine = make_engine(folder, models={"tiny": ModelEntry(str(folder)), "draft": ModelEntry(str(folder))},
+                         speculative=spec, max_num_seqs=4)
+    draft = engine.worker("draft").runner
+    assert engine.speculator.draft_vocab is not None and draft.graphs is not None
+    replays = {"layers": 0, "head": 0}
+    for part, graphs in (("layers", draft.graphs.graphs), ("head", draft.graphs.heads)):
+        for graph in graphs.values():
+            graph.replay = lambda part=part, replay=graph.replay: (replays.__setitem__(part, replays[part] + 1),
+                                                                   replay())
+    got = engine.generate(ps, GREEDY)
+    assert [c.token_ids for c in got] == [c.token_ids for c in plain]
+    assert engine.stats()["tiny"]["speculation"]["accepted"] > 0
+    assert replays["layers"] > 0 and replays["head"] == 0
 
 
 def test_graphs_stay_off_when_decode_attention_runs_its_reference(folder, emulated_graphs, monkeypatch,  # noqa: F811

@@ -129,19 +129,18 @@ def test_logprobs_are_the_models_own(folder):
     assert c.logprobs == pytest.approx(want, abs=1e-4)
 
 
-def test_greedy_rows_take_one_pass_over_the_logits(folder):
+def test_greedy_rows_take_one_pass_over_the_logits():
     # The runner's greedy tokens and log-probabilities come from one log-softmax and a blocked
     # argmax; they equal the plain ops'. A row holding a NaN or +inf (or nothing but -inf)
     # comes out NaN, which fails its request; a -inf alone is a token ruled out.
-    from engine.model_runner import _argmax
-    runner = make_engine(folder).worker("tiny").runner
+    from engine.model_runner import _argmax, _greedy
     logits = torch.randn(7, TINY_VOCAB) * 3
     logits[1, [7, 70]] = 20.0                                   # a tie: the first wins
     logits[2, 9], logits[3, 90], logits[4, :50] = float("nan"), float("inf"), float("-inf")
     logits[5] = float("-inf")
     logits[6, 100] = 1e38
     with torch.inference_mode():
-        top, top_lp = runner._greedy(logits)
+        top, top_lp = _greedy(logits, torch.empty_like(logits)).T.tolist()
     assert top == logits.argmax(-1).tolist()
     assert [math.isfinite(lp) for lp in top_lp] == [True, True, False, False, True, False, True]
     want = torch.log_softmax(logits, -1).gather(1, logits.argmax(-1)[:, None])[:, 0]
