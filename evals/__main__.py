@@ -165,9 +165,10 @@ def build_parser(prog: str = "python -m evals") -> argparse.ArgumentParser:
     run.add_argument("--price", type=_price, action="append", default=[], metavar="MODEL=IN,CACHED,OUT",
                      help="dollars per million input, cached input and output tokens; repeat per model "
                           "(default: small=0.1,0.025,0.4 large=0.3,0.075,1.2)")
-    run.add_argument("--reuse", metavar="RUN", help="a run with the same settings and a larger --thinking-budget (its answers "
-                     "that thought less than this run's budget) or another -n (all its answers): copied, not "
-                     "generated again (greedy decoding writes the same tokens)")
+    run.add_argument("--reuse", metavar="RUN",
+                     help="a run with the same settings and a larger --thinking-budget (its answers that thought "
+                          "less than this run's budget) or another -n (all its answers): copied, not generated "
+                          "again (greedy decoding writes the same tokens)")
     run.add_argument("--concurrency", type=_count(1), default=8,
                      help="questions in the engine at once (default: %(default)s)")
     run.add_argument("--memory-gb", type=float, default=12.0,

@@ -164,12 +164,13 @@ def reusable(folder: Path, config: RunConfig) -> dict[tuple[str, str], Record]:
     """(mode, question id) -> an answer of another run that this run would give too: that run
     differs only in a larger thinking budget, and the answer spent fewer thinking tokens than
     this run's budget, so the budget never cut it; or it differs in its draw alone (`n`), and
-    its answer to any question both draws hold serves. Decoding is greedy, so both runs write the same tokens (up to the rounding of a
-    different batch), and the answer is copied rather than generated again: a 256-token label
-    is free wherever the 1,024-token answer thought less, and a larger draw pays only for its
-    new questions. Single-model modes only: a routed mode's route depends on its own run. A
-    copy keeps the other run's timings (engine seconds, latency), measured at that run's
-    concurrency. The other run's log is only read: it may still be writing."""
+    its answer to any question both draws hold serves. Decoding is greedy, so both runs write
+    the same tokens (up to the rounding of a different batch), and the answer is copied rather
+    than generated again: a 256-token label is free wherever the 1,024-token answer thought
+    less, and a larger draw pays only for its new questions. Single-model modes only: a routed
+    mode's route depends on its own run. A copy keeps the other run's timings (engine seconds,
+    latency), measured at that run's concurrency. The other run's log is only read: it may
+    still be writing."""
     theirs = read_config(folder)
     budget, same = config.thinking_budget, msgspec.structs.replace(theirs, thinking_budget=config.thinking_budget,
                                                                   n=config.n) == config

@@ -123,7 +123,8 @@ def oracle(ts: list[Trace], target: float) -> dict:
     thinking's exact match, the right answers that cost the most over their cheapest exit are
     given up: the fewest tokens at that quality that any probing policy could spend."""
     def cheapest(t: Trace) -> Outcome:
-        return Outcome(t.probes[0].at, t.probes[0].tokens, 0.0, True) if t.probes else Outcome(t.thinking, 0, 0.0, False)
+        first = t.probes[0] if t.probes else None
+        return Outcome(first.at, first.tokens, 0.0, True) if first else Outcome(t.thinking, 0, 0.0, False)
 
     outcomes = []
     for t in ts:
