@@ -138,8 +138,8 @@ static inline __m128i scales_mins(const uint8_t* s) {
 // One output's weight block `blk` (the b-th of its row) against rows [0, R) of the tile at x
 // (x.q, x.scale and x.sum already at the tile's first row): acc[r] += the block's share of
 // row r's output (lane-wise; off[r] a scalar share where the type has one). `part` holds a
-// K-quant's first half-block sums per row. ROWS: R known when compiled (1: a decode of one
-// sequence, whose sums then stay in registers), or 0.
+// K-quant's first half-block sums per row. ROWS: R known when compiled (a decode's few rows,
+// whose sums then stay in registers), or 0.
 template <int64_t T, int ROWS = 0>
 static inline void block(const uint8_t* blk, const Act& x, int64_t b, int rows, __m256* acc, float* off,
                          __m256i* part) {
@@ -222,34 +222,52 @@ static inline void block(const uint8_t* blk, const Act& x, int64_t b, int rows, 
     }
 }
 
-// x's rows [0, M) times outputs [0, N): tiles of TILE rows, each against every output in turns
-// of GROUP outputs, those against each block in turn. A decode's few rows take the outputs one
-// at a time instead: their weights then stream in one sequential run, which the prefetchers
-// (ours PREFETCH bytes ahead, and the hardware's) keep ahead of.
+template <int64_t T>
+static inline void prefetch(const uint8_t* blk) {
+    for (int64_t at = 0; at < traits(T).bytes; at += 64) _mm_prefetch((const char*)(blk + PREFETCH + at), _MM_HINT_T0);
+}
+
+// A decode's R rows of x (R <= DECODE, known when compiled) times outputs [0, N), the outputs
+// one at a time: their weights stream in one sequential run, which the prefetchers (ours
+// PREFETCH bytes ahead, and the hardware's) keep ahead of, and each row's sums stay in
+// registers across the blocks.
+template <int64_t T, int R>
+static void decode(const Act& x, const uint8_t* W, float* O, int64_t N) {
+    constexpr Traits tr = traits(T);
+    const int64_t blocks = x.K / tr.block, row_bytes = blocks * tr.bytes;
+    at::parallel_for(0, N, GROUP, [&](int64_t n0, int64_t n1) {
+        for (int64_t n = n0; n < n1; ++n) {
+            __m256 acc[R];
+            float off[R];
+            __m256i part[R];
+            for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), off[r] = 0.f;
+            for (int64_t b = 0; b < blocks; ++b) {
+                const uint8_t* blk = W + n * row_bytes + b * tr.bytes;
+                prefetch<T>(blk);
+                block<T, R>(blk, x, b, R, acc, off, part);
+            }
+            for (int r = 0; r < R; ++r) O[r * N + n] = hsum(acc[r]) + off[r];
+        }
+    });
+}
+
+// x's rows [0, M) times outputs [0, N). Up to DECODE rows: `decode`. More: tiles of TILE rows,
+// each against every output in turns of GROUP outputs, those against each block in turn.
 template <int64_t T>
 static void linear(const Act& x, const uint8_t* W, float* O, int64_t M, int64_t N) {
+    static_assert(DECODE == 8, "one decode instantiation per row count up to DECODE");
+    switch (M) {
+        case 1: return decode<T, 1>(x, W, O, N);
+        case 2: return decode<T, 2>(x, W, O, N);
+        case 3: return decode<T, 3>(x, W, O, N);
+        case 4: return decode<T, 4>(x, W, O, N);
+        case 5: return decode<T, 5>(x, W, O, N);
+        case 6: return decode<T, 6>(x, W, O, N);
+        case 7: return decode<T, 7>(x, W, O, N);
+        case 8: return decode<T, 8>(x, W, O, N);
+    }
     constexpr Traits tr = traits(T);
     const int64_t K = x.K, blocks = K / tr.block, row_bytes = blocks * tr.bytes;
-    const auto prefetch = [](const uint8_t* blk) {
-        for (int64_t at = 0; at < tr.bytes; at += 64) _mm_prefetch((const char*)(blk + PREFETCH + at), _MM_HINT_T0);
-    };
-    if (M == 1) {                       // the same steps as a tile's, with no tile around them
-        at::parallel_for(0, N, GROUP, [&](int64_t n0, int64_t n1) {
-            for (int64_t n = n0; n < n1; ++n) {
-                __m256 acc = _mm256_setzero_ps();
-                float off = 0.f;
-                __m256i part;
-                for (int64_t b = 0; b < blocks; ++b) {
-                    const uint8_t* blk = W + n * row_bytes + b * tr.bytes;
-                    prefetch(blk);
-                    block<T, 1>(blk, x, b, 1, &acc, &off, &part);
-                }
-                O[n] = hsum(acc) + off;
-            }
-        });
-        return;
-    }
-    const int group = M > DECODE ? GROUP : 1;
     at::parallel_for(0, N, GROUP, [&](int64_t n0, int64_t n1) {
         __m256 acc[GROUP * TILE];
         float off[GROUP * TILE];
@@ -257,14 +275,14 @@ static void linear(const Act& x, const uint8_t* W, float* O, int64_t M, int64_t 
         for (int64_t m0 = 0; m0 < M; m0 += TILE) {
             const int R = (int)std::min<int64_t>(TILE, M - m0);
             const Act tile{x.q + m0 * K, x.scale + m0 * (K / tr.act), x.sum + m0 * (K / tr.unit), K};
-            for (int64_t n = n0; n < n1; n += group) {
-                const int G = (int)std::min<int64_t>(group, n1 - n);
+            for (int64_t n = n0; n < n1; n += GROUP) {
+                const int G = (int)std::min<int64_t>(GROUP, n1 - n);
                 for (int g = 0; g < G; ++g)
                     for (int r = 0; r < R; ++r) acc[g * TILE + r] = _mm256_setzero_ps(), off[g * TILE + r] = 0.f;
                 for (int64_t b = 0; b < blocks; ++b)
                     for (int g = 0; g < G; ++g) {
                         const uint8_t* blk = W + (n + g) * row_bytes + b * tr.bytes;
-                        prefetch(blk);
+                        prefetch<T>(blk);
                         block<T>(blk, tile, b, R, acc + g * TILE, off + g * TILE, part);
                     }
                 for (int g = 0; g < G; ++g)
