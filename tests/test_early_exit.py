@@ -130,7 +130,7 @@ def test_a_tenant_turns_early_exit_on_with_its_settings(tmp_path):
 
 
 def test_the_lab_simulates_exits_and_fixed_budgets_from_observed_probes():
-    from evals.lab.exits import Trace, budget_outcome, exit_outcome, oracle, pareto, summarize
+    from evals.lab.exits import Trace, budget_outcome, calibration, exit_outcome, oracle, pareto, summarize
     p = lambda at, text, conf=0.95, whole=True: Probe(at, text, conf, whole, 5)     # noqa: E731
     # Right at 64 and 128 (12), wrong at 32 (10); 150 tokens of thinking in full, then right.
     t = Trace("q", [p(32, "10", 0.5), p(64, "12"), p(96, "12"), p(128, "12")], 150, 1.0, [0.0, 1.0, 1.0, 1.0])
@@ -151,15 +151,23 @@ def test_the_lab_simulates_exits_and_fixed_budgets_from_observed_probes():
     full = {"em": 1.0, "thinking_tokens": 150}
     row = summarize([exit_outcome(t, 1, 2, 0.9)], full)
     assert row["spent"] == 106 and row["spent_share"] == 106 / 150 and row["em_share"] == 1.0
-    # The oracle exits at the first right probe (64), paying it alone; a question no probe reads
-    # right costs its full thinking if that is right, else its first probe; at 40% of full
-    # thinking's exact match it gives up the right answer that saves the most (u's 200 - 37).
+    # The oracle exits at the first right probe (64), no probe before it, its answer taken; a
+    # question no probe reads right costs its full thinking if that is right, else its first
+    # probe's point; at 40% of full thinking's exact match it gives up the right answer that
+    # saves the most (u's 200 - 32).
     u = Trace("u", [p(32, "1", 0.9)], 200, 1.0, [0.0])
     w = Trace("w", [p(32, "1", 0.9)], 90, 0.0, [0.0])
     bound = oracle([t, u, w], 1.0)
-    assert (bound["em"], bound["thinking_tokens"], bound["probe_tokens"]) == (2 / 3, (64 + 200 + 32) / 3, 10 / 3)
-    assert bound["spent_share"] == pytest.approx((69 + 200 + 37) / 440) and bound["em_share"] == 1.0
-    assert oracle([t, u, w], 0.4)["spent"] == pytest.approx((69 + 37 + 37) / 3)
+    assert (bound["em"], bound["thinking_tokens"], bound["probe_tokens"]) == (2 / 3, (64 + 200 + 32) / 3, 0)
+    assert bound["spent_share"] == pytest.approx((64 + 200 + 32) / 440) and bound["em_share"] == 1.0
+    assert oracle([t, u, w], 0.4)["spent"] == pytest.approx((64 + 32 + 32) / 3)
+    # Calibration: t's unsure wrong probe and its three sure right ones (at 64 in the first half
+    # of its 150 tokens).
+    bins = {tuple(r["confidence"]): r for r in calibration([t])}
+    assert (bins[0.5, 0.7]["probes"], bins[0.5, 0.7]["right"], bins[0.5, 0.7]["early_probes"]) == (1, 0.0, 1)
+    assert (bins[0.9, 0.98]["probes"], bins[0.9, 0.98]["right"], bins[0.9, 0.98]["early_probes"],
+            bins[0.9, 0.98]["early_right"]) == (3, 1.0, 1, 1.0)
+    assert bins[0.0, 0.5]["right"] is None
     rows = [{"em": 0.5, "spent": 10}, {"em": 0.4, "spent": 20}, {"em": 0.9, "spent": 30}]
     assert pareto(rows) == [rows[0], rows[2]]
 

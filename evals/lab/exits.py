@@ -117,30 +117,47 @@ def budget_outcome(t: Trace, budget: int) -> Outcome:
 
 
 def oracle(ts: list[Trace], target: float) -> dict:
-    """Each question exited at its first probe that reads the right answer, paying that probe
-    alone (no probe before it, wrong or right, is needed to know); one with no right probe exits
-    at its first (wrong) probe unless its full thinking is right. Then, down to `target` of full
-    thinking's exact match, the right answers that cost the most over their cheapest exit are
-    given up: the fewest tokens at that quality that any probing policy could spend."""
+    """Each question exited at its first probe that reads the right answer, with no probe
+    before it (none is needed to know) and that one's answer taken, as an exit's is; one with
+    no right probe exits at its first (wrong) probe unless its full thinking is right. Then,
+    down to `target` of full thinking's exact match, the right answers that cost the most over
+    their cheapest exit are given up: the fewest tokens at that quality that any policy exiting
+    where this run probed could spend."""
     def cheapest(t: Trace) -> Outcome:
-        first = t.probes[0] if t.probes else None
-        return Outcome(first.at, first.tokens, 0.0, True) if first else Outcome(t.thinking, 0, 0.0, False)
+        return Outcome(t.probes[0].at, 0, 0.0, True) if t.probes else Outcome(t.thinking, 0, 0.0, False)
 
     outcomes = []
     for t in ts:
         i = next((i for i, em in enumerate(t.probe_em) if em == 1.0), None)
-        outcomes.append(Outcome(t.probes[i].at, t.probes[i].tokens, 1.0, True) if i is not None
+        outcomes.append(Outcome(t.probes[i].at, 0, 1.0, True) if i is not None
                         else Outcome(t.thinking, 0, 1.0, False) if t.em == 1.0 else cheapest(t))
     full_em = float(np.mean([t.em for t in ts]))
-    cost = lambda o: o.thinking + o.probe_tokens     # noqa: E731
-    saving = sorted(((cost(o) - cost(cheapest(t)), k) for k, (o, t) in enumerate(zip(outcomes, ts)) if o.em == 1.0),
-                    reverse=True)
+    saving = sorted(((o.thinking - cheapest(t).thinking, k) for k, (o, t) in enumerate(zip(outcomes, ts))
+                     if o.em == 1.0), reverse=True)
     for _, k in saving:
         if (sum(o.em for o in outcomes) - 1) / len(ts) < target * full_em:
             break
         outcomes[k] = cheapest(ts[k])
     return summarize(outcomes, {"em": full_em, "thinking_tokens": float(np.mean([t.thinking for t in ts]))},
                      policy="oracle")
+
+
+CONFIDENCE_BINS = (0.0, 0.5, 0.7, 0.9, 0.98, 1.0)
+
+
+def calibration(ts: list[Trace]) -> list[dict]:
+    """How often a whole probe answer is right, by its confidence: overall, and among probes in
+    the first half of their question's thinking (where an exit would save half of it)."""
+    probes = [(p.confidence, em, p.at < t.thinking / 2) for t in ts for p, em in zip(t.probes, t.probe_em)
+              if p.complete]
+    rows = []
+    for lo, hi in zip(CONFIDENCE_BINS, CONFIDENCE_BINS[1:]):
+        ours = [(em, early) for c, em, early in probes if lo <= c < hi or (hi == 1.0 and c == 1.0)]
+        early = [em for em, e in ours if e]
+        rows.append({"confidence": [lo, hi], "probes": len(ours), "right": float(np.mean([em for em, _ in ours]))
+                     if ours else None, "early_probes": len(early),
+                     "early_right": float(np.mean(early)) if early else None})
+    return rows
 
 
 def summarize(outcomes: list[Outcome], full: dict | None = None, **settings) -> dict:
@@ -201,14 +218,14 @@ def fit(folder: Path, out: Path, target: float = TARGET, policy: ThinkingExit | 
         good = [r for r in rows if r["em_share"] >= target]
         chosen = min(good, key=lambda r: (r["spent"], -r["em"])) if good else max(rows, key=lambda r: r["em"])
     pays = chosen["spent"] < full["thinking_tokens"]
-    bound = oracle(ts, target)
+    bound, calibrated = oracle(ts, target), calibration(ts)
     served = real_row(real, ts) if real is not None else None
     # What `eval run --early-exit` and a tenant's [thinking_budget.exit] take.
     flag = (f"every={chosen['every']},first={chosen['first']},confidence={chosen['confidence']},"
             f"agree={chosen['agree']},answer_tokens={chosen['answer_tokens']}")
     result = {"run": str(folder), "n": len(ts), "probe_every": every, "target": target, "full": full,
               "chosen": chosen, "pays": pays, "flag": flag, "given": policy is not None, "fixed_budgets": fixed,
-              "policies": rows, "oracle": bound, "served": served}
+              "policies": rows, "oracle": bound, "calibration": calibrated, "served": served}
     front = pareto(rows)
     out.mkdir(parents=True, exist_ok=True)
     # The JSON keeps the front (the packed run replays the rest); the plot shows every policy.
@@ -246,7 +263,7 @@ def markdown(result: dict) -> str:
              + ("" if result["pays"] else " It spends more than full thinking: on these questions early exit does "
                 "not pay at this quality, and a tenant should leave it off."), "",
              f"The bound (an oracle that knows which probes read the right answer, each question exiting at its "
-             f"first right one and paying for that probe alone, giving up the costliest right answers down to "
+             f"first right one with no probe before it, giving up the costliest right answers down to "
              f"{pct(result['target'])}): exact match {o['em']:.3f} ({pct(o['em_share'])}) at {o['spent']:.0f} tokens "
              f"per question ({pct(o['spent_share'])}). No policy probing where this run probed spends less.", ""]
     if result["served"]:
@@ -258,7 +275,15 @@ def markdown(result: dict) -> str:
                   f"{s['full_thinking_tokens']:.0f} ({pct(spent / max(s['full_thinking_tokens'], 1))}); "
                   f"{pct(s['exited'])} exited early. Of its exits at a point the observed run probed, "
                   f"{s['exits_as_observed']} of {s['exits_observed']} answered exactly what the probe read there.", ""]
-    lines += ["| policy | exact match | share | thinking | probe | spent | share | exited |",
+    share = lambda x: "–" if x is None else pct(x)     # noqa: E731
+    lines += ["What a probe's confidence says: whole probe answers right, by confidence, and among them those "
+              "in the first half of their question's thinking.", "",
+              "| confidence | probes | right | in the first half | right |", "|---|---|---|---|---|"]
+    for r in result["calibration"]:
+        lo, hi = r["confidence"]
+        lines.append(f"| {lo}-{hi} | {r['probes']} | {share(r['right'])} | {r['early_probes']} | "
+                     f"{share(r['early_right'])} |")
+    lines += ["", "| policy | exact match | share | thinking | probe | spent | share | exited |",
               "|---|---|---|---|---|---|---|---|"]
     for r in pareto(result["policies"]):
         lines.append(f"| first {r['first']}, every {r['every']}, agree {r['agree']}, conf {r['confidence']}, "
