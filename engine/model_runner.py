@@ -451,7 +451,7 @@ class ModelRunner:
             rows, seq_ids = zip(*placeholders)
             input_ids[list(rows)] = torch.tensor([self.last.get(i, 0) for i in seq_ids], device=input_ids.device)
         in_graph = bool(bucket) and vocab is None
-        hidden = self._forward(input_ids, positions, batch, bucket, head=in_graph)
+        hidden = self._forward(input_ids, positions, batch, bucket, in_graph)
         out = RunnerOutput.empty(len(items))
         if in_graph:            # a decode-only step: each item samples from its own row
             logits, greedy = self.graphs.logits[:len(items)], self.graphs.top[:len(items)]
