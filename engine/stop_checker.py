@@ -105,8 +105,8 @@ class StopChecker:
         """The tokens the model may not write at index i of a scheduled sequence (of its
         token_ids, its draft after them): the stop tokens while a closed thinking span is
         followed by no word (no letter or digit; markers aside), and past BLANK_TOKENS of those,
-        every wordless token too. The span may close inside a draft being verified, before `th.end` is
-        known."""
+        every wordless token too. The span may close inside a draft being verified, before
+        `th.end` is known."""
         seq = item.seq
         th = seq.thinking
         if th is None or i <= th.start or not seq.stop_ids:
