@@ -29,7 +29,7 @@ from models.store import resolve
 console = Console(width=150)
 # Operator names by the part of the step they belong to, first match wins.
 PARTS = [("weight matmuls",
-          r"_weight_int[48]pack_mm|sluice::int[48]_linear|aten::(_int_mm|mm|addmm|bmm|matmul|linear)$"),
+          r"_weight_int[48]pack_mm|sluice::(int[48]|gguf)_linear|aten::(_int_mm|mm|addmm|bmm|matmul|linear)$"),
          ("attention", r"scaled_dot_product|_flash_attention|paged_decode_attention|index_select|aten::view_as|"
                        r"aten::where"),
          ("norms", r"rms_norm|rsqrt|pow|mean"),
@@ -70,7 +70,7 @@ def profile_steps(engine: LLMEngine, steps: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
-    ap.add_argument("--quants", nargs="+", default=["int8", "int4"], choices=["none", "int8", "int4"])
+    ap.add_argument("--quants", nargs="+", default=["int8", "int4"], choices=["none", "int8", "int4", "gguf"])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--cpu-step", nargs="+", default=["on"], choices=["on", "off"])
     ap.add_argument("--out", type=Path, default=RESULTS / "cpu_profile.json")

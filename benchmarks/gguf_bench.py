@@ -57,7 +57,7 @@ def main() -> None:
         for m in [r for r in args.rows if r <= most]:
             x = torch.randn(m, k)
             calls = len(copies) if m < 64 else 2
-            s = measure(lambda i: ops.gguf_linear(x, copies[i % len(copies)], t.id), calls, args.repeats)
+            s = measure(lambda i: ops.gguf_linear(x, [copies[i % len(copies)]], [t.id], None), calls, args.repeats)
             row = {"layer": name, "type": qtype, "k": k, "n": n, "rows": m, "weight_gb": w.numel() / 1e9,
                    "ms": 1e3 * s, "gb_s": w.numel() / s / 1e9, "gmac_s": m * k * n / s / 1e9}
             if not args.no_sgemm:

@@ -39,7 +39,7 @@ class CPUStep:
                 if isinstance(proj, GGUFLinear):
                     if proj.compiled is None:
                         return None
-                    decoder.add_gguf_proj([b[f"w{i}"] for i in range(len(proj.types))],
+                    decoder.add_gguf_proj(proj.parts(),
                                           [gguf_quant.TYPES[t].id for t in proj.types], b["bias"])
                     continue
                 if not isinstance(proj, QuantLinear) or proj.dot is None or proj.dot is quant_matmul.int8_int8_matmul:

@@ -346,13 +346,15 @@ class GGUFLinear(Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b = self._buffers
-        if self.compiled is not None and x.dtype == torch.float32:
-            ys = [self.compiled(x, b[f"w{i}"], gguf_quant.TYPES[t].id) for i, t in enumerate(self.types)]
-        else:
-            matmul = gguf_matmul if x.shape[0] <= self.triton_rows else gguf_quant.gguf_matmul
-            ys = [matmul(x, b[f"w{i}"], t) for i, t in enumerate(self.types)]
+        if self.compiled is not None and x.dtype == torch.float32:      # the bias added in the kernel
+            return self.compiled(x, self.parts(), [gguf_quant.TYPES[t].id for t in self.types], b["bias"])
+        matmul = gguf_matmul if x.shape[0] <= self.triton_rows else gguf_quant.gguf_matmul
+        ys = [matmul(x, w, t) for w, t in zip(self.parts(), self.types)]
         y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
         return y if b["bias"] is None else y + b["bias"]
+
+    def parts(self) -> list[torch.Tensor]:
+        return [self._buffers[f"w{i}"] for i in range(len(self.types))]
 
     def rows(self, ids: torch.Tensor) -> GGUFLinear:
         """This layer computing only the outputs `ids` (a copy of their blocks)."""
@@ -392,11 +394,14 @@ def apply_gguf(model: CausalLM, folder: Path, blocks: Path) -> CausalLM:
         def part(hf: str) -> tuple[str, torch.Tensor] | None:
             if hf not in stored:
                 return None
-            if types[hf] not in gguf_quant.TYPES:
+            if types[hf] not in gguf_quant.FILE_TYPES:
                 log.warning("%s: tensor %s is %s, which no kernel reads as stored; it serves in float32",
                             folder, hf, types[hf])
                 return None
-            return types[hf], f.get_tensor(hf).to(device)
+            qtype, w = types[hf], f.get_tensor(hf).to(device)
+            if qtype == "Q5_0" and device.type == "cpu" and w.shape[1] % 44 == 0:
+                return "Q5_0x2", gguf_quant.pair_q5_0(w)      # the CPU kernel's faster layout, same values
+            return qtype, w
 
         embed = part("model.embed_tokens.weight")
         model.embed_tokens = GGUFEmbedding(*embed, model.cfg.hidden_size, dtype) if embed is not None else \

@@ -11,7 +11,7 @@ from kernels.cpu_build import CSRC, build
 
 @functools.cache
 def load():
-    """torch.ops.sluice with `gguf_linear(x, w, type)`, or None where it cannot be built here."""
+    """torch.ops.sluice with `gguf_linear(x, parts, types, bias)`, or None where it cannot be built here."""
     ok = build("sluice_gguf_linear", [CSRC / "gguf_linear.cpp"], "the gguf precision runs on dequantized weights",
                use_vnni=True)
     return torch.ops.sluice if ok else None

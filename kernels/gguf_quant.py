@@ -15,6 +15,10 @@ the order `gguf.quants.dequantize` computes it, so the twin is equal to it to th
     Q4_1   32    20     32    4 bits                   d              m
     Q4_K   256   144    32    4 bits                   d * sc (6 bit) -dmin * m (6 bit)
     Q6_K   256   210    16    6 bits - 32              d * sc (int8)  -
+
+One more layout is Q5_0 repacked for the CPU kernel (`pair_q5_0`), not a file's: Q5_0x2, two
+consecutive blocks of a row in 44 bytes whose fifth bits and nibbles unpack in fewer
+instructions. It holds the same values, so it dequantizes to the same bits.
 """
 from __future__ import annotations
 
@@ -42,7 +46,36 @@ TYPES = {t.name: t for t in (
     BlockType("Q4_1", 2, 32, 20, (0, 2), 32, 32),
     BlockType("Q4_K", 3, 256, 144, (0, 2), 32, 256),
     BlockType("Q6_K", 4, 256, 210, (208,), 16, 256),
+    BlockType("Q5_0x2", 5, 64, 44, (0, 2), 32, 32),
 )}
+FILE_TYPES = ("Q8_0", "Q5_0", "Q4_1", "Q4_K", "Q6_K")     # the GGUF types read as stored
+
+# Q5_0x2 keeps a unit's 32 fifth bits in an order that one shift per 4-byte lane (lane L by L
+# bits) brings weight 4L + k's bit to bit 7 of byte k: weight j's bit is bit 8 (j % 4) + 7 - j // 4.
+_X2_BIT = [8 * (j % 4) + 7 - j // 4 for j in range(32)]
+
+
+def _bits(b: torch.Tensor) -> torch.Tensor:
+    """[..., 4] bytes of a little-endian uint32 -> [..., 32] its bits, bit 0 first."""
+    at = torch.arange(32)
+    return (b[..., at // 8] >> (at % 8).to(torch.uint8)) & 1
+
+
+def pair_q5_0(w: torch.Tensor) -> torch.Tensor:
+    """Q5_0 rows uint8 [rows, row_bytes] (an even number of blocks each) -> the same rows as
+    Q5_0x2: per pair of blocks their two float16 scales, their fifth bits (in _X2_BIT's order),
+    then 32 bytes whose low nibbles are the first block's 32 weights in order and whose high
+    nibbles are the second's."""
+    rows = w.shape[0]
+    b = w.reshape(-1, 2, 22)
+    qs = b[..., 6:]
+    nib = _nibbles(qs)                                              # [pairs, 2, 32]: weights in order
+    qh = b[..., 2:6].contiguous().view(torch.int32)                  # [pairs, 2, 1]
+    moved = torch.zeros_like(qh)
+    for j, bit in enumerate(_X2_BIT):
+        moved |= ((qh >> j) & 1) << bit
+    return torch.cat([b[..., :2].reshape(-1, 4), moved.view(torch.uint8).reshape(-1, 8),
+                      nib[:, 0] | (nib[:, 1] << 4)], -1).reshape(rows, -1)
 
 
 def row_bytes(qtype: str, cols: int) -> int:
@@ -71,10 +104,12 @@ def unpack(blocks: torch.Tensor, qtype: str) -> tuple[torch.Tensor, torch.Tensor
         return qs.contiguous().view(torch.int8).view(n, 1, 32), _f16(d), None
     if qtype == "Q5_0":
         d, qh, qs = blocks[:, :2], blocks[:, 2:6], blocks[:, 6:]
-        bits = torch.arange(32)
-        high = (qh[:, bits // 8] >> (bits % 8).to(torch.uint8)) & 1          # bit j of the LE uint32
-        q = (_nibbles(qs) | (high << 4)).to(torch.int8) - 16
+        q = (_nibbles(qs) | (_bits(qh) << 4)).to(torch.int8) - 16
         return q.view(n, 1, 32), _f16(d), None
+    if qtype == "Q5_0x2":
+        d, qh, qs = blocks[:, :4], blocks[:, 4:12].reshape(n, 2, 4), blocks[:, 12:]
+        high = _bits(qh)[..., _X2_BIT]
+        return (torch.stack([qs & 0x0F, qs >> 4], 1) | (high << 4)).to(torch.int8) - 16, _f16(d), None
     if qtype == "Q4_1":
         d, m, qs = blocks[:, :2], blocks[:, 2:4], blocks[:, 4:]
         return _nibbles(qs).to(torch.int8).view(n, 1, 32), _f16(d), _f16(m)

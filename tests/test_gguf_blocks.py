@@ -32,12 +32,15 @@ def compiled():
     return ops
 
 
-@pytest.mark.parametrize("qtype", sorted(gguf_quant.TYPES))
+@pytest.mark.parametrize("qtype", gguf_quant.FILE_TYPES)
 def test_dequantize_equals_gguf_to_the_bit(qtype):
     w = gguf_quant.random_blocks(qtype, 6, 512)
     ours = gguf_quant.dequantize(w, qtype, 512).numpy()
     theirs = gguf_dequantize(w.numpy(), GGMLQuantizationType[qtype]).reshape(6, 512)
     assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))
+    if qtype == "Q5_0":             # the CPU kernel's repacking holds the same values
+        paired = gguf_quant.dequantize(gguf_quant.pair_q5_0(w), "Q5_0x2", 512).numpy()
+        assert np.array_equal(paired.view(np.uint32), theirs.view(np.uint32))
 
 
 @pytest.mark.parametrize("qtype", sorted(gguf_quant.TYPES))
@@ -48,7 +51,7 @@ def test_compiled_kernel_matches_its_twin_and_is_batch_invariant(qtype):
     w = gguf_quant.random_blocks(qtype, n, k, seed=1)
     x = torch.randn(64, k, generator=torch.Generator().manual_seed(2))
     x[3, 5] = 40.0                                  # an outlier: its block's scale, not the row's
-    y = ops.gguf_linear(x, w, t.id)
+    y = ops.gguf_linear(x, [w], [t.id], None)
     twin = gguf_quant.gguf_int8_matmul(x, w, qtype)
     torch.testing.assert_close(y, twin, rtol=1e-5, atol=1e-5 * twin.abs().max().item())
     # Against the float weights: only the activations' rounding to int8 per 32 values differs.
@@ -57,17 +60,38 @@ def test_compiled_kernel_matches_its_twin_and_is_batch_invariant(qtype):
     # Each row's output is the same to the bit alone, in a decode of up to 8 rows, in a tile of
     # more (9), or in the whole batch.
     for rows in (1, 2, 3, 4, 7, 8, 9):
-        parts = torch.cat([ops.gguf_linear(x[i:i + rows], w, t.id) for i in range(0, 63, rows)])
+        parts = torch.cat([ops.gguf_linear(x[i:i + rows], [w], [t.id], None) for i in range(0, 63, rows)])
         assert torch.equal(parts, y[:len(parts)]), rows
+    if qtype == "Q5_0":             # repacked in pairs: the same sums in the same order
+        assert torch.equal(ops.gguf_linear(x, [gguf_quant.pair_q5_0(w)], [gguf_quant.TYPES["Q5_0x2"].id], None), y)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_a_layer_of_mixed_parts_and_a_bias_is_its_parts_side_by_side(rows):
+    """A fused q|k|v stored in several types is one call: x quantized once per activation layout
+    (Q4_K and Q6_K share their int8 values but not their unit sums), each part's outputs in its
+    columns, the bias added there: the same bits as a call per part and the bias added after."""
+    ops = compiled()
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(3))
+    types = ["Q5_0", "Q8_0", "Q4_K", "Q6_K", "Q4_1", "Q4_K"]
+    ws = [gguf_quant.random_blocks(q, 16 + 8 * i, 512, seed=i) for i, q in enumerate(types)]
+    ids = [gguf_quant.TYPES[q].id for q in types]
+    bias = torch.randn(sum(len(w) for w in ws))
+    y = ops.gguf_linear(x, ws, ids, bias)
+    alone = torch.cat([ops.gguf_linear(x, [w], [i], None) for w, i in zip(ws, ids)], 1)
+    assert torch.equal(y, alone + bias)
+    assert torch.equal(ops.gguf_linear(x, ws, ids, None), alone)
 
 
 def test_unknown_type_or_shape_is_refused():
     ops = compiled()
     w = gguf_quant.random_blocks("Q8_0", 4, 64)
     with pytest.raises(RuntimeError, match="unknown type"):
-        ops.gguf_linear(torch.randn(1, 64), w, 9)
+        ops.gguf_linear(torch.randn(1, 64), [w], [9], None)
     with pytest.raises(RuntimeError, match="w uint8"):
-        ops.gguf_linear(torch.randn(1, 96), w, 0)
+        ops.gguf_linear(torch.randn(1, 96), [w], [0], None)
+    with pytest.raises(RuntimeError, match="bias float32"):
+        ops.gguf_linear(torch.randn(1, 64), [w], [0], torch.zeros(5))
 
 
 def stored_equal_float(folder) -> int:
@@ -76,7 +100,7 @@ def stored_equal_float(folder) -> int:
     with safe_open(folder / convert.BLOCKS, framework="pt") as blocks, \
             safe_open(folder / "model.safetensors", framework="pt") as floats:
         types = blocks.metadata()
-        names = [n for n in blocks.keys() if types[n] in gguf_quant.TYPES]
+        names = [n for n in blocks.keys() if types[n] in gguf_quant.FILE_TYPES]
         for name in names:
             ref = floats.get_tensor(name)
             ours = gguf_quant.dequantize(blocks.get_tensor(name), types[name], ref.shape[1])
@@ -86,7 +110,7 @@ def stored_equal_float(folder) -> int:
 
 def quantized_in(name: str) -> int:
     reader = GGUFReader(cache_dir() / "gguf" / f"{name}.gguf")
-    return sum(t.tensor_type.name in gguf_quant.TYPES for t in reader.tensors)
+    return sum(t.tensor_type.name in gguf_quant.FILE_TYPES for t in reader.tensors)
 
 
 def test_smollm2_blocks_are_kept_and_read_to_the_bit():
@@ -191,7 +215,7 @@ def test_gguf_precision_on_a_float_checkpoint_is_refused(tmp_path):
 
 
 @triton_only
-@pytest.mark.parametrize("qtype", sorted(gguf_quant.TYPES))
+@pytest.mark.parametrize("qtype", gguf_quant.FILE_TYPES)
 def test_triton_gguf_matmul_matches_its_reference(qtype):
     """The GPU's kernel, interpreted on the CPU in float32, against the dense reference over the
     same blocks dequantized; N not a multiple of the output tile, M not of the row tile."""

@@ -42,7 +42,7 @@ struct Decoder : torch::CustomClassHolder {
     }
 
     // A projection on a GGUF's own blocks (engine/quantize.py's GGUFLinear): a fused q|k|v may
-    // mix types, each run of outputs its own call, as GGUFLinear.forward makes them.
+    // mix types, each run of outputs of one type a part of the one call, as GGUFLinear.forward makes it.
     void add_gguf_proj(std::vector<Tensor> parts, std::vector<int64_t> types, Optional bias) {
         TORCH_CHECK(!parts.empty() && parts.size() == types.size(), "Decoder.add_gguf_proj: one type per part");
         projs.push_back({3, Tensor(), Tensor(), Tensor(), bias.value_or(Tensor()), 0, parts, types});
@@ -62,15 +62,12 @@ struct Decoder : torch::CustomClassHolder {
         static auto int4 = find<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t)>(
             "sluice::int4_linear");
         if (p.kind == 0) return p.bias.defined() ? at::addmm(p.bias, x, p.w) : at::mm(x, p.w);
-        Tensor y;
-        if (p.kind == 3) {
-            static auto gguf = find<Tensor(const Tensor&, const Tensor&, int64_t)>("sluice::gguf_linear");
-            std::vector<Tensor> ys;
-            for (size_t i = 0; i < p.parts.size(); ++i) ys.push_back(gguf.call(x, p.parts[i], p.types[i]));
-            y = ys.size() == 1 ? ys[0] : at::cat(ys, 1);
-        } else {
-            y = p.kind == 1 ? int8.call(x, p.w, p.scales, p.block) : int4.call(x, p.w, p.scales, p.zero_scales, p.block);
+        if (p.kind == 3) {           // the kernel adds the bias
+            static auto gguf = find<Tensor(const Tensor&, at::ArrayRef<Tensor>, at::ArrayRef<int64_t>, const Optional&)>(
+                "sluice::gguf_linear");
+            return gguf.call(x, p.parts, p.types, p.bias.defined() ? Optional(p.bias) : c10::nullopt);
         }
+        const Tensor y = p.kind == 1 ? int8.call(x, p.w, p.scales, p.block) : int4.call(x, p.w, p.scales, p.zero_scales, p.block);
         return p.bias.defined() ? y + p.bias : y;
     }
 

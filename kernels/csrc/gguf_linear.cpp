@@ -25,6 +25,9 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
+#include <utility>
+#include <vector>
 
 #include "common.h"
 
@@ -33,13 +36,14 @@
 
 namespace {
 
-enum Type : int64_t { Q8_0 = 0, Q5_0 = 1, Q4_1 = 2, Q4_K = 3, Q6_K = 4 };
+// Q5_0x2: Q5_0 repacked in pairs of blocks (kernels/gguf_quant.py's `pair_q5_0`).
+enum Type : int64_t { Q8_0 = 0, Q5_0 = 1, Q4_1 = 2, Q4_K = 3, Q6_K = 4, Q5_0x2 = 5 };
 
 // Weights and bytes per block, activations per int8 scale, and per unit sum of x.
 struct Traits { int64_t block, bytes, act, unit; };
 constexpr Traits traits(int64_t t) {
     return t == Q8_0 ? Traits{32, 34, 32, 32} : t == Q5_0 ? Traits{32, 22, 32, 32} : t == Q4_1 ? Traits{32, 20, 32, 32}
-         : t == Q4_K ? Traits{256, 144, 256, 32} : Traits{256, 210, 256, 16};
+         : t == Q4_K ? Traits{256, 144, 256, 32} : t == Q6_K ? Traits{256, 210, 256, 16} : Traits{64, 44, 32, 32};
 }
 
 constexpr int TILE = 32;        // rows of x per tile: a block's share of them is 8 KiB (K-quants)
@@ -53,6 +57,15 @@ struct Act {
     const float* scale;
     const int16_t* sum;
     int64_t K;
+};
+
+// Where a part's outputs go: columns of a row-major [M, ld] result, plus the layer's bias there.
+struct Out {
+    float* o;
+    int64_t ld;
+    const float* bias;      // or nullptr
+
+    void put(int64_t r, int64_t n, float v) const { o[r * ld + n] = bias ? v + bias[n] : v; }
 };
 
 static inline float f16(const uint8_t* p) {
@@ -148,7 +161,28 @@ static inline void block(const uint8_t* blk, const Act& x, int64_t b, int rows, 
     const int64_t K = x.K, k0 = b * tr.block;
     const int64_t scales_per_row = K / tr.act, sums_per_row = K / tr.unit;
     const __m256i low = _mm256_set1_epi8(0x0F);
-    if constexpr (tr.block == 32) {
+    if constexpr (T == Q5_0x2) {
+        // Two blocks: the nibbles of both in one load, and each block's fifth bits moved to bit 4
+        // of their bytes by one shift per lane (their order in the layout is made for it); then
+        // as Q5_0, block after block, so the sums are Q5_0's to the bit.
+        const __m256i v = load(blk + 12), ones = _mm256_set1_epi16(1);
+        const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), sixteen = _mm256_set1_epi8(16);
+        for (int j = 0; j < 2; ++j) {
+            uint32_t h;
+            std::memcpy(&h, blk + 4 + 4 * j, 4);
+            const __m256i fifth = _mm256_and_si256(_mm256_srli_epi16(_mm256_sllv_epi32(_mm256_set1_epi32((int)h), lanes), 3),
+                                                   sixteen);
+            const __m256i q = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(j ? _mm256_srli_epi16(v, 4) : v, low), fifth),
+                                              sixteen);
+            const __m256i u = _mm256_sign_epi8(q, q);
+            const float d = f16(blk + 2 * j);
+            for (int r = 0; r < R; ++r) {
+                const __m256i xv = _mm256_sign_epi8(load(x.q + r * K + k0 + 32 * j), q);
+                acc[r] = scaled(acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), ones),
+                                d * x.scale[r * scales_per_row + 2 * b + j]);
+            }
+        }
+    } else if constexpr (tr.block == 32) {
         const float d = f16(blk), m = T == Q4_1 ? f16(blk + 2) : 0.f;
         const __m256i ones = _mm256_set1_epi16(1);
         __m256i q;                              // Q8_0, Q5_0: signed, as |q| with q's sign moved to x
@@ -232,7 +266,7 @@ static inline void prefetch(const uint8_t* blk) {
 // PREFETCH bytes ahead, and the hardware's) keep ahead of, and each row's sums stay in
 // registers across the blocks.
 template <int64_t T, int R>
-static void decode(const Act& x, const uint8_t* W, float* O, int64_t N) {
+static void decode(const Act& x, const uint8_t* W, const Out& O, int64_t N) {
     constexpr Traits tr = traits(T);
     const int64_t blocks = x.K / tr.block, row_bytes = blocks * tr.bytes;
     at::parallel_for(0, N, GROUP, [&](int64_t n0, int64_t n1) {
@@ -246,7 +280,7 @@ static void decode(const Act& x, const uint8_t* W, float* O, int64_t N) {
                 prefetch<T>(blk);
                 block<T, R>(blk, x, b, R, acc, off, part);
             }
-            for (int r = 0; r < R; ++r) O[r * N + n] = hsum(acc[r]) + off[r];
+            for (int r = 0; r < R; ++r) O.put(r, n, hsum(acc[r]) + off[r]);
         }
     });
 }
@@ -254,7 +288,7 @@ static void decode(const Act& x, const uint8_t* W, float* O, int64_t N) {
 // x's rows [0, M) times outputs [0, N). Up to DECODE rows: `decode`. More: tiles of TILE rows,
 // each against every output in turns of GROUP outputs, those against each block in turn.
 template <int64_t T>
-static void linear(const Act& x, const uint8_t* W, float* O, int64_t M, int64_t N) {
+static void linear(const Act& x, const uint8_t* W, const Out& O, int64_t M, int64_t N) {
     static_assert(DECODE == 8, "one decode instantiation per row count up to DECODE");
     switch (M) {
         case 1: return decode<T, 1>(x, W, O, N);
@@ -286,7 +320,7 @@ static void linear(const Act& x, const uint8_t* W, float* O, int64_t M, int64_t 
                         block<T>(blk, tile, b, R, acc + g * TILE, off + g * TILE, part);
                     }
                 for (int g = 0; g < G; ++g)
-                    for (int r = 0; r < R; ++r) O[(m0 + r) * N + n + g] = hsum(acc[g * TILE + r]) + off[g * TILE + r];
+                    for (int r = 0; r < R; ++r) O.put(m0 + r, n + g, hsum(acc[g * TILE + r]) + off[g * TILE + r]);
             }
         }
     });
@@ -323,36 +357,64 @@ static void quantize(const float* x, int64_t M, int64_t K, int64_t B, int64_t U,
 
 }  // namespace
 
-// x float32 [M, K] times a GGUF tensor w uint8 [N, K / block * bytes] of `type` -> float32 [M, N].
-torch::Tensor gguf_linear(const torch::Tensor& x_, const torch::Tensor& w, int64_t type) {
-    TORCH_CHECK(type >= Q8_0 && type <= Q6_K, "gguf_linear: unknown type ", type);
+// x float32 [M, K] times a layer stored as `parts`: GGUF tensors uint8 [N_i, K / block * bytes] of
+// `types`, their outputs side by side (a fused q|k|v may mix types), plus `bias` -> float32
+// [M, sum N_i]. x is quantized once per activation layout the parts need, into buffers this
+// thread keeps across calls (a decode step makes a few hundred calls).
+torch::Tensor gguf_linear(const torch::Tensor& x_, at::TensorList parts, at::IntArrayRef types,
+                          const c10::optional<torch::Tensor>& bias) {
+    TORCH_CHECK(!parts.empty() && parts.size() == types.size(), "gguf_linear: one type per part");
     const torch::Tensor x = x_.contiguous();
     TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 2, "gguf_linear: x float32 [M, K]");
-    const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-    const Traits tr = traits(type);
-    TORCH_CHECK(K % tr.block == 0, "gguf_linear: K = ", K, " is not a multiple of the type's block ", tr.block);
-    TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous() &&
-                w.size(1) == K / tr.block * tr.bytes, "gguf_linear: w uint8 [N, ", K / tr.block * tr.bytes, "]");
-    auto xq = torch::empty({M, K}, x.options().dtype(torch::kInt8));
-    auto xs = torch::empty({M, K / tr.act}, x.options());
-    auto xi = torch::empty({M, K / tr.unit}, x.options().dtype(torch::kInt16));
+    const int64_t M = x.size(0), K = x.size(1);
+    int64_t N = 0;
+    for (size_t i = 0; i < parts.size(); ++i) {
+        const int64_t type = types[i];
+        const torch::Tensor& w = parts[i];
+        TORCH_CHECK(type >= Q8_0 && type <= Q5_0x2, "gguf_linear: unknown type ", type);
+        const Traits tr = traits(type);
+        TORCH_CHECK(K % tr.block == 0, "gguf_linear: K = ", K, " is not a multiple of the type's block ", tr.block);
+        TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous() &&
+                    w.size(1) == K / tr.block * tr.bytes, "gguf_linear: w uint8 [N, ", K / tr.block * tr.bytes, "]");
+        N += w.size(0);
+    }
+    const float* b = nullptr;
+    if (bias && bias->defined()) {
+        TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->dim() == 1 && bias->size(0) == N &&
+                    bias->is_contiguous(), "gguf_linear: bias float32 [", N, "]");
+        b = bias->data_ptr<float>();
+    }
     auto out = torch::empty({M, N}, x.options());
-    quantize(x.data_ptr<float>(), M, K, tr.act, tr.unit, xq.data_ptr<int8_t>(), xs.data_ptr<float>(), xi.data_ptr<int16_t>());
-    const Act act{xq.data_ptr<int8_t>(), xs.data_ptr<float>(), xi.data_ptr<int16_t>(), K};
-    const uint8_t* W = w.data_ptr<uint8_t>();
-    float* O = out.data_ptr<float>();
-    switch (type) {
-        case Q8_0: linear<Q8_0>(act, W, O, M, N); break;
-        case Q5_0: linear<Q5_0>(act, W, O, M, N); break;
-        case Q4_1: linear<Q4_1>(act, W, O, M, N); break;
-        case Q4_K: linear<Q4_K>(act, W, O, M, N); break;
-        default: linear<Q6_K>(act, W, O, M, N);
+    struct Quantized { std::vector<int8_t> q; std::vector<float> scale; std::vector<int16_t> sum; };
+    thread_local std::map<std::pair<int64_t, int64_t>, Quantized> scratch;     // by (act, unit)
+    int64_t n0 = 0;
+    for (size_t i = 0; i < parts.size(); ++i) {
+        const Traits tr = traits(types[i]);
+        Quantized& a = scratch[{tr.act, tr.unit}];
+        if (i == 0 || std::find_if(types.begin(), types.begin() + i, [&](int64_t t) {
+                return traits(t).act == tr.act && traits(t).unit == tr.unit; }) == types.begin() + i) {
+            a.q.resize(M * K), a.scale.resize(M * K / tr.act), a.sum.resize(M * K / tr.unit);
+            quantize(x.data_ptr<float>(), M, K, tr.act, tr.unit, a.q.data(), a.scale.data(), a.sum.data());
+        }
+        const Act act{a.q.data(), a.scale.data(), a.sum.data(), K};
+        const uint8_t* W = parts[i].data_ptr<uint8_t>();
+        const Out O{out.data_ptr<float>() + n0, N, b ? b + n0 : nullptr};
+        const int64_t n = parts[i].size(0);
+        switch (types[i]) {
+            case Q8_0: linear<Q8_0>(act, W, O, M, n); break;
+            case Q5_0: linear<Q5_0>(act, W, O, M, n); break;
+            case Q4_1: linear<Q4_1>(act, W, O, M, n); break;
+            case Q4_K: linear<Q4_K>(act, W, O, M, n); break;
+            case Q5_0x2: linear<Q5_0x2>(act, W, O, M, n); break;
+            default: linear<Q6_K>(act, W, O, M, n);
+        }
+        n0 += n;
     }
     return out;
 }
 
 TORCH_LIBRARY_FRAGMENT(sluice, m) {
-    m.def("gguf_linear(Tensor x, Tensor w, int type) -> Tensor");
+    m.def("gguf_linear(Tensor x, Tensor[] parts, int[] types, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(sluice, CPU, m) {
