@@ -399,9 +399,8 @@ def apply_gguf(model: CausalLM, folder: Path, blocks: Path) -> CausalLM:
                             folder, hf, types[hf])
                 return None
             qtype, w = types[hf], f.get_tensor(hf).to(device)
-            if qtype == "Q5_0" and device.type == "cpu" and w.shape[1] % 44 == 0:
-                return "Q5_0x2", gguf_quant.pair_q5_0(w)      # the CPU kernel's faster layout, same values
-            return qtype, w
+            # On the CPU, in its kernel's faster layout (the same values).
+            return gguf_quant.repack(qtype, w) if device.type == "cpu" else (qtype, w)
 
         embed = part("model.embed_tokens.weight")
         model.embed_tokens = GGUFEmbedding(*embed, model.cfg.hidden_size, dtype) if embed is not None else \

@@ -16,9 +16,10 @@ the order `gguf.quants.dequantize` computes it, so the twin is equal to it to th
     Q4_K   256   144    32    4 bits                   d * sc (6 bit) -dmin * m (6 bit)
     Q6_K   256   210    16    6 bits - 32              d * sc (int8)  -
 
-One more layout is Q5_0 repacked for the CPU kernel (`pair_q5_0`), not a file's: Q5_0x2, two
-consecutive blocks of a row in 44 bytes whose fifth bits and nibbles unpack in fewer
-instructions. It holds the same values, so it dequantizes to the same bits.
+Two more layouts are repacked at load for the CPU kernel, not a file's, each holding the same
+values in the same bytes per block (so they dequantize to the same bits) in an order that
+unpacks in fewer instructions: Q5_0x2 (`pair_q5_0`), two consecutive blocks of a row in 44
+bytes, and Q4_Kx (`repack_q4_k`), Q4_K with its 6-bit scales and mins packed anew.
 """
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ TYPES = {t.name: t for t in (
     BlockType("Q4_K", 3, 256, 144, (0, 2), 32, 256),
     BlockType("Q6_K", 4, 256, 210, (208,), 16, 256),
     BlockType("Q5_0x2", 5, 64, 44, (0, 2), 32, 32),
+    BlockType("Q4_Kx", 6, 256, 144, (0, 2), 32, 256),
 )}
 FILE_TYPES = ("Q8_0", "Q5_0", "Q4_1", "Q4_K", "Q6_K")     # the GGUF types read as stored
 
@@ -95,6 +97,44 @@ def _nibbles(qs: torch.Tensor) -> torch.Tensor:
     return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
 
 
+# Q4_Kx's top bit pairs of its 16 scales and mins (j < 8: scale j; else min j - 8) in one uint32:
+# value j's pair at bits p, p + 1 for p = 8 (j % 4) + 6 - 2 (j // 4), so that a shift of lane L
+# by 2L bits moves it to bits 6 and 7 of byte j.
+_KX_BIT = [8 * (j % 4) + 6 - 2 * (j // 4) for j in range(16)]
+
+
+def _q4_k_scales(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K blocks [n, 144] -> their 6-bit scales and mins, uint8 [n, 8] each (GGML's packing)."""
+    s = blocks[:, 4:16].reshape(-1, 3, 4)
+    lo, hi, both = s[:, 0], s[:, 1], s[:, 2]
+    return (torch.cat([lo & 0x3F, (both & 0x0F) | ((lo >> 2) & 0x30)], dim=-1),
+            torch.cat([hi & 0x3F, (both >> 4) | ((hi >> 2) & 0x30)], dim=-1))
+
+
+def repack_q4_k(w: torch.Tensor) -> torch.Tensor:
+    """Q4_K rows uint8 [rows, row_bytes] -> the same rows as Q4_Kx: per block d and dmin, eight
+    bytes of the scales' low nibbles (min j's above scale j's), the top bit pairs (_KX_BIT),
+    then the same 128 bytes of weights."""
+    blocks = w.reshape(-1, 144)
+    sc, mn = _q4_k_scales(blocks)
+    top = torch.cat([sc, mn], -1).to(torch.int32) >> 4                 # [n, 16], 2 bits each
+    packed = torch.zeros(len(blocks), 1, dtype=torch.int32)
+    for j, bit in enumerate(_KX_BIT):
+        packed |= top[:, j:j + 1] << bit
+    return torch.cat([blocks[:, :4], (sc & 0x0F) | ((mn & 0x0F) << 4), packed.view(torch.uint8), blocks[:, 16:]],
+                     -1).reshape(w.shape)
+
+
+def repack(qtype: str, w: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """A tensor of a file's type in the CPU kernel's layout for it, where it has one: Q5_0 rows
+    of an even number of blocks as Q5_0x2, Q4_K as Q4_Kx; any other as it is."""
+    if qtype == "Q5_0" and w.shape[1] % 44 == 0:
+        return "Q5_0x2", pair_q5_0(w)
+    if qtype == "Q4_K":
+        return "Q4_Kx", repack_q4_k(w)
+    return qtype, w
+
+
 def unpack(blocks: torch.Tensor, qtype: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`blocks` uint8 [n, nbytes] -> (q int8 [n, block / unit, unit], scale float32 [n, block / unit],
     offset float32 [n, block / unit] or None): the integers and the unit scales the kernels read."""
@@ -113,12 +153,14 @@ def unpack(blocks: torch.Tensor, qtype: str) -> tuple[torch.Tensor, torch.Tensor
     if qtype == "Q4_1":
         d, m, qs = blocks[:, :2], blocks[:, 2:4], blocks[:, 4:]
         return _nibbles(qs).to(torch.int8).view(n, 1, 32), _f16(d), _f16(m)
-    if qtype == "Q4_K":
+    if qtype in ("Q4_K", "Q4_Kx"):
         d, dmin = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
-        s = blocks[:, 4:16].view(n, 3, 4)
-        lo, hi, both = s[:, 0], s[:, 1], s[:, 2]
-        sc = torch.cat([lo & 0x3F, (both & 0x0F) | ((lo >> 2) & 0x30)], dim=-1)
-        mn = torch.cat([hi & 0x3F, (both >> 4) | ((hi >> 2) & 0x30)], dim=-1)
+        if qtype == "Q4_K":
+            sc, mn = _q4_k_scales(blocks)
+        else:
+            nib, packed = blocks[:, 4:12], blocks[:, 12:16].contiguous().view(torch.int32)
+            top = torch.cat([(packed >> bit) & 3 for bit in _KX_BIT], -1).to(torch.uint8) << 4
+            sc, mn = (nib & 0x0F) | top[:, :8], (nib >> 4) | top[:, 8:]
         # Four runs of 32 bytes: each gives a unit in its low nibbles, the next unit in its high ones.
         q = _nibbles(blocks[:, 16:].reshape(n, 4, 32)).reshape(n, 8, 32).to(torch.int8)
         return q, d * sc.to(torch.float32), -(dmin * mn.to(torch.float32))

@@ -38,9 +38,10 @@ def test_dequantize_equals_gguf_to_the_bit(qtype):
     ours = gguf_quant.dequantize(w, qtype, 512).numpy()
     theirs = gguf_dequantize(w.numpy(), GGMLQuantizationType[qtype]).reshape(6, 512)
     assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))
-    if qtype == "Q5_0":             # the CPU kernel's repacking holds the same values
-        paired = gguf_quant.dequantize(gguf_quant.pair_q5_0(w), "Q5_0x2", 512).numpy()
-        assert np.array_equal(paired.view(np.uint32), theirs.view(np.uint32))
+    layout, repacked = gguf_quant.repack(qtype, w)        # the CPU kernel's layout holds the same values
+    assert layout != qtype or qtype not in ("Q5_0", "Q4_K")
+    ours = gguf_quant.dequantize(repacked, layout, 512).numpy()
+    assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))
 
 
 @pytest.mark.parametrize("qtype", sorted(gguf_quant.TYPES))
@@ -62,8 +63,8 @@ def test_compiled_kernel_matches_its_twin_and_is_batch_invariant(qtype):
     for rows in (1, 2, 3, 4, 7, 8, 9):
         parts = torch.cat([ops.gguf_linear(x[i:i + rows], [w], [t.id], None) for i in range(0, 63, rows)])
         assert torch.equal(parts, y[:len(parts)]), rows
-    if qtype == "Q5_0":             # repacked in pairs: the same sums in the same order
-        assert torch.equal(ops.gguf_linear(x, [gguf_quant.pair_q5_0(w)], [gguf_quant.TYPES["Q5_0x2"].id], None), y)
+    layout, repacked = gguf_quant.repack(qtype, w)        # the CPU kernel's layout: the same sums, same order
+    assert torch.equal(ops.gguf_linear(x, [repacked], [gguf_quant.TYPES[layout].id], None), y)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 40])

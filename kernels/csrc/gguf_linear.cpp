@@ -36,14 +36,15 @@
 
 namespace {
 
-// Q5_0x2: Q5_0 repacked in pairs of blocks (kernels/gguf_quant.py's `pair_q5_0`).
-enum Type : int64_t { Q8_0 = 0, Q5_0 = 1, Q4_1 = 2, Q4_K = 3, Q6_K = 4, Q5_0x2 = 5 };
+// Repacked at load (kernels/gguf_quant.py): Q5_0x2, Q5_0 in pairs of blocks (`pair_q5_0`); Q4_Kx,
+// Q4_K with its scales and mins in a packing vectors unpack (`repack_q4_k`).
+enum Type : int64_t { Q8_0 = 0, Q5_0 = 1, Q4_1 = 2, Q4_K = 3, Q6_K = 4, Q5_0x2 = 5, Q4_Kx = 6 };
 
 // Weights and bytes per block, activations per int8 scale, and per unit sum of x.
 struct Traits { int64_t block, bytes, act, unit; };
 constexpr Traits traits(int64_t t) {
     return t == Q8_0 ? Traits{32, 34, 32, 32} : t == Q5_0 ? Traits{32, 22, 32, 32} : t == Q4_1 ? Traits{32, 20, 32, 32}
-         : t == Q4_K ? Traits{256, 144, 256, 32} : t == Q6_K ? Traits{256, 210, 256, 16} : Traits{64, 44, 32, 32};
+         : t == Q4_K || t == Q4_Kx ? Traits{256, 144, 256, 32} : t == Q6_K ? Traits{256, 210, 256, 16} : Traits{64, 44, 32, 32};
 }
 
 constexpr int TILE = 32;        // rows of x per tile: a block's share of them is 8 KiB (K-quants)
@@ -148,6 +149,19 @@ static inline __m128i scales_mins(const uint8_t* s) {
                           b & six, ((c >> 4) & four) | ((b >> 6) & two) << 4);
 }
 
+// The same from Q4_Kx's packing: eight bytes of low nibbles (scale j's, then min j's above it),
+// then the sixteen top bit pairs in a uint32 where one shift per lane (lane L by 2L bits) brings
+// byte j's pair to its bits 6 and 7.
+static inline __m128i scales_mins_x(const uint8_t* s) {
+    const __m128i v = _mm_loadl_epi64((const __m128i*)s), low = _mm_set1_epi8(0x0F);
+    const __m128i nibbles = _mm_unpacklo_epi64(_mm_and_si128(v, low), _mm_and_si128(_mm_srli_epi16(v, 4), low));
+    uint32_t h;
+    std::memcpy(&h, s + 8, 4);
+    const __m128i top = _mm_and_si128(_mm_sllv_epi32(_mm_set1_epi32((int)h), _mm_setr_epi32(0, 2, 4, 6)),
+                                      _mm_set1_epi8((char)0xC0));
+    return _mm_or_si128(nibbles, _mm_srli_epi16(top, 2));
+}
+
 // One output's weight block `blk` (the b-th of its row) against rows [0, R) of the tile at x
 // (x.q, x.scale and x.sum already at the tile's first row): acc[r] += the block's share of
 // row r's output (lane-wise; off[r] a scalar share where the type has one). `part` holds a
@@ -210,9 +224,9 @@ static inline void block(const uint8_t* blk, const Act& x, int64_t b, int rows, 
                 else finish(r, _mm256_add_epi32(part[r], sum), x.scale[r * scales_per_row + b]);
             }
         };
-        if constexpr (T == Q4_K) {
+        if constexpr (T == Q4_K || T == Q4_Kx) {
             const float d = f16(blk), dmin = f16(blk + 2);
-            const __m256i sm = _mm256_cvtepu8_epi16(scales_mins(blk + 4));
+            const __m256i sm = _mm256_cvtepu8_epi16(T == Q4_K ? scales_mins(blk + 4) : scales_mins_x(blk + 4));
             const __m256i scales = _mm256_permute2x128_si256(sm, sm, 0x00);
             const __m128i mins = _mm256_extracti128_si256(sm, 1);
             for (int h = 0; h < 2; ++h) {
@@ -371,7 +385,7 @@ torch::Tensor gguf_linear(const torch::Tensor& x_, at::TensorList parts, at::Int
     for (size_t i = 0; i < parts.size(); ++i) {
         const int64_t type = types[i];
         const torch::Tensor& w = parts[i];
-        TORCH_CHECK(type >= Q8_0 && type <= Q5_0x2, "gguf_linear: unknown type ", type);
+        TORCH_CHECK(type >= Q8_0 && type <= Q4_Kx, "gguf_linear: unknown type ", type);
         const Traits tr = traits(type);
         TORCH_CHECK(K % tr.block == 0, "gguf_linear: K = ", K, " is not a multiple of the type's block ", tr.block);
         TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous() &&
@@ -406,6 +420,7 @@ torch::Tensor gguf_linear(const torch::Tensor& x_, at::TensorList parts, at::Int
             case Q4_1: linear<Q4_1>(act, W, O, M, n); break;
             case Q4_K: linear<Q4_K>(act, W, O, M, n); break;
             case Q5_0x2: linear<Q5_0x2>(act, W, O, M, n); break;
+            case Q4_Kx: linear<Q4_Kx>(act, W, O, M, n); break;
             default: linear<Q6_K>(act, W, O, M, n);
         }
         n0 += n;
