@@ -162,6 +162,31 @@ static inline __m128i scales_mins_x(const uint8_t* s) {
     return _mm_or_si128(nibbles, _mm_srli_epi16(top, 2));
 }
 
+// Unit j of a block of a type with units of 32 (Q5_0x2's blocks hold two): its 32 integers, as
+// signed bytes (Q8_0, Q5_0: multiplied as |q| times x with q's sign) or unsigned (Q4_1), and
+// its scale d.
+template <int64_t T>
+static inline __m256i unit(const uint8_t* blk, int j, float& d) {
+    const __m256i sixteen = _mm256_set1_epi8(16);
+    if constexpr (T == Q5_0x2) {
+        // The nibbles of both blocks in one 32-byte run, and each block's fifth bits moved to bit
+        // 4 of their bytes by one shift per lane (their order in the layout is made for it).
+        uint32_t h;
+        std::memcpy(&h, blk + 4 + 4 * j, 4);
+        const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), v = load(blk + 12);
+        const __m256i fifth = _mm256_and_si256(_mm256_srli_epi16(_mm256_sllv_epi32(_mm256_set1_epi32((int)h), lanes), 3),
+                                               sixteen);
+        d = f16(blk + 2 * j);
+        return _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(j ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0x0F)),
+                                               fifth), sixteen);
+    }
+    d = f16(blk);
+    if constexpr (T == Q8_0) return load(blk + 2);
+    if constexpr (T == Q5_0)
+        return _mm256_sub_epi8(_mm256_or_si256(nibbles16(blk + 6), _mm256_and_si256(bits32(blk + 2), sixteen)), sixteen);
+    return nibbles16(blk + 4);
+}
+
 // One output's weight block `blk` (the b-th of its row) against rows [0, R) of the tile at x
 // (x.q, x.scale and x.sum already at the tile's first row): acc[r] += the block's share of
 // row r's output (lane-wise; off[r] a scalar share where the type has one). `part` holds a
@@ -175,43 +200,18 @@ static inline void block(const uint8_t* blk, const Act& x, int64_t b, int rows, 
     const int64_t K = x.K, k0 = b * tr.block;
     const int64_t scales_per_row = K / tr.act, sums_per_row = K / tr.unit;
     const __m256i low = _mm256_set1_epi8(0x0F);
-    if constexpr (T == Q5_0x2) {
-        // Two blocks: the nibbles of both in one load, and each block's fifth bits moved to bit 4
-        // of their bytes by one shift per lane (their order in the layout is made for it); then
-        // as Q5_0, block after block, so the sums are Q5_0's to the bit.
-        const __m256i v = load(blk + 12), ones = _mm256_set1_epi16(1);
-        const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), sixteen = _mm256_set1_epi8(16);
-        for (int j = 0; j < 2; ++j) {
-            uint32_t h;
-            std::memcpy(&h, blk + 4 + 4 * j, 4);
-            const __m256i fifth = _mm256_and_si256(_mm256_srli_epi16(_mm256_sllv_epi32(_mm256_set1_epi32((int)h), lanes), 3),
-                                                   sixteen);
-            const __m256i q = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(j ? _mm256_srli_epi16(v, 4) : v, low), fifth),
-                                              sixteen);
-            const __m256i u = _mm256_sign_epi8(q, q);
-            const float d = f16(blk + 2 * j);
-            for (int r = 0; r < R; ++r) {
-                const __m256i xv = _mm256_sign_epi8(load(x.q + r * K + k0 + 32 * j), q);
-                acc[r] = scaled(acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), ones),
-                                d * x.scale[r * scales_per_row + 2 * b + j]);
-            }
-        }
-    } else if constexpr (tr.block == 32) {
-        const float d = f16(blk), m = T == Q4_1 ? f16(blk + 2) : 0.f;
+    if constexpr (tr.block <= 64) {        // units of 32: one per block, Q5_0x2's two
         const __m256i ones = _mm256_set1_epi16(1);
-        __m256i q;                              // Q8_0, Q5_0: signed, as |q| with q's sign moved to x
-        if constexpr (T == Q8_0) q = load(blk + 2);
-        else if constexpr (T == Q5_0)
-            q = _mm256_sub_epi8(_mm256_or_si256(nibbles16(blk + 6), _mm256_and_si256(bits32(blk + 2), _mm256_set1_epi8(0x10))),
-                                _mm256_set1_epi8(16));
-        else q = nibbles16(blk + 4);
-        const __m256i u = T == Q4_1 ? q : _mm256_sign_epi8(q, q);
-        for (int r = 0; r < R; ++r) {
-            __m256i xv = load(x.q + r * K + k0);
-            if constexpr (T != Q4_1) xv = _mm256_sign_epi8(xv, q);
-            const float sx = x.scale[r * scales_per_row + b];
-            acc[r] = scaled(acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), ones), d * sx);
-            if constexpr (T == Q4_1) off[r] += m * sx * (float)x.sum[r * sums_per_row + b];
+        for (int j = 0; j < tr.block / 32; ++j) {
+            float d;
+            const __m256i q = unit<T>(blk, j, d), u = T == Q4_1 ? q : _mm256_sign_epi8(q, q);
+            for (int r = 0; r < R; ++r) {
+                __m256i xv = load(x.q + r * K + k0 + 32 * j);
+                if constexpr (T != Q4_1) xv = _mm256_sign_epi8(xv, q);
+                const float sx = x.scale[r * scales_per_row + k0 / 32 + j];
+                acc[r] = scaled(acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), ones), d * sx);
+                if constexpr (T == Q4_1) off[r] += f16(blk + 2) * sx * (float)x.sum[r * sums_per_row + b];
+            }
         }
     } else {
         // A K-quant half block (128 weights): each row's four unit dot products; the halves add up
