@@ -18,7 +18,7 @@ the order `gguf.quants.dequantize` computes it, so the twin is equal to it to th
 
 Two more layouts are repacked at load for the CPU kernel, not a file's, each holding the same
 values in the same bytes per block (so they dequantize to the same bits) in an order that
-unpacks in fewer instructions: Q5_0x2 (`pair_q5_0`), two consecutive blocks of a row in 44
+unpacks in fewer instructions: Q5_0x4 (`group_q5_0`), four consecutive blocks of a row in 88
 bytes, and Q4_Kx (`repack_q4_k`), Q4_K with its 6-bit scales and mins packed anew.
 """
 from __future__ import annotations
@@ -47,14 +47,14 @@ TYPES = {t.name: t for t in (
     BlockType("Q4_1", 2, 32, 20, (0, 2), 32, 32),
     BlockType("Q4_K", 3, 256, 144, (0, 2), 32, 256),
     BlockType("Q6_K", 4, 256, 210, (208,), 16, 256),
-    BlockType("Q5_0x2", 5, 64, 44, (0, 2), 32, 32),
+    BlockType("Q5_0x4", 5, 128, 88, (0, 2, 4, 6), 32, 32),
     BlockType("Q4_Kx", 6, 256, 144, (0, 2), 32, 256),
 )}
 FILE_TYPES = ("Q8_0", "Q5_0", "Q4_1", "Q4_K", "Q6_K")     # the GGUF types read as stored
 
-# Q5_0x2 keeps a unit's 32 fifth bits in an order that one shift per 4-byte lane (lane L by L
+# Q5_0x4 keeps a unit's 32 fifth bits in an order that one shift per 4-byte lane (lane L by L
 # bits) brings weight 4L + k's bit to bit 7 of byte k: weight j's bit is bit 8 (j % 4) + 7 - j // 4.
-_X2_BIT = [8 * (j % 4) + 7 - j // 4 for j in range(32)]
+_X4_BIT = [8 * (j % 4) + 7 - j // 4 for j in range(32)]
 
 
 def _bits(b: torch.Tensor) -> torch.Tensor:
@@ -63,21 +63,20 @@ def _bits(b: torch.Tensor) -> torch.Tensor:
     return (b[..., at // 8] >> (at % 8).to(torch.uint8)) & 1
 
 
-def pair_q5_0(w: torch.Tensor) -> torch.Tensor:
-    """Q5_0 rows uint8 [rows, row_bytes] (an even number of blocks each) -> the same rows as
-    Q5_0x2: per pair of blocks their two float16 scales, their fifth bits (in _X2_BIT's order),
-    then 32 bytes whose low nibbles are the first block's 32 weights in order and whose high
-    nibbles are the second's."""
+def group_q5_0(w: torch.Tensor) -> torch.Tensor:
+    """Q5_0 rows uint8 [rows, row_bytes] (blocks a multiple of 4 each) -> the same rows as Q5_0x4:
+    per four blocks their float16 scales, their fifth bits (each block's in _X4_BIT's order),
+    then two runs of 32 bytes, each holding two blocks' weights in order: the first's in the low
+    nibbles, the second's in the high ones."""
     rows = w.shape[0]
-    b = w.reshape(-1, 2, 22)
-    qs = b[..., 6:]
-    nib = _nibbles(qs)                                              # [pairs, 2, 32]: weights in order
-    qh = b[..., 2:6].contiguous().view(torch.int32)                  # [pairs, 2, 1]
+    b = w.reshape(-1, 4, 22)
+    nib = _nibbles(b[..., 6:])                                       # [groups, 4, 32]: weights in order
+    qh = b[..., 2:6].contiguous().view(torch.int32)                  # [groups, 4, 1]
     moved = torch.zeros_like(qh)
-    for j, bit in enumerate(_X2_BIT):
+    for j, bit in enumerate(_X4_BIT):
         moved |= ((qh >> j) & 1) << bit
-    return torch.cat([b[..., :2].reshape(-1, 4), moved.view(torch.uint8).reshape(-1, 8),
-                      nib[:, 0] | (nib[:, 1] << 4)], -1).reshape(rows, -1)
+    return torch.cat([b[..., :2].reshape(-1, 8), moved.view(torch.uint8).reshape(-1, 16),
+                      (nib[:, 0::2] | (nib[:, 1::2] << 4)).reshape(-1, 64)], -1).reshape(rows, -1)
 
 
 def row_bytes(qtype: str, cols: int) -> int:
@@ -127,9 +126,9 @@ def repack_q4_k(w: torch.Tensor) -> torch.Tensor:
 
 def repack(qtype: str, w: torch.Tensor) -> tuple[str, torch.Tensor]:
     """A tensor of a file's type in the CPU kernel's layout for it, where it has one: Q5_0 rows
-    of an even number of blocks as Q5_0x2, Q4_K as Q4_Kx; any other as it is."""
-    if qtype == "Q5_0" and w.shape[1] % 44 == 0:
-        return "Q5_0x2", pair_q5_0(w)
+    of a multiple of four blocks as Q5_0x4, Q4_K as Q4_Kx; any other as it is."""
+    if qtype == "Q5_0" and w.shape[1] % 88 == 0:
+        return "Q5_0x4", group_q5_0(w)
     if qtype == "Q4_K":
         return "Q4_Kx", repack_q4_k(w)
     return qtype, w
@@ -146,10 +145,10 @@ def unpack(blocks: torch.Tensor, qtype: str) -> tuple[torch.Tensor, torch.Tensor
         d, qh, qs = blocks[:, :2], blocks[:, 2:6], blocks[:, 6:]
         q = (_nibbles(qs) | (_bits(qh) << 4)).to(torch.int8) - 16
         return q.view(n, 1, 32), _f16(d), None
-    if qtype == "Q5_0x2":
-        d, qh, qs = blocks[:, :4], blocks[:, 4:12].reshape(n, 2, 4), blocks[:, 12:]
-        high = _bits(qh)[..., _X2_BIT]
-        return (torch.stack([qs & 0x0F, qs >> 4], 1) | (high << 4)).to(torch.int8) - 16, _f16(d), None
+    if qtype == "Q5_0x4":
+        d, qh, qs = blocks[:, :8], blocks[:, 8:24].reshape(n, 4, 4), blocks[:, 24:].reshape(n, 2, 32)
+        low = torch.stack([qs & 0x0F, qs >> 4], 2).reshape(n, 4, 32)
+        return (low | (_bits(qh)[..., _X4_BIT] << 4)).to(torch.int8) - 16, _f16(d), None
     if qtype == "Q4_1":
         d, m, qs = blocks[:, :2], blocks[:, 2:4], blocks[:, 4:]
         return _nibbles(qs).to(torch.int8).view(n, 1, 32), _f16(d), _f16(m)

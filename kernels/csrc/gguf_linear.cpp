@@ -36,15 +36,15 @@
 
 namespace {
 
-// Repacked at load (kernels/gguf_quant.py): Q5_0x2, Q5_0 in pairs of blocks (`pair_q5_0`); Q4_Kx,
+// Repacked at load (kernels/gguf_quant.py): Q5_0x4, Q5_0 in groups of four blocks (`group_q5_0`); Q4_Kx,
 // Q4_K with its scales and mins in a packing vectors unpack (`repack_q4_k`).
-enum Type : int64_t { Q8_0 = 0, Q5_0 = 1, Q4_1 = 2, Q4_K = 3, Q6_K = 4, Q5_0x2 = 5, Q4_Kx = 6 };
+enum Type : int64_t { Q8_0 = 0, Q5_0 = 1, Q4_1 = 2, Q4_K = 3, Q6_K = 4, Q5_0x4 = 5, Q4_Kx = 6 };
 
 // Weights and bytes per block, activations per int8 scale, and per unit sum of x.
 struct Traits { int64_t block, bytes, act, unit; };
 constexpr Traits traits(int64_t t) {
     return t == Q8_0 ? Traits{32, 34, 32, 32} : t == Q5_0 ? Traits{32, 22, 32, 32} : t == Q4_1 ? Traits{32, 20, 32, 32}
-         : t == Q4_K || t == Q4_Kx ? Traits{256, 144, 256, 32} : t == Q6_K ? Traits{256, 210, 256, 16} : Traits{64, 44, 32, 32};
+         : t == Q4_K || t == Q4_Kx ? Traits{256, 144, 256, 32} : t == Q6_K ? Traits{256, 210, 256, 16} : Traits{128, 88, 32, 32};
 }
 
 constexpr int TILE = 32;        // rows of x per tile: a block's share of them is 8 KiB (K-quants)
@@ -162,22 +162,22 @@ static inline __m128i scales_mins_x(const uint8_t* s) {
     return _mm_or_si128(nibbles, _mm_srli_epi16(top, 2));
 }
 
-// Unit j of a block of a type with units of 32 (Q5_0x2's blocks hold two): its 32 integers, as
+// Unit j of a block of a type with units of 32 (Q5_0x4's blocks hold four): its 32 integers, as
 // signed bytes (Q8_0, Q5_0: multiplied as |q| times x with q's sign) or unsigned (Q4_1), and
 // its scale d.
 template <int64_t T>
 static inline __m256i unit(const uint8_t* blk, int j, float& d) {
     const __m256i sixteen = _mm256_set1_epi8(16);
-    if constexpr (T == Q5_0x2) {
-        // The nibbles of both blocks in one 32-byte run, and each block's fifth bits moved to bit
-        // 4 of their bytes by one shift per lane (their order in the layout is made for it).
+    if constexpr (T == Q5_0x4) {
+        // Two blocks' nibbles in each 32-byte run, and each block's fifth bits moved to bit 4 of
+        // their bytes by one shift per lane (their order in the layout is made for it).
         uint32_t h;
-        std::memcpy(&h, blk + 4 + 4 * j, 4);
-        const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), v = load(blk + 12);
+        std::memcpy(&h, blk + 8 + 4 * j, 4);
+        const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), v = load(blk + 24 + 32 * (j / 2));
         const __m256i fifth = _mm256_and_si256(_mm256_srli_epi16(_mm256_sllv_epi32(_mm256_set1_epi32((int)h), lanes), 3),
                                                sixteen);
         d = f16(blk + 2 * j);
-        return _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(j ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0x0F)),
+        return _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(j % 2 ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0x0F)),
                                                fifth), sixteen);
     }
     d = f16(blk);
@@ -200,18 +200,38 @@ static inline void block(const uint8_t* blk, const Act& x, int64_t b, int rows, 
     const int64_t K = x.K, k0 = b * tr.block;
     const int64_t scales_per_row = K / tr.act, sums_per_row = K / tr.unit;
     const __m256i low = _mm256_set1_epi8(0x0F);
-    if constexpr (tr.block <= 64) {        // units of 32: one per block, Q5_0x2's two
+    if constexpr (T == Q5_0x4) {
+        // Four blocks: a row's four integer sums reduced into one vector of four, then one float
+        // step for them (the blocks' d times x's scales); a row's acc holds four sums, one per
+        // block position.
         const __m256i ones = _mm256_set1_epi16(1);
-        for (int j = 0; j < tr.block / 32; ++j) {
-            float d;
-            const __m256i q = unit<T>(blk, j, d), u = T == Q4_1 ? q : _mm256_sign_epi8(q, q);
-            for (int r = 0; r < R; ++r) {
-                __m256i xv = load(x.q + r * K + k0 + 32 * j);
-                if constexpr (T != Q4_1) xv = _mm256_sign_epi8(xv, q);
-                const float sx = x.scale[r * scales_per_row + k0 / 32 + j];
-                acc[r] = scaled(acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), ones), d * sx);
-                if constexpr (T == Q4_1) off[r] += f16(blk + 2) * sx * (float)x.sum[r * sums_per_row + b];
-            }
+        const __m128 d = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)blk));
+        __m256i q[4], u[4];
+        for (int j = 0; j < 4; ++j) {
+            float unused;
+            q[j] = unit<T>(blk, j, unused);
+            u[j] = _mm256_sign_epi8(q[j], q[j]);
+        }
+        for (int r = 0; r < R; ++r) {
+            const int8_t* xr = x.q + r * K + k0;
+            __m256i sums[4];
+            for (int j = 0; j < 4; ++j)
+                sums[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(u[j], _mm256_sign_epi8(load(xr + 32 * j), q[j])), ones);
+            const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(sums[0], sums[1]), _mm256_hadd_epi32(sums[2], sums[3]));
+            const __m128i total = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+            const __m128 scale = _mm_mul_ps(d, _mm_loadu_ps(x.scale + r * scales_per_row + k0 / 32));
+            acc[r] = _mm256_zextps128_ps256(_mm_fmadd_ps(_mm_cvtepi32_ps(total), scale, _mm256_castps256_ps128(acc[r])));
+        }
+    } else if constexpr (tr.block == 32) {         // one unit of 32
+        const __m256i ones = _mm256_set1_epi16(1);
+        float d;
+        const __m256i q = unit<T>(blk, 0, d), u = T == Q4_1 ? q : _mm256_sign_epi8(q, q);
+        for (int r = 0; r < R; ++r) {
+            __m256i xv = load(x.q + r * K + k0);
+            if constexpr (T != Q4_1) xv = _mm256_sign_epi8(xv, q);
+            const float sx = x.scale[r * scales_per_row + b];
+            acc[r] = scaled(acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), ones), d * sx);
+            if constexpr (T == Q4_1) off[r] += f16(blk + 2) * sx * (float)x.sum[r * sums_per_row + b];
         }
     } else {
         // A K-quant half block (128 weights): each row's four unit dot products; the halves add up
@@ -419,7 +439,7 @@ torch::Tensor gguf_linear(const torch::Tensor& x_, at::TensorList parts, at::Int
             case Q5_0: linear<Q5_0>(act, W, O, M, n); break;
             case Q4_1: linear<Q4_1>(act, W, O, M, n); break;
             case Q4_K: linear<Q4_K>(act, W, O, M, n); break;
-            case Q5_0x2: linear<Q5_0x2>(act, W, O, M, n); break;
+            case Q5_0x4: linear<Q5_0x4>(act, W, O, M, n); break;
             case Q4_Kx: linear<Q4_Kx>(act, W, O, M, n); break;
             default: linear<Q6_K>(act, W, O, M, n);
         }
