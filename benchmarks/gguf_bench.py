@@ -1,11 +1,14 @@
-"""The `gguf` precision's CPU kernel (kernels/csrc/gguf_linear.cpp) at Qwen2.5-Coder-1.5B's layer
-shapes and types, against the float32 GEMM on the same weights dequantized (torch's sgemm: what
-a prompt would cost on dequantized weights, the dequantization itself not counted).
+"""The `gguf` precision's CPU kernel (kernels/csrc/gguf_linear.cpp) at the Qwen models' layer
+shapes and types: each in the layout the engine serves (Q4_K as Q4_Kx, Q5_0 as Q5_0x4, repacked
+at load: kernels/gguf_quant.py's `repack`) against the same blocks as the file stores them, and
+against the float32 GEMM on the weights dequantized (torch's sgemm: what a prompt would cost on
+dequantized weights, the dequantization itself not counted).
 
 Each layer is timed over enough copies of its blocks to be read from memory, not from the last
-level cache, as a decode step reads its 28 layers; rows 1 and 8 are decode, 512 a prompt. It
-prints ms per call, the GB/s of stored weight bytes read (at 1 row, as a share of the read
-bandwidth) and the kernel's speed against sgemm, and writes benchmarks/results/gguf_bench.json.
+level cache, as a decode step reads its layers; rows 1 and 8 are decode, 512 a prompt. The
+layouts take turns. It prints ms per call, the GB/s of stored weight bytes read (at 1 row, as a
+share of the read bandwidth), the served layout's speed against the file's and the kernel's
+against sgemm, and writes benchmarks/results/gguf_bench.json.
 
     python benchmarks/gguf_bench.py [--threads 2] [--rows 1 8 512] [--out ...]
 """
@@ -23,9 +26,11 @@ from rich.table import Table
 from kernels import cpu_build, gguf_cpu, gguf_quant
 
 console = Console(width=150)
-# (name, type, K in, N out, the most rows it runs at in a step: the head sees a prompt's last row)
-LAYERS = [("gate|up", "Q4_K", 1536, 8960, 512), ("down", "Q4_K", 8960, 1536, 512),
-          ("head", "Q6_K", 1536, 151936, 8)]
+# (name, type in the file, K in, N out, the most rows it runs at in a step: the head sees a
+# prompt's last row)
+LAYERS = [("1.5B gate|up", "Q4_K", 1536, 8960, 512), ("1.5B down", "Q4_K", 8960, 1536, 512),
+          ("1.5B head", "Q6_K", 1536, 151936, 8), ("0.5B gate|up", "Q5_0", 896, 9728, 512),
+          ("0.5B head", "Q8_0", 896, 151936, 8)]
 CACHE_BYTES = 96 << 20           # copies of a layer's blocks until they exceed the L3 several times
 
 
@@ -50,28 +55,39 @@ def main() -> None:
     bandwidth = memory_bandwidth_gbs()
     results = []
     for name, qtype, k, n, most in LAYERS:
-        t = gguf_quant.TYPES[qtype]
         w = gguf_quant.random_blocks(qtype, n, k)
-        copies = [w] + [w.clone() for _ in range(max(0, CACHE_BYTES // w.numel() - 1))]
+        layout, _ = gguf_quant.repack(qtype, w)
+        layouts = {qtype: [w] + [w.clone() for _ in range(max(0, CACHE_BYTES // w.numel() - 1))]}
+        if layout != qtype:
+            layouts[layout] = [gguf_quant.repack(qtype, c)[1] for c in layouts[qtype]]
         dense = gguf_quant.dequantize(w, qtype, k).t().contiguous()
         for m in [r for r in args.rows if r <= most]:
             x = torch.randn(m, k)
-            calls = len(copies) if m < 64 else 2
-            s = measure(lambda i: ops.gguf_linear(x, [copies[i % len(copies)]], [t.id], None), calls, args.repeats)
-            row = {"layer": name, "type": qtype, "k": k, "n": n, "rows": m, "weight_gb": w.numel() / 1e9,
-                   "ms": 1e3 * s, "gb_s": w.numel() / s / 1e9, "gmac_s": m * k * n / s / 1e9}
+            calls = len(layouts[qtype]) if m < 64 else 2
+            times = {t: [] for t in layouts}
+            for _ in range(args.repeats):
+                for t, copies in layouts.items():
+                    times[t].append(measure(lambda i: ops.gguf_linear(
+                        x, [copies[i % len(copies)]], [gguf_quant.TYPES[t].id], None), calls, 1))
+            s = statistics.median(times[layout])
+            row = {"layer": name, "type": qtype, "layout": layout, "k": k, "n": n, "rows": m,
+                   "weight_gb": w.numel() / 1e9, "ms": 1e3 * s, "gb_s": w.numel() / s / 1e9,
+                   "gmac_s": m * k * n / s / 1e9, "file_layout_ms": 1e3 * statistics.median(times[qtype])}
             if not args.no_sgemm:
                 row["sgemm_ms"] = 1e3 * measure(lambda i: x @ dense, 2, args.repeats)
             results.append(row)
-            console.print(f"{name} {qtype} [{k} x {n}] {m} rows: {row['ms']:.2f} ms, {row['gb_s']:.1f} GB/s"
+            console.print(f"{name} {layout} [{k} x {n}] {m} rows: {row['ms']:.2f} ms, {row['gb_s']:.1f} GB/s"
+                          f" ({qtype} as stored {row['file_layout_ms']:.2f} ms)"
                           + (f", sgemm {row['sgemm_ms']:.2f} ms" if "sgemm_ms" in row else ""))
-    table = Table(title=f"gguf_linear at the 1.5B's shapes; {args.threads} threads, {machine()['isa']}, "
+    table = Table(title=f"gguf_linear at the Qwen models' shapes; {args.threads} threads, {machine()['isa']}, "
                         f"build {cpu_build.BUILDS['sluice_gguf_linear'].isa}, read bandwidth {bandwidth:.1f} GB/s")
-    for col in ("layer", "type", "K x N", "rows", "ms", "weights GB/s (share)", "GMAC/s", "sgemm ms", "vs sgemm"):
+    for col in ("layer", "layout (file's)", "K x N", "rows", "ms", "weights GB/s (share)", "GMAC/s",
+                "vs the file's layout", "sgemm ms", "vs sgemm"):
         table.add_column(col)
     for r in results:
-        table.add_row(r["layer"], r["type"], f"{r['k']} x {r['n']}", str(r["rows"]), f"{r['ms']:.2f}",
-                      f"{r['gb_s']:.1f} ({r['gb_s'] / bandwidth:.0%})", f"{r['gmac_s']:.1f}",
+        table.add_row(r["layer"], f"{r['layout']} ({r['type']})", f"{r['k']} x {r['n']}", str(r["rows"]),
+                      f"{r['ms']:.2f}", f"{r['gb_s']:.1f} ({r['gb_s'] / bandwidth:.0%})", f"{r['gmac_s']:.1f}",
+                      f"{r['file_layout_ms'] / r['ms']:.2f}x",
                       f"{r['sgemm_ms']:.2f}" if "sgemm_ms" in r else "",
                       f"[bold]{r['sgemm_ms'] / r['ms']:.2f}x[/]" if "sgemm_ms" in r else "")
     console.print(table)
