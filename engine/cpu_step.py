@@ -10,7 +10,7 @@ import torch
 
 from engine.model import CausalLM, Linear, StepBatch
 from engine.quantize import GGUFLinear, QuantLinear
-from kernels import decoder_cpu, gguf_quant, quant_matmul
+from kernels import decoder_cpu, quant_matmul
 
 
 class CPUStep:
@@ -39,8 +39,7 @@ class CPUStep:
                 if isinstance(proj, GGUFLinear):
                     if proj.compiled is None:
                         return None
-                    decoder.add_gguf_proj(proj.parts(),
-                                          [gguf_quant.TYPES[t].id for t in proj.types], b["bias"])
+                    decoder.add_gguf_proj(proj.parts(), proj.ids, b["bias"])
                     continue
                 if not isinstance(proj, QuantLinear) or proj.dot is None or proj.dot is quant_matmul.int8_int8_matmul:
                     return None

@@ -337,6 +337,7 @@ class GGUFLinear(Module):
             else:
                 merged.append((qtype, w))
         self.types = [qtype for qtype, _ in merged]
+        self.ids = [gguf_quant.TYPES[t].id for t in self.types]     # the compiled kernel's
         for i, (_, w) in enumerate(merged):
             self.register_buffer(f"w{i}", w.to(device).contiguous(), persistent=False)
         self.register_buffer("bias", bias, persistent=False)
@@ -347,7 +348,7 @@ class GGUFLinear(Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b = self._buffers
         if self.compiled is not None and x.dtype == torch.float32:      # the bias added in the kernel
-            return self.compiled(x, self.parts(), [gguf_quant.TYPES[t].id for t in self.types], b["bias"])
+            return self.compiled(x, self.parts(), self.ids, b["bias"])
         matmul = gguf_matmul if x.shape[0] <= self.triton_rows else gguf_quant.gguf_matmul
         ys = [matmul(x, w, t) for w, t in zip(self.parts(), self.types)]
         y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)

@@ -120,8 +120,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         if q_len == ctx:        # nothing cached before the chunk: plain causal, fused kernel
             # Repeat KV per query head rather than enable_gqa: SDPA's GQA takes the unfused
             # math path on CPU (~1.4x slower here); the copy is small next to the matmuls. The
-            # fused kernel also wants a batch dimension: 3-D inputs take the math path (4x slower
-            # at 512 tokens).
+            # fused kernel also wants a batch dimension: 3-D inputs take the unfused math path.
             k, v = k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0)
             o = F.scaled_dot_product_attention(q[lo:hi].transpose(0, 1)[None], k[None], v[None], is_causal=True,
                                                scale=scale)[0]

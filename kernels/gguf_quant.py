@@ -50,7 +50,8 @@ TYPES = {t.name: t for t in (
     BlockType("Q5_0x4", 5, 128, 88, (0, 2, 4, 6), 32, 32),
     BlockType("Q4_Kx", 6, 256, 144, (0, 2), 32, 256),
 )}
-FILE_TYPES = ("Q8_0", "Q5_0", "Q4_1", "Q4_K", "Q6_K")     # the GGUF types read as stored
+LAYOUTS = {"Q5_0": "Q5_0x4", "Q4_K": "Q4_Kx"}            # a file's type -> the CPU kernel's layout of it
+FILE_TYPES = tuple(t for t in TYPES if t not in LAYOUTS.values())   # the GGUF types read as stored
 
 # Q5_0x4 keeps a unit's 32 fifth bits in an order that one shift per 4-byte lane (lane L by L
 # bits) brings weight 4L + k's bit to bit 7 of byte k: weight j's bit is bit 8 (j % 4) + 7 - j // 4.
@@ -125,13 +126,12 @@ def repack_q4_k(w: torch.Tensor) -> torch.Tensor:
 
 
 def repack(qtype: str, w: torch.Tensor) -> tuple[str, torch.Tensor]:
-    """A tensor of a file's type in the CPU kernel's layout for it, where it has one: Q5_0 rows
-    of a multiple of four blocks as Q5_0x4, Q4_K as Q4_Kx; any other as it is."""
-    if qtype == "Q5_0" and w.shape[1] % 88 == 0:
-        return "Q5_0x4", group_q5_0(w)
-    if qtype == "Q4_K":
-        return "Q4_Kx", repack_q4_k(w)
-    return qtype, w
+    """A tensor of a file's type in the CPU kernel's layout for it (LAYOUTS), where its rows hold
+    whole blocks of that layout; any other as it is."""
+    layout = LAYOUTS.get(qtype)
+    if layout is None or w.shape[1] % TYPES[layout].nbytes:
+        return qtype, w
+    return layout, (group_q5_0 if qtype == "Q5_0" else repack_q4_k)(w)
 
 
 def unpack(blocks: torch.Tensor, qtype: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

@@ -39,7 +39,7 @@ def test_dequantize_equals_gguf_to_the_bit(qtype):
     theirs = gguf_dequantize(w.numpy(), GGMLQuantizationType[qtype]).reshape(6, 512)
     assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))
     layout, repacked = gguf_quant.repack(qtype, w)        # the CPU kernel's layout holds the same values
-    assert layout != qtype or qtype not in ("Q5_0", "Q4_K")
+    assert layout == gguf_quant.LAYOUTS.get(qtype, qtype)
     ours = gguf_quant.dequantize(repacked, layout, 512).numpy()
     assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))
 
@@ -77,7 +77,7 @@ def test_a_layer_of_mixed_parts_and_a_bias_is_its_parts_side_by_side(rows):
     columns, the bias added there: the same bits as a call per part and the bias added after."""
     ops = compiled()
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(3))
-    types = ["Q5_0", "Q8_0", "Q4_K", "Q6_K", "Q4_1", "Q4_K"]
+    types = ["Q5_0", "Q8_0", "Q4_K", "Q6_K", "Q4_1", "Q4_Kx", "Q5_0x4"]
     ws = [gguf_quant.random_blocks(q, 16 + 8 * i, 512, seed=i) for i, q in enumerate(types)]
     ids = [gguf_quant.TYPES[q].id for q in types]
     bias = torch.randn(sum(len(w) for w in ws))
@@ -185,11 +185,16 @@ def test_a_type_no_kernel_reads_serves_in_float_with_a_warning(tmp_cache, tmp_pa
 
 def test_one_call_decode_steps_on_gguf_blocks_equal_the_python_path(tmp_cache, tmp_path):
     """engine/cpu_step.py's compiled step calls the same gguf kernel on the same blocks (a q|k|v
-    of three types among them), so its tokens and log-probabilities are the Python path's to the bit."""
+    of three types among them, and the MLP's Q5_0 repacked at load where its rows allow: down's
+    128 columns are four blocks, Q5_0x4; gate|up's 64 stay Q5_0), so its tokens and
+    log-probabilities are the Python path's to the bit."""
     compiled()
     path = tmp_path / "tiny-gguf.gguf"
     write_tiny_gguf("llama", path, {"q_proj": "Q8_0", "k_proj": "Q5_0", "v_proj": "Q4_1", "o_proj": "Q4_1",
-                                    "mlp.": "Q8_0"})
+                                    "mlp.": "Q5_0"}, intermediate=128)
+    config = EngineConfig(models={"m": ModelEntry(str(path), quant="gguf")})
+    mlp = worker._load(config.models["m"], False, Device.resolve(config))[1].layers[0].mlp
+    assert mlp.down_proj.types == ["Q5_0x4"] and mlp.gate_up_proj.types == ["Q5_0"]
 
     def run(cpu_step: bool):
         engine = LLMEngine(EngineConfig(models={"m": ModelEntry(str(path), quant="gguf")}, max_kv_blocks=64,

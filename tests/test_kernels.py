@@ -162,6 +162,17 @@ def test_prefill_reference_matches_dense_causal_attention(heads, kv_heads, quant
         torch.testing.assert_close(out[lo:hi], dense_attention(q[lo:hi], *p.dense(s)))
 
 
+def test_a_fresh_prompt_runs_sdpa_fused_kernel():
+    """A chunk with nothing cached before it takes SDPA's fused CPU kernel: 3-D inputs sent it down
+    the unfused math path (a score matrix per head, bmm and softmax), several times slower."""
+    p = make_paged([64], 2, False)
+    q = torch.randn(64, 6, HEAD_DIM)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        attention.paged_prefill_attention(q, *p.caches(), p.block_tables, p.context_lens, torch.tensor([0, 64]), SCALE)
+    ops = {e.key for e in prof.key_averages()}
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in ops and "aten::bmm" not in ops, ops
+
+
 def test_int8_kv_attention_stays_close_to_float():
     pf, pq = make_paged(DECODE_LENS, 2, False), make_paged(DECODE_LENS, 2, True)
     q = torch.randn(len(DECODE_LENS), 6, HEAD_DIM)

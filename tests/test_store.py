@@ -146,13 +146,13 @@ def gguf_name(hf: str) -> str:
     return f"{GGUF_NAMES[base]}.{kind}"
 
 
-def write_tiny_gguf(arch: str, path: Path, quantized: dict[str, str] | None = None):
+def write_tiny_gguf(arch: str, path: Path, quantized: dict[str, str] | None = None, intermediate: int = 96):
     """A random tiny model, and the GGUF that llama.cpp's converter would write for it.
     `quantized`: a 2-D weight whose name holds one of its keys is stored in that GGML type."""
     tokens, merges, types = tiny_vocab()
     config_class, extra = TINY[arch]
     config = config_class(
-        vocab_size=len(tokens), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        vocab_size=len(tokens), hidden_size=64, intermediate_size=intermediate, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=500000.0,
         max_position_embeddings=256, bos_token_id=tokens.index("<|endoftext|>"),
         eos_token_id=tokens.index("<|im_end|>"), **extra)
@@ -167,7 +167,7 @@ def write_tiny_gguf(arch: str, path: Path, quantized: dict[str, str] | None = No
     w.add_block_count(2)
     w.add_context_length(256)
     w.add_embedding_length(64)
-    w.add_feed_forward_length(96)
+    w.add_feed_forward_length(intermediate)
     w.add_head_count(4)
     w.add_head_count_kv(2)
     head_dim = extra.get("head_dim", 64 // 4)

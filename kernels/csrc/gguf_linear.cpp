@@ -50,7 +50,7 @@ constexpr Traits traits(int64_t t) {
 constexpr int TILE = 32;        // rows of x per tile: a block's share of them is 8 KiB (K-quants)
 constexpr int GROUP = 4;        // output rows that take turns on a tile's block
 constexpr int DECODE = 8;       // up to how many rows of x take the outputs one at a time
-constexpr int PREFETCH = 2048;  // bytes of weights ahead of the block being read (1024: 7-10% slower on Q4_K)
+constexpr int PREFETCH = 2048;  // bytes of weights ahead of the block being read
 
 // x quantized: `q` int8 [M, K], `scale` per `act` values, `sum` int16 per `unit` values.
 struct Act {
@@ -425,8 +425,9 @@ torch::Tensor gguf_linear(const torch::Tensor& x_, at::TensorList parts, at::Int
     for (size_t i = 0; i < parts.size(); ++i) {
         const Traits tr = traits(types[i]);
         Quantized& a = scratch[{tr.act, tr.unit}];
-        if (i == 0 || std::find_if(types.begin(), types.begin() + i, [&](int64_t t) {
-                return traits(t).act == tr.act && traits(t).unit == tr.unit; }) == types.begin() + i) {
+        const bool first = std::none_of(types.begin(), types.begin() + i, [&](int64_t t) {
+            return traits(t).act == tr.act && traits(t).unit == tr.unit; });
+        if (first) {                // no earlier part quantized x this way
             a.q.resize(M * K), a.scale.resize(M * K / tr.act), a.sum.resize(M * K / tr.unit);
             quantize(x.data_ptr<float>(), M, K, tr.act, tr.unit, a.q.data(), a.scale.data(), a.sum.data());
         }
