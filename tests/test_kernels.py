@@ -446,6 +446,50 @@ def test_triton_int8_matmul(M, splits):
     torch.testing.assert_close(got, quant_matmul.int8_matmul(x, w, scales), rtol=1e-5, atol=1e-4)
 
 
+# The served models' small projections at 1/16 of their sizes (Qwen2.5-1.5B: hidden 1536, q|k|v
+# 2048, o 1536 -> 1536; 0.5B: hidden 896, q|k|v 1152), and sizes that divide no block.
+GEMV_SHAPES = [(96, 128), (96, 96), (56, 72), (100, 130)]
+
+
+@triton_only
+@pytest.mark.parametrize("M", [1, 3, 8])
+@pytest.mark.parametrize("K,N", GEMV_SHAPES)
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("splits", [None, 1, 3])      # K in slices summed in order by a second launch
+def test_triton_gemv_linear(M, K, N, bias, splits, monkeypatch):
+    from kernels import gemv, gemv_triton
+    torch.manual_seed(M * K + N)
+    x, w = torch.randn(M, K), torch.randn(K, N) / K ** 0.5
+    b = torch.randn(N) if bias else None
+    want = gemv.gemv_linear(x, w, b)
+    fill_empty_with_nan(monkeypatch)        # a partial sum or output left unwritten shows
+    # Columns of 32: the odd sizes leave a part-filled column; slices of 32 of K, a part-filled one.
+    got = gemv_triton.gemv_linear(x, w, b, splits=splits, block_n=32, block_k=32)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    again = gemv_triton.gemv_linear(x, w, b, splits=splits, block_n=32, block_k=32)
+    assert torch.equal(got, again)          # no atomics: the same bits at every run
+
+
+@triton_only
+def test_triton_gemv_takes_strided_rows_and_its_own_plan():
+    from kernels import gemv, gemv_triton
+    torch.manual_seed(0)
+    x, w, b = torch.randn(3, 2 * 96)[:, ::2], torch.randn(96, 128), torch.randn(128)
+    torch.testing.assert_close(gemv_triton.gemv_linear(x, w, b), gemv.gemv_linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_gemv_plan_fills_the_chip_with_columns_then_slices_of_k():
+    from kernels.gemv_triton import plan
+    fill = 2 * 132          # an H100's or H200's SMs, two programs each
+    # 1.5B q|k|v at one row: 64 columns of 32 outputs, K in 4 slices of 384 (5 asked, whole 128s).
+    assert plan(1, 2048, 1536, fill) == (16, 32, 4)
+    assert plan(1, 1536, 1536, fill) == (16, 32, 6)         # o: 48 columns, 6 slices
+    assert plan(1, 1152, 896, fill) == (16, 32, 7)          # 0.5B q|k|v: a slice per 128 of K
+    assert plan(1, 17920, 1536, fill) == (16, 64, 1)        # gate|up fills the chip with columns alone
+    assert plan(64, 2048, 1536, fill) == (64, 32, 4)
+    assert plan(24, 2048, 1536, fill)[0] == 32
+
+
 @triton_only
 @pytest.mark.parametrize("M", [1, 4])
 @pytest.mark.parametrize("group", [32, 64, 128])
