@@ -36,7 +36,7 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, k_per_split, stride_x
         w = tl.load(w_ptr + k[:, None].to(tl.int64) * stride_wk + rn[None, :], mask=(k[:, None] < K) & n_mask,
                     other=0.0)
         acc += tl.dot(x, w)
-    if SPLIT:   # a float32 partial sum, which _reduce_kernel adds up
+    if SPLIT:   # a float32 partial sum, which _gemv_reduce_kernel adds up
         tl.store(out_ptr + (tl.program_id(2) * M + rm[:, None]) * N + rn[None, :], acc, mask=m_mask & n_mask)
     else:
         if HAS_BIAS:
@@ -46,8 +46,8 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, k_per_split, stride_x
 
 
 @triton.jit
-def _reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, stride_om, HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr,
-                   BLOCK: tl.constexpr):
+def _gemv_reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, stride_om, HAS_BIAS: tl.constexpr,
+                        SPLITS: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = i < M * N
     m, n = i // N, i % N
@@ -90,6 +90,8 @@ def gemv_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | No
     x = x if x.stride(1) == 1 else x.contiguous()
     (M, K), N = x.shape, weight_t.shape[1]
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0:      # an empty grid is no launch
+        return out
     block_m, planned_n, planned_splits = plan(M, N, K, _programs_to_fill(x.device), block_k)
     block_n = block_n or planned_n
     splits, k_per_split = _slices(K, splits or planned_splits, block_k)
@@ -100,7 +102,7 @@ def gemv_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | No
                        weight_t.stride(0), out.stride(0), HAS_BIAS=has_bias, SPLIT=splits > 1,
                        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
     if splits > 1:
-        _reduce_kernel[(triton.cdiv(M * N, 1024),)](dest, bias if has_bias else dest, out, M, N, out.stride(0),
-                                                    HAS_BIAS=has_bias, SPLITS=splits, BLOCK=1024,
-                                                    num_warps=num_warps)
+        _gemv_reduce_kernel[(triton.cdiv(M * N, 1024),)](dest, bias if has_bias else dest, out, M, N, out.stride(0),
+                                                         HAS_BIAS=has_bias, SPLITS=splits, BLOCK=1024,
+                                                         num_warps=num_warps)
     return out

@@ -471,11 +471,12 @@ def test_triton_gemv_linear(M, K, N, bias, splits, monkeypatch):
 
 
 @triton_only
-def test_triton_gemv_takes_strided_rows_and_its_own_plan():
+def test_triton_gemv_takes_strided_and_empty_rows_and_its_own_plan():
     from kernels import gemv, gemv_triton
     torch.manual_seed(0)
     x, w, b = torch.randn(3, 2 * 96)[:, ::2], torch.randn(96, 128), torch.randn(128)
     torch.testing.assert_close(gemv_triton.gemv_linear(x, w, b), gemv.gemv_linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert gemv_triton.gemv_linear(x[:0], w, b).shape == (0, 128)
 
 
 def test_gemv_plan_fills_the_chip_with_columns_then_slices_of_k():

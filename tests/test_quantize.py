@@ -368,6 +368,30 @@ def test_bf16_layers_run_the_gemv_where_the_table_picks_it_for_their_kind(tmp_pa
     assert calls == [1, 2, 8]
 
 
+def test_gpu_kernels_bf16_picks_reach_the_engines_layers(tmp_path, monkeypatch):
+    """benchmarks/gpu_kernels.py's table from a run's timings (made up here: no GPU) picks the GEMV
+    per layer kind and bucket only where it was faster over both models' layers, and the engine
+    reads those picks back by the same names."""
+    from pathlib import Path
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
+    import gpu_kernels
+
+    def layer(gemv: dict[int, float]) -> dict:
+        return {"rows": {str(r): {"ways": {"bf16 [in,out]": {"us": 5.0}, "bf16 gemv": {"us": us}}}
+                         for r, us in gemv.items()}}
+    models = {"qwen2.5-coder-0.5b": {"qkv": layer({1: 2.0, 16: 6.0, 256: 1.0}), "o": layer({1: 5.0, 16: 9.0})},
+              "qwen2.5-coder-1.5b": {"qkv": layer({1: 2.0, 16: 4.5}), "o": layer({1: 5.0, 16: 1.0})}}
+    table = gpu_kernels.bucket_table(models, max_bucket=64)
+    assert {q: {b: c["pick"] for b, c in t.items()} for q, t in table.items()} == {
+        "bf16.qkv": {"1": "kernel", "16": "dense"},      # 24 x 6.0 + 28 x 4.5 > 52 x 5.0; 256 past the buckets
+        "bf16.o": {"1": "dense", "16": "kernel"}}        # a tie stays on cuBLAS
+    path = tmp_path / "buckets.json"
+    gpu_kernels.record_buckets(table, "GPU A", "run.json", "2.x", path)
+    model = load_model(make_tiny_model(tmp_path / "m", "qwen2"), dtype=torch.bfloat16)
+    assert apply_gemv_buckets(model, "GPU A", path) == {"qkv": (True, True) + (False,) * 15,
+                                                        "o": (False, False) + (True,) * 15}
+
+
 @pytest.mark.parametrize("mode", ["int8", "int4", "fp8"])
 def test_quant_layer_runs_dense_where_its_table_says_and_its_kernel_elsewhere(mode):
     """Row counts the table marks dense multiply on the weights dequantized once (exactly
