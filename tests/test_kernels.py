@@ -614,7 +614,7 @@ COMPILE_FOR_GPUS = r"""
 import json, torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels import attention_triton as at
+from kernels import attention_triton as at, gemv_triton as gt
 
 launches = []
 class Record:
@@ -624,14 +624,21 @@ class Record:
         return lambda *args, **kwargs: launches.append((self.kernel, args, kwargs))
 for name in ("_decode_kernel", "_combine_kernel", "_prefill_kernel"):
     setattr(at, name, Record(getattr(at, name)))
+for name in ("_gemv_kernel", "_gemv_reduce_kernel"):
+    setattr(gt, name, Record(getattr(gt, name)))
 
 q, cache = torch.zeros(2, 12, 128), torch.zeros(4, 16, 2, 128)
 tables, lens = torch.zeros(2, 2, dtype=torch.int32), torch.tensor([20, 9])
 for splits in (1, 4):
     at.paged_decode_attention(q, cache, cache, tables, lens, 0.1, num_splits=splits)
 at.paged_prefill_attention(q, cache, cache, tables, lens, torch.tensor([0, 1, 2]), 0.1)
+# The GEMV in bf16 as planned for a 132-SM chip: the 1.5B's q|k|v at 1 and 64 rows (slices of K).
+gt._programs_to_fill = lambda device: 264
+w, b = torch.zeros(1536, 2048, dtype=torch.bfloat16), torch.zeros(2048, dtype=torch.bfloat16)
+for M in (1, 64):
+    gt.gemv_linear(torch.zeros(M, 1536, dtype=torch.bfloat16), w, b)
 
-POINTEE = {torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64"}
+POINTEE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int32: "i32", torch.int64: "i64"}
 def shared(kernel, args, kwargs, capability):
     options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
     values = dict(zip(kernel.arg_names, args), **kwargs)
@@ -655,7 +662,7 @@ print(json.dumps([[k.fn.__name__, cap, shared(k, a, dict(kw), cap)] for k, a, kw
 
 
 @triton_only
-def test_attention_kernels_fit_in_the_shared_memory_of_hopper_and_consumer_gpus():
+def test_attention_and_gemv_kernels_fit_in_the_shared_memory_of_hopper_and_consumer_gpus():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", COMPILE_FOR_GPUS], capture_output=True, text=True, timeout=600,
                          cwd=Path(__file__).parents[1], env=env)
@@ -663,7 +670,8 @@ def test_attention_kernels_fit_in_the_shared_memory_of_hopper_and_consumer_gpus(
         pytest.skip("no ptxas to compile for a GPU with")
     assert out.returncode == 0, out.stderr
     sizes = json.loads(out.stdout.strip().splitlines()[-1])
-    assert sorted({kernel for kernel, _, _ in sizes}) == ["_combine_kernel", "_decode_kernel", "_prefill_kernel"]
+    assert sorted({kernel for kernel, _, _ in sizes}) == ["_combine_kernel", "_decode_kernel", "_gemv_kernel",
+                                                         "_gemv_reduce_kernel", "_prefill_kernel"]
     # Per block: 227 KB on Hopper (sm_90), 99 KB on sm_86 and sm_89.
     limit = {90: 227 * 1024, 86: 99 * 1024}
     assert [s for s in sizes if s[2] > limit[s[1]]] == []
