@@ -2,7 +2,8 @@
 
     decode     tokens/s at batch 1, 16 and 64 for each model in bf16, int8, int4 and fp8 (FP8
                tensor cores from compute capability 8.9; the batch buckets each precision
-               runs dense, from engine/precision_buckets.json, are recorded), and the
+               runs dense, and the bf16 layers' buckets on the Triton GEMV, from
+               engine/precision_buckets.json, are recorded), and the
                fraction of the weight-read roofline (weights read once per step, at the
                device-to-device copy bandwidth measured in the same run)
     overhead   the engine's decode step (scheduling, index tensors, replay, sampling, output)
@@ -127,7 +128,8 @@ def engine_decode(engine: LLMEngine, batch: int, tokens: int) -> dict:
 
 
 # Kernel names (cuBLAS's, torch's, ours) by the part of the step they belong to, first match wins.
-PARTS = [("quantized matmul", r"_int8_kernel|_int4_kernel|int4pack|tinygemm"),
+PARTS = [("bf16 gemv (triton)", r"^_gemv_(reduce_)?kernel"),
+         ("quantized matmul", r"_int8_kernel|_int4_kernel|int4pack|tinygemm"),
          ("attention", r"_decode_kernel|_prefill_kernel|_reduce|flash|attention"),
          ("rotary + KV store", r"rotary|store_kv"),
          ("norms", r"rms_norm"),
@@ -240,7 +242,9 @@ def run_model(name: str, args, bw: float, save) -> dict:
                                         cuda_graphs=not args.eager), progress=False)
         read = weight_bytes(engine.worker("m").model, per_token=True)
         r = {"load_s": time.perf_counter() - t0, "read_gb_per_step": read / 1e9, "decode": {},
-             "dense_buckets": engine.stats()["m"]["dense_buckets"]}
+             "dense_buckets": engine.stats()["m"]["dense_buckets"], "gemv_buckets": engine.stats()["m"]["gemv_buckets"]}
+        if r["gemv_buckets"]:
+            console.print(f"  {quant}: the Triton GEMV at batch sizes {r['gemv_buckets']} (by layer kind)")
         for batch in args.batches:
             d = engine_decode(engine, batch, args.decode_tokens)
             # Decode reads the weights once per step, whatever the batch.

@@ -4,9 +4,11 @@
 # the tree (.whl/, git-ignored: msgspec, gguf, transformers), then
 #   1. tests/test_gpu.py                 the engine and every Triton kernel on CUDA against their twins
 #   2. benchmarks/gpu_kernels.py         each way to run a linear layer (fp8 on torch._scaled_mm
-#                                        among them), and decode attention, per shape; from them the
-#                                        batch-bucket table (kernel or dense bf16 per precision and
-#                                        decode batch), written to engine/precision_buckets.json
+#                                        and bf16 on the Triton GEMV among them), and decode
+#                                        attention, per shape; from them the batch-bucket table
+#                                        (kernel or dense bf16 per precision and decode batch; GEMV
+#                                        or cuBLAS per bf16 layer kind), written to
+#                                        engine/precision_buckets.json
 #   3. benchmarks/gpu_bench.py           both Qwen shapes, bf16/int8/int4/fp8, batch 1/16/64 (the
 #                                        engine reading that table), with a per-kernel profile of a
 #                                        decode step at batch 1 and 64, and issue 53's targets

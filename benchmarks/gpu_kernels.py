@@ -5,6 +5,8 @@ batch, a prompt chunk), and which is fastest where.
 
     bf16 [in,out]   the engine's dense layout (x @ weight_t), cuBLAS
     bf16 [out,in]   nn.Linear's layout (F.linear), cuBLAS
+    bf16 gemv       kernels/gemv_triton.py on the engine's [in,out] layout: split-K tiles sized to
+                    fill the chip (up to the largest decode bucket only)
     int8 triton     kernels/quant_matmul_triton.py (multiply-add GEMV up to 8 rows, tl.dot tiles past)
     int8 dequant    the reference twin: the whole weight dequantized to bf16, then cuBLAS
     int4 tinygemm   torch._weight_int4pack_mm, the layout QuantLinear packs on CUDA
@@ -26,8 +28,11 @@ The batch-bucket table: per precision (int8, int4, fp8) and decode batch bucket 
 measured up to --max-bucket), the time of one decode step's linear layers on its own kernel
 against dense bf16 (F.linear on the weights dequantized once, what QuantLinear's dense copy runs),
 summed over every layer of the models measured (each decoder layer's four, times the layer count,
-and the LM head), and the faster of the two. It goes into the results JSON and, for this device,
-into engine/precision_buckets.json, which the engine reads (engine/quantize.py's dense_rows).
+and the LM head), and the faster of the two. bf16 per layer kind ("bf16.qkv", "bf16.o", ...): the
+Triton GEMV ("kernel") against cuBLAS on the same [in,out] weights ("dense"), summed over the
+models' layers of that kind; the GEMV only where it is faster. It goes into the results JSON and,
+for this device, into engine/precision_buckets.json, which the engine reads (engine/quantize.py's
+dense_rows and apply_gemv_buckets).
 `--table-from RESULTS.json` rebuilds the table from a saved run, without a GPU.
 
 Prints tables and writes benchmarks/results/gpu_kernels-<device>.json, with the fastest way per
@@ -74,6 +79,7 @@ PRECISIONS = ("int8", "int4", "fp8")
 
 def ways(w: torch.Tensor) -> dict[str, tuple[object, int]]:
     """name -> (a callable x -> y, bytes of weight it reads), built from one float weight [out, in]."""
+    from kernels import gemv_triton
     q8, s8 = quantize_int8(w)
     q4, s4, z4 = quantize_int4(w, GROUP)
     int8 = QuantLinear("int8", {"w": q8, "scales": s8}, None, GROUP, device="cuda")
@@ -81,6 +87,7 @@ def ways(w: torch.Tensor) -> dict[str, tuple[object, int]]:
     kn, nk = w.t().contiguous().to(torch.bfloat16), w.to(torch.bfloat16)
     out = {"bf16 [in,out]": (lambda x: x @ kn, kn.nbytes),
            "bf16 [out,in]": (lambda x: torch.nn.functional.linear(x, nk), nk.nbytes),
+           "bf16 gemv": (lambda x: gemv_triton.gemv_linear(x, kn), kn.nbytes),
            "int8 triton": (int8, q8.nbytes + s8.nbytes),
            "int8 dequant": (lambda x: quant_matmul.int8_matmul(x, int8.w, int8.scales), q8.nbytes + s8.nbytes)}
     tiny = QuantLinear("int4", int4, None, GROUP, device="cuda")
@@ -176,12 +183,26 @@ def bucket_table(models: dict, max_bucket: int) -> dict:
             if kernel and dense:
                 table[quant][str(r)] = {"kernel_us": kernel, "dense_us": dense,
                                         "pick": "dense" if dense < kernel else "kernel"}
+    for kind in sorted({name for layers in models.values() for name in layers}):
+        quant = f"bf16.{kind}"
+        table[quant] = {}
+        for model, layers in models.items():
+            for r, row in (layers.get(kind) or {}).get("rows", {}).items():
+                ways = row.get("ways", {})
+                if int(r) > max_bucket or "bf16 gemv" not in ways or "bf16 [in,out]" not in ways:
+                    continue
+                count = 1 if kind == "lm_head" else LAYERS[model]
+                cell = table[quant].setdefault(str(int(r)), {"kernel_us": 0.0, "dense_us": 0.0})
+                cell["kernel_us"] += count * ways["bf16 gemv"]["us"]
+                cell["dense_us"] += count * ways["bf16 [in,out]"]["us"]
+        for cell in table[quant].values():     # cuBLAS, as without the table, unless the GEMV is faster
+            cell["pick"] = "kernel" if cell["kernel_us"] < cell["dense_us"] else "dense"
     return {quant: t for quant, t in table.items() if t}
 
 
 def show_buckets(table: dict, device: str) -> None:
     t = Table(title=f"Batch buckets on {device}: one decode step's linear layers, µs on the precision's kernel / "
-                    f"dense bf16 (the pick in bold)")
+                    f"dense bf16 (bf16.<layer>: the Triton GEMV / cuBLAS; the pick in bold)")
     buckets = sorted({int(b) for q in table.values() for b in q})
     for col in ("precision", *map(str, buckets)):
         t.add_column(col)
@@ -227,8 +248,8 @@ def main() -> None:
                                        "fp8_tensor_cores": fp8_native(torch.device("cuda"))},
                "dequant_rows": DEQUANT_ROWS["cuda"], "models": {}}
     table = Table(title=f"Linear layers on {device}: µs per call (GB/s of weight read), fastest in bold")
-    for col in ("model", "layer", "rows", "bf16 [in,out]", "bf16 [out,in]", "int8 triton", "int8 dequant",
-                "int4 tinygemm", "int4 triton", "fp8", "int8 / int4 engine"):
+    for col in ("model", "layer", "rows", "bf16 [in,out]", "bf16 [out,in]", "bf16 gemv", "gemv vs cuBLAS",
+                "int8 triton", "int8 dequant", "int4 tinygemm", "int4 triton", "fp8", "int8 / int4 engine"):
         table.add_column(col)
     for model, shapes in SHAPES.items():
         if model not in args.models:
@@ -245,16 +266,21 @@ def main() -> None:
                 x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
                 times = {}
                 for name, (_, nbytes) in sets[0].items():
+                    if name == "bf16 gemv" and rows > args.max_bucket:     # not a decode batch
+                        continue
                     us = median_us([s[name][0] for s in sets], x)
                     times[name] = {"us": us, "gb_s": nbytes / (us * 1e3)}
                 best = min(times, key=lambda t: times[t]["us"])
                 picks = {q: engine_way(q, rows) for q in PRECISIONS}
                 rows_out[rows] = {"ways": times, "fastest": best, "engine": picks}
-                table.add_row(model, layer, str(rows),
-                              *[(f"[bold]{t['us']:.1f}[/] ({t['gb_s']:.0f})" if name == best else
-                                 f"{t['us']:.1f} ({t['gb_s']:.0f})") if (t := times.get(name)) else "-"
-                                for name in ("bf16 [in,out]", "bf16 [out,in]", "int8 triton", "int8 dequant",
-                                             "int4 tinygemm", "int4 triton", "fp8")],
+                cells = [(f"[bold]{t['us']:.1f}[/] ({t['gb_s']:.0f})" if name == best else
+                          f"{t['us']:.1f} ({t['gb_s']:.0f})") if (t := times.get(name)) else "-"
+                         for name in ("bf16 [in,out]", "bf16 [out,in]", "bf16 gemv", "int8 triton", "int8 dequant",
+                                      "int4 tinygemm", "int4 triton", "fp8")]
+                # cuBLAS's time over the GEMV's on the same weights: above 1, the GEMV is faster.
+                ratio = (f"{times['bf16 [in,out]']['us'] / times['bf16 gemv']['us']:.2f}x"
+                         if "bf16 gemv" in times else "-")
+                table.add_row(model, layer, str(rows), *cells[:3], ratio, *cells[3:],
                               f"{picks['int8']} / {picks['int4']}")
             results["models"][model][layer] = {"in": k, "out": n, "copies": copies,
                                                "int4_copies_over_l2": copies * n * k / 2 / l2, "rows": rows_out}

@@ -69,7 +69,8 @@ class ModelEntry(msgspec.Struct, forbid_unknown_fields=True):
     # On CUDA, int8 / int4 / fp8 choose per decode batch bucket between their kernel and a dense
     # matmul on their weights dequantized once (a copy in the compute dtype), as the device's
     # measured table says (engine/precision_buckets.json, written by benchmarks/gpu_kernels.py);
-    # no table, or False: their kernel at every decode batch.
+    # no table, or False: their kernel at every decode batch. A bf16 model's layers choose the
+    # same way between cuBLAS and the Triton GEMV (kernels/gemv_triton.py); False: cuBLAS.
     dense_buckets: bool = True
     thinking: ThinkingConfig = ThinkingConfig()
 

@@ -303,6 +303,7 @@ class LLMEngine:
                       "cpu_steps": w.runner.cpu_step.steps if w.runner.cpu_step else 0,
                       "quant": self.config.models[name].quant, "weight_bytes": weight_bytes(w.model),
                       "dequant_rows": w.dequant_rows, "dot_rows": w.dot_rows, "dense_buckets": list(w.dense_buckets),
+                      "gemv_buckets": {kind: list(b) for kind, b in w.gemv_buckets.items()},
                       "dot_vnni": w.dot_rows > 0 and w.runner.device.device.type == "cpu" and dot_vnni(),
                       "thinking_probes": self.probers[name].num_probes,
                       "thinking_probe_tokens": self.probers[name].num_probe_tokens,

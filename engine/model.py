@@ -15,7 +15,14 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.config import ModelConfig
-from kernels import add_rms_norm, paged_decode_attention, paged_prefill_attention, rotary_store_kv, silu_and_mul
+from kernels import (
+    add_rms_norm,
+    gemv_linear,
+    paged_decode_attention,
+    paged_prefill_attention,
+    rotary_store_kv,
+    silu_and_mul,
+)
 
 
 @dataclass
@@ -45,7 +52,11 @@ class Linear(Module):
     GEMM streams an [in, out] weight about 1.7x faster than nn.Linear's [out, in] (measured
     here: ~26 against ~15 GB/s), and decode is bound by reading weights. On an H100 cuBLAS
     reads both layouts about equally fast at decode sizes (benchmarks/gpu_kernels.py: within 4% at
-    1-64 rows)."""
+    1-64 rows). `gemv_rows`: for each row count below its length, whether to run the Triton GEMV
+    (kernels.gemv_linear) rather than cuBLAS, a bf16 device's measured choice per decode batch
+    bucket (engine/quantize.py's apply_gemv_buckets); empty, as built: the GEMM everywhere."""
+
+    gemv_rows: tuple[bool, ...] = ()
 
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__()
@@ -53,6 +64,9 @@ class Linear(Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if rows < len(self.gemv_rows) and self.gemv_rows[rows]:
+            return gemv_linear(x, self.weight_t, self.bias)
         return x @ self.weight_t if self.bias is None else torch.addmm(self.bias, x, self.weight_t)
 
     row_block = 1      # `rows` takes any outputs

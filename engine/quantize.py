@@ -244,6 +244,7 @@ def dequant_rows_default(device: str, mode: str, group: int, dot_rows: int) -> i
 # copy held beside the quantized ones). benchmarks/gpu_kernels.py measures both at the served
 # models' layer shapes and writes the faster into this file; without it, or without the device
 # in it, every precision runs its kernel at every decode batch (ModelEntry.dense_buckets: off).
+# bf16 ("bf16.<layer kind>") chooses the same way between the Triton GEMV and cuBLAS.
 BUCKETS = Path(__file__).with_name("precision_buckets.json")
 
 
@@ -262,6 +263,24 @@ def dense_rows(mode: str, device_name: str, table: Path = BUCKETS) -> tuple[bool
                          f"got {sorted(set(entry.values()))}")
     buckets = sorted((int(b), pick == "dense") for b, pick in entry.items())
     return tuple(next(d for b, d in buckets if b >= rows) for rows in range(buckets[-1][0] + 1))
+
+
+def apply_gemv_buckets(model: CausalLM, device_name: str, table: Path = BUCKETS) -> dict[str, tuple[bool, ...]]:
+    """A bf16 model's float Linears choose per decode batch bucket between cuBLAS and the Triton
+    GEMV (`Linear.gemv_rows`), each as `table` says for its kind on `device_name` ("bf16.qkv",
+    "bf16.o", "bf16.gate_up", "bf16.down", "bf16.lm_head": "kernel" is the GEMV, "dense" cuBLAS).
+    Returns the picks of the kinds that run the GEMV somewhere; a kind without an entry, or a
+    model in another dtype, stays on cuBLAS as it is built."""
+    if model.norm.weight.dtype != torch.bfloat16:
+        return {}
+    picks: dict[str, tuple[bool, ...]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, Linear):
+            kind = name.rpartition(".")[2].removesuffix("_proj")
+            if kind not in picks:
+                picks[kind] = tuple(not dense for dense in dense_rows(f"bf16.{kind}", device_name, table))
+            module.gemv_rows = picks[kind]
+    return {kind: rows for kind, rows in picks.items() if any(rows)}
 
 
 @functools.cache

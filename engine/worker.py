@@ -2,7 +2,7 @@
 scheduler, stop checker, runner), and how the engine builds them under one memory budget."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -17,6 +17,7 @@ from engine.prompter import Prompter
 from engine.quantize import (
     BUCKETS,
     QuantLinear,
+    apply_gemv_buckets,
     apply_gguf,
     apply_quantization,
     dequant_rows_default,
@@ -43,6 +44,8 @@ class Worker:
     dequant_rows: int = 0           # quantized matmuls over this many rows or more dequantize (0: never)
     dot_rows: int = 0               # quantized matmuls over this many rows or more run on integer dot products
     dense_buckets: tuple[int, ...] = ()     # captured decode batch sizes whose quantized matmuls run dense
+    # per bf16 layer kind (qkv, o, ...), the captured decode batch sizes that run the Triton GEMV
+    gemv_buckets: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     @cached_property
     def prompter(self) -> Prompter:
@@ -102,6 +105,9 @@ def load_workers(config: EngineConfig, progress: bool = True) -> dict[str, Worke
         # A sequence never outgrows the model's context nor the whole KV pool, so a lone
         # sequence can always make progress.
         stop = StopChecker(cfg, tok, thinking, min(cfg.max_position, blocks * config.block_size))
+        # Before the graphs are captured: each bucket's graph holds its layers' choice.
+        gemv = (apply_gemv_buckets(model, torch.cuda.get_device_name(device.device), BUCKETS)
+                if device.device.type == "cuda" and config.models[name].dense_buckets else {})
         scheduler = Scheduler(bm, stop, config.max_num_batched_tokens, config.max_num_seqs, config.max_wait_steps)
         runner = ModelRunner(model, cfg, blocks, config.block_size, kv_int8, stop.bans, device, cpu_ops)
         runner.capture_graphs(config.max_num_seqs, scheduler.max_model_len)
@@ -110,7 +116,9 @@ def load_workers(config: EngineConfig, progress: bool = True) -> dict[str, Worke
         workers[name] = Worker(name, cfg, model, tok, bm, scheduler, runner, thinking, stop,
                                quant.dequant_rows if quant else 0, quant.dot_rows if quant else 0,
                                tuple(b for b in runner.graphs.buckets if b < len(dense) and dense[b])
-                               if runner.graphs else ())
+                               if runner.graphs else (),
+                               {kind: tuple(b for b in runner.graphs.buckets if b < len(rows) and rows[b])
+                                for kind, rows in gemv.items()} if runner.graphs else {})
     return workers
 
 

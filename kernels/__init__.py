@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from kernels import activation, attention, gguf_quant, layer_cpu, norm_rope, quant_matmul
+from kernels import activation, attention, gemv, gguf_quant, layer_cpu, norm_rope, quant_matmul
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 # Kernels whose Triton twin failed to launch here (say, more shared memory than the GPU has):
@@ -90,10 +90,11 @@ paged_prefill_attention = _dispatch(attention.paged_prefill_attention)
 int8_matmul = _dispatch(quant_matmul.int8_matmul)
 int4_matmul = _dispatch(quant_matmul.int4_matmul)
 gguf_matmul = _dispatch(gguf_quant.gguf_matmul)
+gemv_linear = _dispatch(gemv.gemv_linear)
 add_rms_norm = _dispatch(norm_rope.add_rms_norm)
 rotary_store_kv = _dispatch(norm_rope.rotary_store_kv)
 silu_and_mul = _dispatch(activation.silu_and_mul)
 rotate_keys = norm_rope.rotate_keys     # tensor operations on every device: nothing to dispatch
 
 __all__ = ["paged_decode_attention", "paged_prefill_attention", "int8_matmul", "int4_matmul", "gguf_matmul",
-           "add_rms_norm", "rotary_store_kv", "silu_and_mul"]
+           "gemv_linear", "add_rms_norm", "rotary_store_kv", "silu_and_mul"]

@@ -270,6 +270,49 @@ def test_quantized_layers_at_engine_shapes(model, M):
                 torch.testing.assert_close(layer.rows(ids)(x), layer(x)[:, ids], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("model", list(SHAPES))
+@pytest.mark.parametrize("M", [1, 3, 8, 16, 64])
+def test_triton_gemv_at_the_small_projections_shapes(model, M):
+    """The Triton GEMV in bf16 against its twin (float32 sums, one rounding) on the q|k|v (with
+    Qwen's bias) and o projections: equal but for the sums' order (a bf16 unit or two), the same
+    bits at every call and in a graph replay (no atomics), and the twin's plan for this chip."""
+    from kernels import gemv, gemv_triton
+    heads, kvh, dh, hidden, _ = SHAPES[model]
+    torch.manual_seed(M)
+    for K, N, bias in ((hidden, (heads + 2 * kvh) * dh, True), (heads * dh, hidden, False)):
+        w = (torch.randn(K, N, device="cuda") / K ** 0.5).to(torch.bfloat16)
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(N, device="cuda", dtype=torch.bfloat16) if bias else None
+        got = gemv_triton.gemv_linear(x, w, b)
+        torch.testing.assert_close(got.float(), gemv.gemv_linear(x, w, b).float(), rtol=2 ** -7, atol=1e-3)
+        assert torch.equal(got, gemv_triton.gemv_linear(x, w, b))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = gemv_triton.gemv_linear(x, w, b)
+        graph.replay()
+        assert torch.equal(out, got)
+
+
+def test_bf16_engine_on_the_gemv_buckets_follows_the_cpu_one(tiny_folder, tmp_path, monkeypatch):
+    """A table naming this device puts the q|k|v and o projections of batches up to 4 on the Triton
+    GEMV, captured in those buckets' graphs; the engine shows it and still decodes as the CPU's
+    float32 engine does (bf16's near-ties aside)."""
+    import json
+
+    from engine import worker
+    table = tmp_path / "buckets.json"
+    table.write_text(json.dumps({"devices": {torch.cuda.get_device_name(): {"buckets": {
+        kind: {"1": "kernel", "4": "kernel", "8": "dense"} for kind in ("bf16.qkv", "bf16.o")}}}}))
+    monkeypatch.setattr(worker, "BUCKETS", table)
+    gpu = engine({"m": tiny_folder}, dtype="bfloat16")
+    assert gpu.stats()["m"]["gemv_buckets"] == {"qkv": [1, 2, 4], "o": [1, 2, 4]}
+    assert gpu.worker("m").runner.graphs is not None
+    cpu = engine({"m": tiny_folder}, device="cpu")
+    ps = prompts(4, seed=5)
+    for p, want, got in zip(ps, cpu.generate(ps, GREEDY), gpu.generate(ps, GREEDY)):
+        assert_same_or_near_tie(cpu, p, want, got, 0.3)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or not fp8_native(torch.device("cuda")),
                     reason="FP8 tensor cores need compute capability 8.9 or more")
 @pytest.mark.parametrize("M", [1, 64, 300])

@@ -446,6 +446,51 @@ def test_triton_int8_matmul(M, splits):
     torch.testing.assert_close(got, quant_matmul.int8_matmul(x, w, scales), rtol=1e-5, atol=1e-4)
 
 
+# The served models' small projections at 1/16 of their sizes (Qwen2.5-1.5B: hidden 1536, q|k|v
+# 2048, o 1536 -> 1536; 0.5B: hidden 896, q|k|v 1152), and sizes that divide no block.
+GEMV_SHAPES = [(96, 128), (96, 96), (56, 72), (100, 130)]
+
+
+@triton_only
+@pytest.mark.parametrize("M", [1, 3, 8])
+@pytest.mark.parametrize("K,N", GEMV_SHAPES)
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("splits", [None, 1, 3])      # K in slices summed in order by a second launch
+def test_triton_gemv_linear(M, K, N, bias, splits, monkeypatch):
+    from kernels import gemv, gemv_triton
+    torch.manual_seed(M * K + N)
+    x, w = torch.randn(M, K), torch.randn(K, N) / K ** 0.5
+    b = torch.randn(N) if bias else None
+    want = gemv.gemv_linear(x, w, b)
+    fill_empty_with_nan(monkeypatch)        # a partial sum or output left unwritten shows
+    # Columns of 32: the odd sizes leave a part-filled column; slices of 32 of K, a part-filled one.
+    got = gemv_triton.gemv_linear(x, w, b, splits=splits, block_n=32, block_k=32)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    again = gemv_triton.gemv_linear(x, w, b, splits=splits, block_n=32, block_k=32)
+    assert torch.equal(got, again)          # no atomics: the same bits at every run
+
+
+@triton_only
+def test_triton_gemv_takes_strided_and_empty_rows_and_its_own_plan():
+    from kernels import gemv, gemv_triton
+    torch.manual_seed(0)
+    x, w, b = torch.randn(3, 2 * 96)[:, ::2], torch.randn(96, 128), torch.randn(128)
+    torch.testing.assert_close(gemv_triton.gemv_linear(x, w, b), gemv.gemv_linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert gemv_triton.gemv_linear(x[:0], w, b).shape == (0, 128)
+
+
+def test_gemv_plan_fills_the_chip_with_columns_then_slices_of_k():
+    from kernels.gemv_triton import plan
+    fill = 2 * 132          # an H100's or H200's SMs, two programs each
+    # 1.5B q|k|v at one row: 64 columns of 32 outputs, K in 4 slices of 384 (5 asked, whole 128s).
+    assert plan(1, 2048, 1536, fill) == (16, 32, 4)
+    assert plan(1, 1536, 1536, fill) == (16, 32, 6)         # o: 48 columns, 6 slices
+    assert plan(1, 1152, 896, fill) == (16, 32, 7)          # 0.5B q|k|v: a slice per 128 of K
+    assert plan(1, 17920, 1536, fill) == (16, 64, 1)        # gate|up fills the chip with columns alone
+    assert plan(64, 2048, 1536, fill) == (64, 32, 4)
+    assert plan(24, 2048, 1536, fill)[0] == 32
+
+
 @triton_only
 @pytest.mark.parametrize("M", [1, 4])
 @pytest.mark.parametrize("group", [32, 64, 128])
@@ -569,7 +614,7 @@ COMPILE_FOR_GPUS = r"""
 import json, torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels import attention_triton as at
+from kernels import attention_triton as at, gemv_triton as gt
 
 launches = []
 class Record:
@@ -579,14 +624,21 @@ class Record:
         return lambda *args, **kwargs: launches.append((self.kernel, args, kwargs))
 for name in ("_decode_kernel", "_combine_kernel", "_prefill_kernel"):
     setattr(at, name, Record(getattr(at, name)))
+for name in ("_gemv_kernel", "_gemv_reduce_kernel"):
+    setattr(gt, name, Record(getattr(gt, name)))
 
 q, cache = torch.zeros(2, 12, 128), torch.zeros(4, 16, 2, 128)
 tables, lens = torch.zeros(2, 2, dtype=torch.int32), torch.tensor([20, 9])
 for splits in (1, 4):
     at.paged_decode_attention(q, cache, cache, tables, lens, 0.1, num_splits=splits)
 at.paged_prefill_attention(q, cache, cache, tables, lens, torch.tensor([0, 1, 2]), 0.1)
+# The GEMV in bf16 as planned for a 132-SM chip: the 1.5B's q|k|v at 1 and 64 rows (slices of K).
+gt._programs_to_fill = lambda device: 264
+w, b = torch.zeros(1536, 2048, dtype=torch.bfloat16), torch.zeros(2048, dtype=torch.bfloat16)
+for M in (1, 64):
+    gt.gemv_linear(torch.zeros(M, 1536, dtype=torch.bfloat16), w, b)
 
-POINTEE = {torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64"}
+POINTEE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int32: "i32", torch.int64: "i64"}
 def shared(kernel, args, kwargs, capability):
     options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
     values = dict(zip(kernel.arg_names, args), **kwargs)
@@ -610,7 +662,7 @@ print(json.dumps([[k.fn.__name__, cap, shared(k, a, dict(kw), cap)] for k, a, kw
 
 
 @triton_only
-def test_attention_kernels_fit_in_the_shared_memory_of_hopper_and_consumer_gpus():
+def test_attention_and_gemv_kernels_fit_in_the_shared_memory_of_hopper_and_consumer_gpus():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", COMPILE_FOR_GPUS], capture_output=True, text=True, timeout=600,
                          cwd=Path(__file__).parents[1], env=env)
@@ -618,7 +670,8 @@ def test_attention_kernels_fit_in_the_shared_memory_of_hopper_and_consumer_gpus(
         pytest.skip("no ptxas to compile for a GPU with")
     assert out.returncode == 0, out.stderr
     sizes = json.loads(out.stdout.strip().splitlines()[-1])
-    assert sorted({kernel for kernel, _, _ in sizes}) == ["_combine_kernel", "_decode_kernel", "_prefill_kernel"]
+    assert sorted({kernel for kernel, _, _ in sizes}) == ["_combine_kernel", "_decode_kernel", "_gemv_kernel",
+                                                         "_gemv_reduce_kernel", "_prefill_kernel"]
     # Per block: 227 KB on Hopper (sm_90), 99 KB on sm_86 and sm_89.
     limit = {90: 227 * 1024, 86: 99 * 1024}
     assert [s for s in sizes if s[2] > limit[s[1]]] == []

@@ -7,10 +7,11 @@ import torch
 
 from engine.config import EngineConfig, ModelEntry
 from engine.llm_engine import LLMEngine
-from engine.model import Linear
+from engine.model import Linear, load_model
 from engine.quantize import (
     DEQUANT_ROWS,
     QuantLinear,
+    apply_gemv_buckets,
     dense_rows,
     dequant_rows_default,
     dequantize,
@@ -22,6 +23,7 @@ from engine.quantize import (
     unpack_int4,
 )
 from engine.sampling_params import SamplingParams
+from kernels import gemv
 from kernels.cpu_build import vnni
 from kernels.quant_matmul import fp8_matmul, int4_int8_matmul, int4_matmul, int8_int8_matmul
 from kernels.quant_matmul import quantize_fp8 as fp8_rows
@@ -187,7 +189,8 @@ def test_quantized_engine_stays_close_to_float(tmp_path, mode, monkeypatch):
         # the random model's first greedy token holds, its log-probability within 0.1.
         assert got.token_ids[0] == ref.token_ids[0] and abs(got.logprobs[0] - ref.logprobs[0]) < 0.1
         stats = engine(mode).stats()["m"]
-        assert (stats["quant"], stats["dequant_rows"], stats["dot_rows"], stats["dense_buckets"]) == ("fp8", 0, 0, [])
+        assert (stats["quant"], stats["dequant_rows"], stats["dot_rows"], stats["dense_buckets"],
+                stats["gemv_buckets"]) == ("fp8", 0, 0, [], {})
     if mode == "int8":
         # Per-channel int8 is close enough that the first greedy token of a random model holds,
         # whether the 40-token prefill runs on the packed op or dequantized (from 4 rows).
@@ -331,6 +334,62 @@ def test_bucket_table_picks_per_row_count_from_the_smallest_bucket_at_or_above_i
     table.write_text(json.dumps({"devices": {"GPU A": {"buckets": {"int8": {"1": "bf16"}}}}}))
     with pytest.raises(ValueError, match="kernel.*dense"):
         dense_rows("int8", "GPU A", table)
+
+
+def test_bf16_layers_run_the_gemv_where_the_table_picks_it_for_their_kind(tmp_path, monkeypatch):
+    """A bf16 model's Linears take the Triton GEMV ("kernel") or cuBLAS ("dense") per row count as
+    the device's entry for their kind says; a kind, a device or a dtype the table does not name
+    stays on the GEMM as built."""
+    import engine.model
+    folder = make_tiny_model(tmp_path / "m", "qwen2")
+    table = tmp_path / "buckets.json"
+    table.write_text(json.dumps({"devices": {"GPU A": {"buckets": {
+        "bf16.qkv": {"1": "kernel", "2": "kernel", "4": "dense"}, "bf16.o": {"1": "dense", "8": "kernel"},
+        "int8": {"1": "dense"}}}}}))
+    model = load_model(folder, dtype=torch.bfloat16)
+    assert apply_gemv_buckets(model, "GPU B", table) == {}
+    assert apply_gemv_buckets(load_model(folder), "GPU A", table) == {}         # float32: no bf16 entry applies
+    picks = apply_gemv_buckets(model, "GPU A", table)
+    assert picks == {"qkv": (True, True, True, False, False),                   # 3 rows pad to 4's graph
+                     "o": (False, False) + (True,) * 7}
+    attn = model.layers[1].self_attn
+    assert attn.qkv_proj.gemv_rows == picks["qkv"] and attn.o_proj.gemv_rows == picks["o"]
+    assert model.layers[0].mlp.down_proj.gemv_rows == () and model.lm_head.gemv_rows == ()
+    calls = []
+    monkeypatch.setattr(engine.model, "gemv_linear", lambda *a: calls.append(a[0].shape[0]) or gemv.gemv_linear(*a))
+    torch.manual_seed(0)
+    x = torch.randn(9, attn.qkv_proj.weight_t.shape[0]).to(torch.bfloat16)
+    for rows in (1, 2, 3, 4, 9):
+        y = attn.qkv_proj(x[:rows])
+        want = x[:rows].float() @ attn.qkv_proj.weight_t.float() + attn.qkv_proj.bias.float()
+        torch.testing.assert_close(y.float(), want, rtol=2e-2, atol=2e-2)
+    assert calls == [1, 2]                  # 3 and 4 rows on 4's pick (dense); 9 past the table
+    attn.o_proj(x[:8])
+    assert calls == [1, 2, 8]
+
+
+def test_gpu_kernels_bf16_picks_reach_the_engines_layers(tmp_path, monkeypatch):
+    """benchmarks/gpu_kernels.py's table from a run's timings (made up here: no GPU) picks the GEMV
+    per layer kind and bucket only where it was faster over both models' layers, and the engine
+    reads those picks back by the same names."""
+    from pathlib import Path
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
+    import gpu_kernels
+
+    def layer(gemv: dict[int, float]) -> dict:
+        return {"rows": {str(r): {"ways": {"bf16 [in,out]": {"us": 5.0}, "bf16 gemv": {"us": us}}}
+                         for r, us in gemv.items()}}
+    models = {"qwen2.5-coder-0.5b": {"qkv": layer({1: 2.0, 16: 6.0, 256: 1.0}), "o": layer({1: 5.0, 16: 9.0})},
+              "qwen2.5-coder-1.5b": {"qkv": layer({1: 2.0, 16: 4.5}), "o": layer({1: 5.0, 16: 1.0})}}
+    table = gpu_kernels.bucket_table(models, max_bucket=64)
+    assert {q: {b: c["pick"] for b, c in t.items()} for q, t in table.items()} == {
+        "bf16.qkv": {"1": "kernel", "16": "dense"},      # 24 x 6.0 + 28 x 4.5 > 52 x 5.0; 256 past the buckets
+        "bf16.o": {"1": "dense", "16": "kernel"}}        # a tie stays on cuBLAS
+    path = tmp_path / "buckets.json"
+    gpu_kernels.record_buckets(table, "GPU A", "run.json", "2.x", path)
+    model = load_model(make_tiny_model(tmp_path / "m", "qwen2"), dtype=torch.bfloat16)
+    assert apply_gemv_buckets(model, "GPU A", path) == {"qkv": (True, True) + (False,) * 15,
+                                                        "o": (False, False) + (True,) * 15}
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4", "fp8"])

@@ -1,0 +1,14 @@
+"""A dense Linear over a few rows, plain PyTorch: the reference twin of gemv_triton.py.
+
+y = x @ weight_t + bias, with the weight stored transposed as the engine's Linear holds it,
+weight_t [K, N] (in, out). Products summed in float32 and the bias added before one rounding to
+x's dtype, as the Triton kernel does.
+"""
+import torch
+
+
+def gemv_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    y = x.float() @ weight_t.float()
+    if bias is not None:
+        y += bias.float()
+    return y.to(x.dtype)

@@ -1,0 +1,108 @@
+"""A dense Linear over a few rows (a decode batch) in Triton; same signature as gemv.py's twin.
+
+At one to a few dozen rows a Linear is bound by reading its weight, and cuBLAS spends a fixed
+few microseconds on the small projections (q|k|v, o) whatever their size (issue 53's profile:
+2.5-3x their bytes' worth on an H100). Here the grid is sized to fill the chip: each program
+reads a [k-slice, BLOCK_N] tile column of weight_t [K, N] (N contiguous, as the engine stores it),
+narrower columns first, then (a short, wide layer leaves SMs idle) slices of K whose float32
+partial sums a second launch adds in order, with the bias, before one rounding. No atomics: the
+same inputs give the same bits at every run.
+
+bf16 in, bf16 out on CUDA. float32 runs too (the tests, under the interpreter), but on a GPU its
+tl.dot rounds the operands to TF32.
+"""
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_wk, stride_om,
+                 HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # One program per column of outputs, tile of rows and slice of K (k_per_split, whole
+    # BLOCK_Ks). Rows below 16 are masked: tl.dot takes 16, and the weight read is the cost.
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    lo = tl.program_id(2) * k_per_split
+    rk = tl.arange(0, BLOCK_K)
+    m_mask, n_mask = rm[:, None] < M, rn[None, :] < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(lo, tl.minimum(lo + k_per_split, K), BLOCK_K):
+        k = k0 + rk
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=m_mask & (k[None, :] < K), other=0.0)
+        w = tl.load(w_ptr + k[:, None].to(tl.int64) * stride_wk + rn[None, :], mask=(k[:, None] < K) & n_mask,
+                    other=0.0)
+        acc += tl.dot(x, w)
+    if SPLIT:   # a float32 partial sum, which _gemv_reduce_kernel adds up
+        tl.store(out_ptr + (tl.program_id(2) * M + rm[:, None]) * N + rn[None, :], acc, mask=m_mask & n_mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=m_mask & n_mask)
+
+
+@triton.jit
+def _gemv_reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, stride_om, HAS_BIAS: tl.constexpr,
+                        SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < M * N
+    m, n = i // N, i % N
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in tl.static_range(SPLITS):       # in order: the sum is the same at every run
+        acc += tl.load(part_ptr + s * M * N + i, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@functools.cache
+def _programs_to_fill(device: torch.device) -> int:
+    """Programs that keep every SM busy: two per SM (a few under the CPU's interpreter)."""
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def plan(M: int, N: int, K: int, fill: int, block_k: int = 128) -> tuple[int, int, int]:
+    """(block_m, block_n, splits) for an [M, K] x [K, N] product on a chip that `fill` programs
+    keep busy: columns of 64 outputs, or 32 (64 bytes of bf16 a row, still whole memory sectors)
+    where 64 leave SMs idle; then K in as many slices of whole BLOCK_Ks as it takes to fill."""
+    block_m = min(64, max(16, triton.next_power_of_2(M)))
+    block_n = 64 if triton.cdiv(N, 64) * triton.cdiv(M, block_m) >= fill else 32
+    tiles = triton.cdiv(N, block_n) * triton.cdiv(M, block_m)
+    return block_m, block_n, _slices(K, max(1, min(triton.cdiv(fill, tiles), triton.cdiv(K, block_k))), block_k)[0]
+
+
+def _slices(K: int, splits: int, block_k: int) -> tuple[int, int]:
+    """(slices, their length): K in about `splits` slices of whole BLOCK_Ks."""
+    k_per_split = triton.cdiv(triton.cdiv(K, splits), block_k) * block_k
+    return triton.cdiv(K, k_per_split), k_per_split
+
+
+def gemv_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None = None,
+                splits: int | None = None, block_n: int | None = None, block_k: int = 128,
+                num_warps: int = 4) -> torch.Tensor:
+    """`splits` (slices of K, summed by a second launch) and `block_n`: None, as `plan` sizes
+    them for this chip."""
+    assert x.dim() == 2 and weight_t.stride(1) == 1, "x [M, K] and weight_t [K, N] with N contiguous"
+    x = x if x.stride(1) == 1 else x.contiguous()
+    (M, K), N = x.shape, weight_t.shape[1]
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0:      # an empty grid is no launch
+        return out
+    block_m, planned_n, planned_splits = plan(M, N, K, _programs_to_fill(x.device), block_k)
+    block_n = block_n or planned_n
+    splits, k_per_split = _slices(K, splits or planned_splits, block_k)
+    dest = out if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
+    has_bias = bias is not None
+    grid = (triton.cdiv(N, block_n), triton.cdiv(M, block_m), splits)
+    _gemv_kernel[grid](x, weight_t, bias if has_bias else x, dest, M, N, K, k_per_split, x.stride(0),
+                       weight_t.stride(0), out.stride(0), HAS_BIAS=has_bias, SPLIT=splits > 1,
+                       BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
+    if splits > 1:
+        _gemv_reduce_kernel[(triton.cdiv(M * N, 1024),)](dest, bias if has_bias else dest, out, M, N, out.stride(0),
+                                                         HAS_BIAS=has_bias, SPLITS=splits, BLOCK=1024,
+                                                         num_warps=num_warps)
+    return out
