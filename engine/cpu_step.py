@@ -39,7 +39,7 @@ class CPUStep:
                 if isinstance(proj, GGUFLinear):
                     if proj.compiled is None:
                         return None
-                    decoder.add_gguf_proj(proj.parts(), proj.ids, b["bias"])
+                    decoder.add_gguf_proj(proj.parts(), proj.ids, b["bias"], proj.steps)
                     continue
                 if not isinstance(proj, QuantLinear) or proj.dot is None or proj.dot is quant_matmul.int8_int8_matmul:
                     return None

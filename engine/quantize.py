@@ -347,7 +347,8 @@ class GGUFLinear(Module):
     row_block = 1
 
     def __init__(self, parts: list[tuple[str, torch.Tensor]], bias: torch.Tensor | None,
-                 device: torch.device | str = "cpu", triton_rows: int = GGUF_TRITON_ROWS):
+                 device: torch.device | str = "cpu", triton_rows: int = GGUF_TRITON_ROWS,
+                 steps: int = gguf_quant.MAX_STEPS):
         super().__init__()
         merged: list[tuple[str, torch.Tensor]] = []
         for qtype, w in parts:
@@ -362,12 +363,12 @@ class GGUFLinear(Module):
         self.register_buffer("bias", bias, persistent=False)
         ops = gguf_cpu.load() if torch.device(device).type == "cpu" else None
         self.compiled = None if ops is None else ops.gguf_linear.default
-        self.triton_rows = triton_rows
+        self.triton_rows, self.steps = triton_rows, steps      # steps: the compiled kernel's (quantize_steps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b = self._buffers
         if self.compiled is not None and x.dtype == torch.float32:      # the bias added in the kernel
-            return self.compiled(x, self.parts(), self.ids, b["bias"])
+            return self.compiled(x, self.parts(), self.ids, b["bias"], self.steps)
         matmul = gguf_matmul if x.shape[0] <= self.triton_rows else gguf_quant.gguf_matmul
         ys = [matmul(x, w, t) for w, t in zip(self.parts(), self.types)]
         y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
@@ -400,11 +401,12 @@ class GGUFEmbedding(Module):
             self.dtype).view(*ids.shape, self.dim)
 
 
-def apply_gguf(model: CausalLM, folder: Path, blocks: Path) -> CausalLM:
+def apply_gguf(model: CausalLM, folder: Path, blocks: Path, steps: int = gguf_quant.MAX_STEPS) -> CausalLM:
     """Swap the model's Linears (and its embedding) for ones on the GGUF's own blocks (`blocks`,
     models/convert.py's file: uint8 tensors named as the Hugging Face weights, their types in
     its metadata). A tensor of a type no kernel reads serves in float32 from the folder's float
-    weights, with a warning naming it: slower, never wrong."""
+    weights, with a warning naming it: slower, never wrong. `steps`: on the CPU kernel, the
+    K-quants' activation steps per block (kernels/gguf_quant.py's quantize_steps)."""
     device, dtype = model.norm.weight.device, model.norm.weight.dtype
     with safe_open(blocks, framework="pt") as f:
         types = f.metadata()
@@ -435,7 +437,8 @@ def apply_gguf(model: CausalLM, folder: Path, blocks: Path) -> CausalLM:
                 _float_weights(module, folder, sources, device, dtype)
                 continue
             bias = None if module.bias is None else module.bias.data
-            setattr(model.get_submodule(parent) if parent else model, child, GGUFLinear(parts, bias, device))
+            layer = GGUFLinear(parts, bias, device, steps=steps)
+            setattr(model.get_submodule(parent) if parent else model, child, layer)
     return model
 
 

@@ -14,10 +14,10 @@ from gguf.quants import dequantize as gguf_dequantize
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from engine import EngineConfig, LLMEngine, ModelEntry, SamplingParams, worker
+from engine import EngineConfig, LLMEngine, ModelEntry, SamplingParams, config, worker
 from engine.model_runner import Device
 from engine.quantize import GGUFLinear
-from kernels import cpu_build, gguf_cpu, gguf_quant
+from kernels import cpu_build, gguf_cpu, gguf_quant, quant_matmul
 from models import convert
 from models.store import StoreError, cache_dir, resolve
 from tests.test_kernels import needs_triton, triton_only
@@ -44,16 +44,17 @@ def test_dequantize_equals_gguf_to_the_bit(qtype):
     assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))
 
 
+@pytest.mark.parametrize("steps", [1, gguf_quant.MAX_STEPS])
 @pytest.mark.parametrize("qtype", sorted(gguf_quant.TYPES))
-def test_compiled_kernel_matches_its_twin_and_is_batch_invariant(qtype):
+def test_compiled_kernel_matches_its_twin_and_is_batch_invariant(qtype, steps):
     ops = compiled()
     t = gguf_quant.TYPES[qtype]
     n, k = 48, 768
     w = gguf_quant.random_blocks(qtype, n, k, seed=1)
     x = torch.randn(64, k, generator=torch.Generator().manual_seed(2))
     x[3, 5] = 40.0                                  # an outlier: its block's scale, not the row's
-    y = ops.gguf_linear(x, [w], [t.id], None)
-    twin = gguf_quant.gguf_int8_matmul(x, w, qtype)
+    y = ops.gguf_linear(x, [w], [t.id], None, steps)
+    twin = gguf_quant.gguf_int8_matmul(x, w, qtype, steps)
     torch.testing.assert_close(y, twin, rtol=1e-5, atol=1e-5 * twin.abs().max().item())
     # Against the float weights: only the activations' rounding to int8 per 32 values differs.
     dense = x @ gguf_quant.dequantize(w, qtype, k).T
@@ -61,10 +62,10 @@ def test_compiled_kernel_matches_its_twin_and_is_batch_invariant(qtype):
     # Each row's output is the same to the bit alone, in a decode of up to 8 rows, in a tile of
     # more (9), or in the whole batch.
     for rows in (1, 2, 3, 4, 7, 8, 9):
-        parts = torch.cat([ops.gguf_linear(x[i:i + rows], [w], [t.id], None) for i in range(0, 63, rows)])
+        parts = torch.cat([ops.gguf_linear(x[i:i + rows], [w], [t.id], None, steps) for i in range(0, 63, rows)])
         assert torch.equal(parts, y[:len(parts)]), rows
     layout, repacked = gguf_quant.repack(qtype, w)        # the CPU kernel's layout of the same values
-    got = ops.gguf_linear(x, [repacked], [gguf_quant.TYPES[layout].id], None)
+    got = ops.gguf_linear(x, [repacked], [gguf_quant.TYPES[layout].id], None, steps)
     torch.testing.assert_close(got, twin, rtol=1e-5, atol=1e-5 * twin.abs().max().item())
     if layout == "Q4_Kx":                                   # its scales unpacked otherwise: the same float steps
         assert torch.equal(got, y)
@@ -87,6 +88,46 @@ def test_a_layer_of_mixed_parts_and_a_bias_is_its_parts_side_by_side(rows):
     assert torch.equal(ops.gguf_linear(x, ws, ids, None), alone)
 
 
+def test_k_quant_activations_take_a_step_per_32_values():
+    """An outlier sets its block of 256's scale, and only its own run of 32 takes that whole step:
+    the other runs round on steps up to MAX_STEPS times finer, so the block's other values keep
+    their bits (one scale per 256 rounds them to a few levels). Steps 1 is one scale per block."""
+    x = torch.randn(4, 512, generator=torch.Generator().manual_seed(5))
+    x[:, 7] = 60.0
+    q, d, mult = gguf_quant.quantize_steps(x, 256, gguf_quant.MAX_STEPS)
+    assert q.abs().max() <= 127 and mult.min() >= 1 and mult.max() <= gguf_quant.MAX_STEPS
+    assert mult.view(4, 2, 8)[:, 0, 0].eq(gguf_quant.MAX_STEPS).all()      # the outlier's run
+    assert mult.view(4, 2, 8)[:, 0, 1:].eq(1).all()             # its block's other runs: the finest
+    others = torch.ones(512, dtype=torch.bool).index_fill_(0, torch.arange(32), False)
+    back = (q.view(4, 16, 32).float() * (d.repeat_interleave(8, 1) * mult)[..., None]).view(4, 512)
+    plain, scale = quant_matmul.quantize_rows(x, 256)
+    plain_back = (plain.view(4, 2, 256).float() * scale[..., None]).view(4, 512)
+    assert (back - x)[:, others].norm() < (plain_back - x)[:, others].norm() / 3
+    q1, d1, m1 = gguf_quant.quantize_steps(x, 256, 1)
+    assert torch.equal(q1, plain) and torch.equal(d1, scale) and m1.eq(1).all()
+
+
+@pytest.mark.parametrize("steps", [1, 4, gguf_quant.MAX_STEPS])
+def test_a_layer_computes_with_its_models_gguf_steps(steps):
+    """ModelEntry.gguf_steps reaches the kernel: a K-quant layer's output is the twin's at that
+    many steps, and a step per 32 values rounds a block with an outlier closer to the float
+    result than one scale per 256 does."""
+    compiled()
+    w = gguf_quant.random_blocks("Q4_K", 32, 512, seed=4)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(6))
+    x[:, 40] = 50.0
+    y = GGUFLinear([("Q4_K", w)], None, steps=steps)(x)
+    twin = gguf_quant.gguf_int8_matmul(x, w, "Q4_K", steps)
+    torch.testing.assert_close(y, twin, rtol=1e-5, atol=1e-5 * twin.abs().max().item())
+    dense = x @ gguf_quant.dequantize(w, "Q4_K", 512).T
+    one = GGUFLinear([("Q4_K", w)], None, steps=1)(x)
+    if steps > 1:
+        assert (y - dense).norm() < 0.7 * (one - dense).norm()
+    with pytest.raises(ValueError, match="gguf_steps must be 1"):
+        ModelEntry("m", quant="gguf", gguf_steps=0)
+    assert config.MAX_GGUF_STEPS == gguf_quant.MAX_STEPS
+
+
 def test_unknown_type_or_shape_is_refused():
     ops = compiled()
     w = gguf_quant.random_blocks("Q8_0", 4, 64)
@@ -96,6 +137,8 @@ def test_unknown_type_or_shape_is_refused():
         ops.gguf_linear(torch.randn(1, 96), [w], [0], None)
     with pytest.raises(RuntimeError, match="bias float32"):
         ops.gguf_linear(torch.randn(1, 64), [w], [0], torch.zeros(5))
+    with pytest.raises(RuntimeError, match="steps 9 is not 1 to 8"):
+        ops.gguf_linear(torch.randn(1, 64), [w], [0], None, 9)
 
 
 def stored_equal_float(folder) -> int:

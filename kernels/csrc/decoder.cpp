@@ -22,6 +22,7 @@ struct Proj {
     int64_t block;                // int8: activations per scale; int4: the group
     std::vector<Tensor> parts;    // gguf: the stored blocks of each run of outputs of one type, in order
     std::vector<int64_t> types;   // gguf: their types (gguf_linear.cpp's)
+    int64_t steps;                // gguf: x's steps per K-quant block (gguf_linear.cpp's)
 };
 
 struct Decoder : torch::CustomClassHolder {
@@ -38,14 +39,14 @@ struct Decoder : torch::CustomClassHolder {
     void add_proj(int64_t kind, Tensor w, Optional scales, Optional zero_scales, Optional bias, int64_t block) {
         TORCH_CHECK(kind >= 0 && kind <= 2, "Decoder.add_proj: kind 0 (float32), 1 (int8) or 2 (int4)");
         projs.push_back({kind, w, scales.value_or(Tensor()), zero_scales.value_or(Tensor()),
-                         bias.value_or(Tensor()), block, {}, {}});
+                         bias.value_or(Tensor()), block, {}, {}, 1});
     }
 
     // A projection on a GGUF's own blocks (engine/quantize.py's GGUFLinear): a fused q|k|v may
     // mix types, each run of outputs of one type a part of the one call, as GGUFLinear.forward makes it.
-    void add_gguf_proj(std::vector<Tensor> parts, std::vector<int64_t> types, Optional bias) {
+    void add_gguf_proj(std::vector<Tensor> parts, std::vector<int64_t> types, Optional bias, int64_t steps) {
         TORCH_CHECK(!parts.empty() && parts.size() == types.size(), "Decoder.add_gguf_proj: one type per part");
-        projs.push_back({3, Tensor(), Tensor(), Tensor(), bias.value_or(Tensor()), 0, parts, types});
+        projs.push_back({3, Tensor(), Tensor(), Tensor(), bias.value_or(Tensor()), 0, parts, types, steps});
     }
 
     void add_norm(Tensor w) { norms.push_back(w); }
@@ -63,9 +64,9 @@ struct Decoder : torch::CustomClassHolder {
             "sluice::int4_linear");
         if (p.kind == 0) return p.bias.defined() ? at::addmm(p.bias, x, p.w) : at::mm(x, p.w);
         if (p.kind == 3) {           // the kernel adds the bias
-            static auto gguf = find<Tensor(const Tensor&, at::ArrayRef<Tensor>, at::ArrayRef<int64_t>, const Optional&)>(
-                "sluice::gguf_linear");
-            return gguf.call(x, p.parts, p.types, p.bias.defined() ? Optional(p.bias) : c10::nullopt);
+            static auto gguf = find<Tensor(const Tensor&, at::ArrayRef<Tensor>, at::ArrayRef<int64_t>, const Optional&,
+                                           int64_t)>("sluice::gguf_linear");
+            return gguf.call(x, p.parts, p.types, p.bias.defined() ? Optional(p.bias) : c10::nullopt, p.steps);
         }
         const Tensor y = p.kind == 1 ? int8.call(x, p.w, p.scales, p.block) : int4.call(x, p.w, p.scales, p.zero_scales, p.block);
         return p.bias.defined() ? y + p.bias : y;

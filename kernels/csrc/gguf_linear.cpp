@@ -52,13 +52,17 @@ constexpr int GROUP = 4;        // output rows that take turns on a tile's block
 constexpr int DECODE = 8;       // up to how many rows of x take the outputs one at a time
 constexpr int PREFETCH = 2048;  // bytes of weights ahead of the block being read
 
-// x quantized: `q` int8 [M, K], `scale` per `act` values, `sum` int16 per `unit` values.
+// x quantized: `q` int8 [M, K], `scale` per `act` values, `sum` int16 per `unit` values. With steps
+// (a K-quant's `act` of 256 values), a step per 32 of them, `mult` (1..steps, int16 per 32 values)
+// times `scale`, and `sum`s counted in those steps (a unit's integer sum times its mult).
 struct Act {
     const int8_t* q;
     const float* scale;
     const int16_t* sum;
+    const int16_t* mult;    // nullptr: one step, `scale`
     int64_t K;
 };
+constexpr int64_t MAX_STEPS = 8;    // keeps every int16 product below 2**15 (kernels/gguf_quant.py)
 
 // Where a part's outputs go: columns of a row-major [M, ld] result, plus the layer's bias there.
 struct Out {
@@ -198,7 +202,7 @@ static inline void block(const uint8_t* blk, const Act& x, int64_t b, int rows, 
     constexpr Traits tr = traits(T);
     const int R = ROWS ? ROWS : rows;
     const int64_t K = x.K, k0 = b * tr.block;
-    const int64_t scales_per_row = K / tr.act, sums_per_row = K / tr.unit;
+    const int64_t scales_per_row = K / tr.act, sums_per_row = K / tr.unit, mults_per_row = K / 32;
     const __m256i low = _mm256_set1_epi8(0x0F);
     if constexpr (T == Q5_0x4) {
         // Four blocks: a row's four integer sums reduced into one vector of four, then one float
@@ -236,10 +240,12 @@ static inline void block(const uint8_t* blk, const Act& x, int64_t b, int rows, 
     } else {
         // A K-quant half block (128 weights): each row's four unit dot products; the halves add up
         // before `finish` applies the block's scales once (with Q4_K's mins, Q6_K's -32).
-        const auto half = [&](int h, __m256i q0, __m256i q1, __m256i q2, __m256i q3, __m256i s0, __m256i s1,
-                              __m256i s2, __m256i s3, auto&& finish) {
+        // `scales(r, s)`: row r's four unit scales there (the weights' times x's step multiples).
+        const auto half = [&](int h, __m256i q0, __m256i q1, __m256i q2, __m256i q3, auto&& scales, auto&& finish) {
             for (int r = 0; r < R; ++r) {
-                const __m256i sum = dot4(q0, q1, q2, q3, x.q + r * K + k0 + 128 * h, s0, s1, s2, s3);
+                __m256i s[4];
+                scales(r, s);
+                const __m256i sum = dot4(q0, q1, q2, q3, x.q + r * K + k0 + 128 * h, s[0], s[1], s[2], s[3]);
                 if (h == 0) part[r] = sum;
                 else finish(r, _mm256_add_epi32(part[r], sum), x.scale[r * scales_per_row + b]);
             }
@@ -253,9 +259,13 @@ static inline void block(const uint8_t* blk, const Act& x, int64_t b, int rows, 
                 const __m256i p0 = load(blk + 16 + 64 * h), p1 = load(blk + 48 + 64 * h);
                 const __m256i q0 = _mm256_and_si256(p0, low), q1 = _mm256_and_si256(_mm256_srli_epi16(p0, 4), low);
                 const __m256i q2 = _mm256_and_si256(p1, low), q3 = _mm256_and_si256(_mm256_srli_epi16(p1, 4), low);
-                const __m256i s0 = _mm256_shuffle_epi8(scales, load(WORD[4 * h])), s1 = _mm256_shuffle_epi8(scales, load(WORD[4 * h + 1]));
-                const __m256i s2 = _mm256_shuffle_epi8(scales, load(WORD[4 * h + 2])), s3 = _mm256_shuffle_epi8(scales, load(WORD[4 * h + 3]));
-                half(h, q0, q1, q2, q3, s0, s1, s2, s3, [&](int r, __m256i total, float sx) {
+                const auto row_scales = [&](int r, __m256i* s) {
+                    // sub-block j's 6-bit scale times x's step multiple there: at most 63 * 8
+                    const __m256i sr = x.mult ? _mm256_mullo_epi16(scales, _mm256_broadcastsi128_si256(
+                        _mm_loadu_si128((const __m128i*)(x.mult + r * mults_per_row + k0 / 32)))) : scales;
+                    for (int i = 0; i < 4; ++i) s[i] = _mm256_shuffle_epi8(sr, load(WORD[4 * h + i]));
+                };
+                half(h, q0, q1, q2, q3, row_scales, [&](int r, __m256i total, float sx) {
                     const __m128i xs = _mm_loadu_si128((const __m128i*)(x.sum + r * sums_per_row + k0 / 32));
                     const __m256i min_sum = _mm256_zextsi128_si256(_mm_madd_epi16(mins, xs));
                     acc[r] = scaled(scaled(acc[r], total, d * sx), min_sum, -dmin * sx);
@@ -279,8 +289,13 @@ static inline void block(const uint8_t* blk, const Act& x, int64_t b, int rows, 
                 const auto pair = [&](int j) {
                     return _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc, _mm_load_si128((const __m128i*)PAIR[j])));
                 };
-                const __m256i s0 = pair(4 * h), s1 = pair(4 * h + 1), s2 = pair(4 * h + 2), s3 = pair(4 * h + 3);
-                half(h, q0, q1, q2, q3, s0, s1, s2, s3, [&](int r, __m256i total, float sx) {
+                const __m256i p[4] = {pair(4 * h), pair(4 * h + 1), pair(4 * h + 2), pair(4 * h + 3)};
+                const auto row_scales = [&](int r, __m256i* s) {
+                    // a sub-block's two unit scales times x's step multiple there: at most 128 * 8
+                    const int16_t* mult = x.mult + r * mults_per_row + k0 / 32 + 4 * h;
+                    for (int i = 0; i < 4; ++i) s[i] = x.mult ? _mm256_mullo_epi16(p[i], _mm256_set1_epi16(mult[i])) : p[i];
+                };
+                half(h, q0, q1, q2, q3, row_scales, [&](int r, __m256i total, float sx) {
                     const __m256i xs = load(x.sum + r * sums_per_row + k0 / 16);
                     const __m256i shift = _mm256_slli_epi32(_mm256_madd_epi16(xs, sc16), 5);
                     acc[r] = scaled(acc[r], _mm256_sub_epi32(total, shift), d * sx);
@@ -342,7 +357,8 @@ static void linear(const Act& x, const uint8_t* W, const Out& O, int64_t M, int6
         __m256i part[TILE];
         for (int64_t m0 = 0; m0 < M; m0 += TILE) {
             const int R = (int)std::min<int64_t>(TILE, M - m0);
-            const Act tile{x.q + m0 * K, x.scale + m0 * (K / tr.act), x.sum + m0 * (K / tr.unit), K};
+            const Act tile{x.q + m0 * K, x.scale + m0 * (K / tr.act), x.sum + m0 * (K / tr.unit),
+                           x.mult ? x.mult + m0 * (K / 32) : nullptr, K};
             for (int64_t n = n0; n < n1; n += GROUP) {
                 const int G = (int)std::min<int64_t>(GROUP, n1 - n);
                 for (int g = 0; g < G; ++g)
@@ -360,29 +376,41 @@ static void linear(const Act& x, const uint8_t* W, const Out& O, int64_t M, int6
     });
 }
 
-// x per block of B values as int8 (scale = max(|x|max, 1e-8) / 127, x / scale rounded half to
-// even: kernels/quant_matmul.py's quantize_rows), and the integer sum of every U values.
-static void quantize(const float* x, int64_t M, int64_t K, int64_t B, int64_t U, int8_t* q, float* xs, int16_t* xi) {
+// x per block of B values as int8, and the integer sum of every U values. One scale per block
+// (`mult` null: max(|x|max, 1e-8) / 127, x / scale rounded half to even: kernels/quant_matmul.py's
+// quantize_rows), or a step per 32 values, a multiple m (1..steps) of the block's scale
+// d = max(|x|max, 1e-8) / (127 steps), and sums in those steps (kernels/gguf_quant.py's
+// quantize_steps, to the bit: the same float operations in the same order).
+static void quantize(const float* x, int64_t M, int64_t K, int64_t B, int64_t U, int8_t* q, float* xs, int16_t* xi,
+                     int16_t* mult, int steps) {
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    const auto run_max = [&](const float* p) {
+        __m256 vmax = _mm256_setzero_ps();
+        for (int64_t k = 0; k < 32; k += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(magnitude, _mm256_loadu_ps(p + k)));
+        return hmax(vmax);
+    };
     at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
         for (int64_t i = m0 * K; i < m1 * K; i += B) {
-            __m256 vmax = _mm256_setzero_ps();
-            for (int64_t k = 0; k < B; k += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(magnitude, _mm256_loadu_ps(x + i + k)));
-            const float s = std::max(hmax(vmax), 1e-8f) / 127.f;
-            const __m256 vs = _mm256_set1_ps(s);
+            float runs[256 / 32], top = 0.f;
+            for (int64_t k = 0; k < B; k += 32) top = std::max(top, runs[k / 32] = run_max(x + i + k));
+            top = std::max(top, 1e-8f);
+            const float s = mult ? top / (127.f * steps) : top / 127.f;
             xs[i / B] = s;
             for (int64_t k = 0; k < B; k += 32) {
+                int m = 1;
+                if (mult) mult[(i + k) / 32] = (int16_t)(m = std::min(steps, (int)std::floor(runs[k / 32] * steps / top) + 1));
+                const __m256 vs = _mm256_set1_ps(s * (float)m);
                 __m256i v[4];             // _mm256_cvtps_epi32 rounds half to even
                 for (int j = 0; j < 4; ++j) v[j] = _mm256_cvtps_epi32(_mm256_div_ps(_mm256_loadu_ps(x + i + k + 8 * j), vs));
                 const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
                 _mm256_storeu_si256((__m256i*)(q + i + k), _mm256_permutevar8x32_epi32(bytes, order));
                 const __m256i lo = _mm256_add_epi32(v[0], v[1]), hi = _mm256_add_epi32(v[2], v[3]);
                 if (U == 16) {
-                    xi[(i + k) / 16] = (int16_t)hsum_epi32(lo);
-                    xi[(i + k) / 16 + 1] = (int16_t)hsum_epi32(hi);
+                    xi[(i + k) / 16] = (int16_t)(m * hsum_epi32(lo));
+                    xi[(i + k) / 16 + 1] = (int16_t)(m * hsum_epi32(hi));
                 } else {
-                    xi[(i + k) / 32] = (int16_t)hsum_epi32(_mm256_add_epi32(lo, hi));
+                    xi[(i + k) / 32] = (int16_t)(m * hsum_epi32(_mm256_add_epi32(lo, hi)));
                 }
             }
         }
@@ -396,8 +424,9 @@ static void quantize(const float* x, int64_t M, int64_t K, int64_t B, int64_t U,
 // [M, sum N_i]. x is quantized once per activation layout the parts need, into buffers this
 // thread keeps across calls (a decode step makes a few hundred calls).
 torch::Tensor gguf_linear(const torch::Tensor& x_, at::TensorList parts, at::IntArrayRef types,
-                          const c10::optional<torch::Tensor>& bias) {
+                          const c10::optional<torch::Tensor>& bias, int64_t steps) {
     TORCH_CHECK(!parts.empty() && parts.size() == types.size(), "gguf_linear: one type per part");
+    TORCH_CHECK(steps >= 1 && steps <= MAX_STEPS, "gguf_linear: steps ", steps, " is not 1 to ", MAX_STEPS);
     const torch::Tensor x = x_.contiguous();
     TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 2, "gguf_linear: x float32 [M, K]");
     const int64_t M = x.size(0), K = x.size(1);
@@ -419,19 +448,22 @@ torch::Tensor gguf_linear(const torch::Tensor& x_, at::TensorList parts, at::Int
         b = bias->data_ptr<float>();
     }
     auto out = torch::empty({M, N}, x.options());
-    struct Quantized { std::vector<int8_t> q; std::vector<float> scale; std::vector<int16_t> sum; };
+    struct Quantized { std::vector<int8_t> q; std::vector<float> scale; std::vector<int16_t> sum, mult; };
     thread_local std::map<std::pair<int64_t, int64_t>, Quantized> scratch;     // by (act, unit)
     int64_t n0 = 0;
     for (size_t i = 0; i < parts.size(); ++i) {
         const Traits tr = traits(types[i]);
+        const bool stepped = tr.act > 32 && steps > 1;
         Quantized& a = scratch[{tr.act, tr.unit}];
         const bool first = std::none_of(types.begin(), types.begin() + i, [&](int64_t t) {
             return traits(t).act == tr.act && traits(t).unit == tr.unit; });
         if (first) {                // no earlier part quantized x this way
             a.q.resize(M * K), a.scale.resize(M * K / tr.act), a.sum.resize(M * K / tr.unit);
-            quantize(x.data_ptr<float>(), M, K, tr.act, tr.unit, a.q.data(), a.scale.data(), a.sum.data());
+            a.mult.resize(M * K / 32);
+            quantize(x.data_ptr<float>(), M, K, tr.act, tr.unit, a.q.data(), a.scale.data(), a.sum.data(),
+                     stepped ? a.mult.data() : nullptr, (int)steps);
         }
-        const Act act{a.q.data(), a.scale.data(), a.sum.data(), K};
+        const Act act{a.q.data(), a.scale.data(), a.sum.data(), stepped ? a.mult.data() : nullptr, K};
         const uint8_t* W = parts[i].data_ptr<uint8_t>();
         const Out O{out.data_ptr<float>() + n0, N, b ? b + n0 : nullptr};
         const int64_t n = parts[i].size(0);
@@ -450,7 +482,7 @@ torch::Tensor gguf_linear(const torch::Tensor& x_, at::TensorList parts, at::Int
 }
 
 TORCH_LIBRARY_FRAGMENT(sluice, m) {
-    m.def("gguf_linear(Tensor x, Tensor[] parts, int[] types, Tensor? bias) -> Tensor");
+    m.def("gguf_linear(Tensor x, Tensor[] parts, int[] types, Tensor? bias, int steps=8) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(sluice, CPU, m) {
