@@ -10,7 +10,9 @@ kernels where the compiled AVX2 ones serve, else on dequantized float32 weights,
 int4). `--cpu-kernels off on` answers each also with a layer's other kernels on their PyTorch
 twins and compiled (EngineConfig.cpu_kernels), `--prompts default dequantized` with the prompts
 on the default path and on dequantized weights (ModelEntry.dequant_rows), and each counts the
-answers that differ from the first of its rows.
+answers that differ from the first of its rows. `--gguf-steps 1 8` answers gguf with its K-quants'
+activations on one int8 scale per 256 values (llama.cpp's q8_K) and on a step per 32 of them
+(ModelEntry.gguf_steps).
 Prints a table and writes benchmarks/results/quant_quality.json.
 
 The data is read from $SLUICE_DATA or ../shared/data (never copied into the repository).
@@ -28,7 +30,7 @@ from common import RESULTS, ROOT
 from rich.console import Console
 from rich.table import Table
 
-from engine.config import EngineConfig, ModelEntry
+from engine.config import MAX_GGUF_STEPS, EngineConfig, ModelEntry
 from engine.llm_engine import LLMEngine
 from engine.quantize import DEQUANT_ROWS
 from engine.sampling_params import SamplingParams
@@ -55,6 +57,8 @@ def main() -> None:
     ap.add_argument("--kv", nargs="+", default=["float32"], choices=["float32", "int8"], help="KV cache dtypes")
     ap.add_argument("--cpu-kernels", nargs="+", default=["on"], choices=["on", "off"])
     ap.add_argument("--prompts", nargs="+", default=["default"], choices=["default", "dequantized"])
+    ap.add_argument("--gguf-steps", nargs="+", type=int, default=[MAX_GGUF_STEPS],
+                    help="gguf: the K-quants' activation steps per block (ModelEntry.gguf_steps; 1: one scale per 256)")
     ap.add_argument("--questions", type=int, default=100, help="0: perplexity only")
     ap.add_argument("--ppl-tokens", type=int, default=2048)
     ap.add_argument("--data", type=Path, default=Path(os.environ.get("SLUICE_DATA", ROOT.parent / "shared" / "data")))
@@ -63,10 +67,11 @@ def main() -> None:
     contexts, questions = squad(args.data, args.questions, seed=0)
     rows, answered = [], {}
     for model in args.models:
-        for quant, kv, compiled, path in [(q, kv, c, p) for q in args.quants for kv in args.kv
-                                          for c in args.cpu_kernels for p in args.prompts]:
+        for quant, kv, compiled, path, steps in [
+                (q, kv, c, p, st) for q in args.quants for kv in args.kv for c in args.cpu_kernels
+                for p in args.prompts for st in (args.gguf_steps if q == "gguf" else [MAX_GGUF_STEPS])]:
             entry = ModelEntry(model, quant=quant.removesuffix("-dot"), dot_rows=int(quant.endswith("-dot")),
-                               dequant_rows=DEQUANT_ROWS["cpu"] if path == "dequantized" else None)
+                               dequant_rows=DEQUANT_ROWS["cpu"] if path == "dequantized" else None, gguf_steps=steps)
             engine = LLMEngine(EngineConfig(models={"m": entry}, max_kv_blocks=2048, kv_cache_dtype=kv,
                                             cpu_kernels=compiled == "on"), progress=False)
             tok = engine.worker("m").tokenizer
@@ -83,6 +88,7 @@ def main() -> None:
                 other = answered.setdefault((model, quant, kv), answers)
                 differ = sum(a != b for a, b in zip(answers, other))
             rows.append({"model": model, "quant": quant, "kv": kv, "cpu_kernels": compiled, "prompts": path,
+                         "gguf_steps": steps if quant == "gguf" else None,
                          "dequant_rows": engine.worker("m").dequant_rows, "perplexity": ppl,
                          "exact_match": em, "f1": f, "answers_differing_from_the_first_row": differ})
             console.print(rows[-1])
@@ -90,14 +96,15 @@ def main() -> None:
             del engine
     table = Table(title=f"Quantization quality: perplexity on {args.ppl_tokens} SQuAD tokens; "
                         f"EM/F1 on {args.questions} SQuAD questions with their gold paragraph")
-    for col in ("model", "quant", "kv", "layer kernels", "prompts", "perplexity", "EM", "F1",
+    for col in ("model", "quant", "kv", "layer kernels", "prompts", "gguf steps", "perplexity", "EM", "F1",
                 "EM vs the model's first row", "answers differing"):
         table.add_column(col)
     for r in rows:
         base = next(x for x in rows if x["model"] == r["model"])
         scores = [f"{r['exact_match']:.1f}", f"{r['f1']:.1f}", f"{r['exact_match'] - base['exact_match']:+.1f}",
                   str(r["answers_differing_from_the_first_row"])] if questions else ["-"] * 4
-        table.add_row(r["model"], r["quant"], r["kv"], r["cpu_kernels"], r["prompts"], f"{r['perplexity']:.3f}",
+        table.add_row(r["model"], r["quant"], r["kv"], r["cpu_kernels"], r["prompts"], str(r["gguf_steps"] or "-"),
+                      f"{r['perplexity']:.4f} ({r['perplexity'] / base['perplexity'] - 1:+.2%})",
                       *scores)
     console.print(table)
     console.print(f"wrote {args.out}")
