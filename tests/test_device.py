@@ -184,8 +184,9 @@ def test_decode_graph_padding_and_static_buffers_equal_eager(folder, emulated_gr
     emulated_graphs.enable()
     engine = make_engine(folder, max_num_seqs=8)
     runner = engine.worker("tiny").runner
-    # Per batch size, the layers' graph and the head's.
-    assert runner.graphs.buckets == [1, 2, 4, 8] and len(emulated_graphs.captured) == 8
+    # Per batch size, the layers' graph and the head's three (greedy, sampled, filtered).
+    assert runner.graphs.buckets == [1, 2, 4, 8] and len(emulated_graphs.captured) == 16
+    assert sorted(runner.graphs.heads) == [(b, h) for b in (1, 2, 4, 8) for h in ("filtered", "greedy", "sampled")]
     # One block beyond the block manager's: the padded rows' scratch block.
     assert runner.kv_caches[0][0].shape[0] == len(engine.worker("tiny").block_manager.blocks) + 1 == 257
     got = engine.generate(ps, params)
