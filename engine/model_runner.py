@@ -2,10 +2,11 @@
 positions, slot mapping, block tables, context lengths), one forward pass, then sample.
 
 Every device difference of the engine lives here (and in the kernels' dispatcher): `Device`
-resolves where the engine runs, its memory budget and how a step's host-built index tensors
-reach it; the runner keeps the KV cache on it, samples greedy rows there with one read back
-per step, and on CUDA replays decode steps from graphs: the layers', then the LM head's and
-the greedy picks'. On the CPU the same code runs with every copy a no-op."""
+resolves where the engine runs and its memory budget, `PinnedRing` takes a step's host-built
+index tensors there; the runner keeps the KV cache on it, picks every row's token there
+(`sampler.select`) with one read back per step, and on CUDA replays decode steps from graphs:
+the layers', then the LM head's with the greedy or sampled picks. On the CPU the same code
+runs with every copy a no-op."""
 from __future__ import annotations
 
 import itertools
@@ -423,7 +424,7 @@ class ModelRunner:
                     torch.zeros(n, self.cfg.hidden_size, dtype=self.device.dtype, device=dev),
                     torch.zeros(n, vocab, device=dev), torch.zeros(n, vocab, device=dev), torch.zeros(n, 2, device=dev),
                     SamplingRows(torch.zeros(n, device=dev), torch.full((n,), vocab, device=dev),
-                                 torch.ones(n, device=dev)),
+                                 torch.full((n,), math.inf, device=dev)),
                     torch.full((n, vocab), 0.5, device=dev))
 
         def head(b: int, mode: str) -> None:

@@ -11,6 +11,7 @@ request's own generator when seeded, so a seeded request's tokens do not depend 
 requests share its steps."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +22,8 @@ from engine.sampling_params import SamplingParams
 @dataclass
 class SamplingRows:
     """Per-row sampling parameters as tensors: temperature (0: greedy), top_k (the vocabulary
-    size: off), top_p (1: off)."""
+    size: off), top_p (inf: off; a top_p of 1 is off too, and float32 sums of probabilities
+    can pass 1)."""
     temperature: torch.Tensor       # float32 [rows]
     top_k: torch.Tensor             # int64 [rows]
     top_p: torch.Tensor             # float32 [rows]
@@ -31,7 +33,7 @@ class SamplingRows:
         """The three columns as lists, for a step's one upload."""
         return ([0.0 if p.greedy else p.temperature for p in params],
                 [p.top_k if 0 < p.top_k < vocab else vocab for p in params],
-                [p.top_p for p in params])
+                [p.top_p if p.top_p < 1 else math.inf for p in params])
 
     @classmethod
     def of(cls, params: list[SamplingParams], vocab: int, device: torch.device) -> SamplingRows:
@@ -60,20 +62,20 @@ def probs(logits: torch.Tensor, rows: SamplingRows, filtered: bool = True,
     t = rows.temperature[:, None]
     x = logits / torch.where(t > 0, t, 1.0)
     if filtered:
-        # One sort serves both filters: masking below the k-th value keeps the order of what stays.
+        # One sort serves both filters: masking below the k-th value keeps the order of what
+        # stays. The filtered values go back to token order by the sort's permutation.
         sorted_x, order = x.sort(dim=-1, descending=True, stable=True)
-        kth = sorted_x.gather(1, rows.top_k[:, None] - 1)
-        sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
+        sorted_x = sorted_x.masked_fill(sorted_x < sorted_x.gather(1, rows.top_k[:, None] - 1), float("-inf"))
         sorted_probs = sorted_x.softmax(-1)
-        drop = (sorted_probs.cumsum(-1) - sorted_probs >= rows.top_p[:, None]) & (rows.top_p < 1)[:, None]
+        drop = sorted_probs.cumsum(-1).sub_(sorted_probs) >= rows.top_p[:, None]
         drop[:, 0] = False
-        x = x.masked_fill((x < kth) | torch.empty_like(drop).scatter_(1, order, drop), float("-inf"))
+        x = torch.empty_like(x).scatter_(1, order, sorted_x.masked_fill_(drop, float("-inf")))
     out = x.softmax(-1)
-    # Values in [0, 1] sum to a finite number unless one is NaN: one pass finds the broken rows.
-    bad = ~out.sum(-1, keepdim=True).isfinite()
+    # Values in [0, 1] sum to a finite number unless one is NaN: one pass finds the broken rows,
+    # which become one-hot at their argmax (adding 0 leaves every other row as it is).
+    bad = out.sum(-1, keepdim=True).isnan()
     top = logits.argmax(-1, keepdim=True) if top is None else top
-    out.masked_fill_(bad, 0.0)
-    return out.scatter_(1, top, torch.where(bad, 1.0, out.gather(1, top)))
+    return out.masked_fill_(bad, 0.0).scatter_add_(1, top, bad.to(out.dtype))
 
 
 def select(logits: torch.Tensor, logprobs: torch.Tensor, top: torch.Tensor, rows: SamplingRows,
