@@ -166,13 +166,19 @@ def test_pinned_ring_reuse_under_async_scheduling_gives_the_synchronous_tokens(t
               for i in range(12)]
     want = engine({"m": tiny_folder}, dtype="float32").generate(ps, params)
     e = engine({"m": tiny_folder}, dtype="float32", async_scheduling=True)
+    ring = e.worker("m").runner.inputs
+    held, upload = set(), ring.upload
+
+    def counted(flat, sizes):
+        out = upload(flat, sizes)
+        held.update(b.data_ptr() for b in ring.buffers)
+        return out
+    ring.upload = counted
     got = e.generate(ps, params)
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
-    ring = e.worker("m").runner.inputs
-    ptrs = [b.data_ptr() for b in ring.buffers]
     assert all(b.is_pinned() for b in ring.buffers)
-    assert [c.token_ids for c in e.generate(ps[:4], params[:4])] == [c.token_ids for c in want[:4]]
-    assert [b.data_ptr() for b in ring.buffers] == ptrs
+    # Dozens of steps through a few buffers: each slot grows a few times (doubling), never per step.
+    assert len(held) <= 8 and e.stats()["m"]["scheduled_ahead"] > 20
 
 
 def test_sampled_decode_through_graphs_equals_eager_on_cuda(tiny_folder):
