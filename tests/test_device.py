@@ -252,6 +252,27 @@ def test_a_drafter_replays_its_layers_alone_and_reads_its_own_sub_vocabulary(fol
     assert replays["layers"] > 0 and replays["head"] == 0
 
 
+def test_a_sampled_drafter_with_the_full_head_selects_after_its_greedy_graph(folder, emulated_graphs):  # noqa: F811
+    """Seeded sampled speculation, the drafter on the full vocabulary: its steps want the
+    distributions for the rejection rule, which a graph keeps to itself, so they replay the
+    greedy head and run `select` after it; the tokens equal the same engine's without graphs."""
+    ps = prompts(3, seed=33)
+    params = [SamplingParams(max_tokens=18, temperature=0.9, top_p=0.9, seed=s, ignore_eos=True) for s in (1, 2, 3)]
+    spec = SpecConfig(target="tiny", draft="draft", prompt_lookup=False, max_k=3, draft_cost=0.1, verify_cost=0.05,
+                      draft_vocab=0)
+    models = {"tiny": ModelEntry(str(folder)), "draft": ModelEntry(str(folder))}
+    eager = make_engine(folder, models=models, speculative=spec, max_num_seqs=4).generate(ps, params)
+    emulated_graphs.enable()
+    engine = make_engine(folder, models=models, speculative=spec, max_num_seqs=4)
+    heads = {"greedy": 0, "sampled": 0, "filtered": 0}
+    for (_, mode), graph in engine.worker("draft").runner.graphs.heads.items():
+        graph.replay = lambda mode=mode, replay=graph.replay: (heads.__setitem__(mode, heads[mode] + 1), replay())
+    got = engine.generate(ps, params)
+    assert [c.token_ids for c in got] == [c.token_ids for c in eager] and all(c.error is None for c in got)
+    assert heads["greedy"] > 0 and heads["sampled"] == heads["filtered"] == 0
+    assert engine.stats()["tiny"]["speculation"]["proposed"] > 0
+
+
 def test_graphs_stay_off_when_decode_attention_runs_its_reference(folder, emulated_graphs, monkeypatch,  # noqa: F811
                                                                    caplog):
     ps = prompts(3, seed=6)
