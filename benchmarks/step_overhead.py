@@ -29,14 +29,22 @@ Overlap (issue 53): the stub's forward also sleeps a graph replay's length (--st
 batch 1 and 64, with async scheduling off (the host's work adds to the replay) and on (the
 forward and sampling run on the runner's queue, a thread standing for the device, while the
 host plans and prepares the next step). Target: the step's wall time <= 1.10x the stub's.
-Prints a table and writes benchmarks/results/step_overhead.json.
+Sampling (issue 53): at batch 1 and 64 on both forms, the same steps with every request
+sampled (temperature 0.8, top_p 0.95, each seeded) instead of greedy, through the batched
+sampler (`select` over all of a step's sampled rows, as the sampled head graphs hold it) and
+through the per-row path it replaced (a copy of it below, installed on the runner: one
+`torch.multinomial` per row after a sort of that row alone). Fewer steps (--sampled-steps):
+at 151,936 tokens and batch 64 the top-p sort of every row dominates either path.
+Prints tables and writes benchmarks/results/step_overhead.json.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import tempfile
 import time
+import types
 from collections import defaultdict
 from pathlib import Path
 
@@ -47,7 +55,9 @@ from rich.table import Table
 
 from engine.config import EngineConfig, ModelEntry
 from engine.llm_engine import LLMEngine
+from engine.sampler import verify
 from engine.sampling_params import SamplingParams
+from engine.sequence import failure
 
 console = Console(width=140)
 VOCABS = (1024, 151_936)            # bookkeeping alone; Qwen2.5's vocabulary
@@ -58,6 +68,9 @@ TARGET_MS = {64: 1.0, 1: 0.150}     # bookkeeping per step
 STUB_MS = (2.0, 5.0)                # a replay's length, for the overlap rows
 OVERLAP_BATCHES = (1, 64)
 TARGET_RATIO = 1.10                 # step wall time over the stub's, async scheduling on
+SAMPLED_BATCHES = (1, 64)
+SAMPLED_STEPS = 10
+PATHS = ("greedy", "batched", "per_row")     # the sampled rows' paths, against the same steps greedy
 
 
 def model_folder(root: Path, vocab: int) -> Path:
@@ -68,6 +81,58 @@ def model_folder(root: Path, vocab: int) -> Path:
                              max_position_embeddings=4096)
     write_word_tokenizer(folder, vocab)     # make_tiny_model's covers its own small vocabulary
     return folder
+
+
+# ---- the per-row sampling path the batched sampler replaced (the baseline only) ----------
+def legacy_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    x = logits / p.temperature
+    if p.top_k and p.top_k < x.shape[-1]:
+        x = x.masked_fill(x < torch.topk(x, p.top_k).values[-1], float("-inf"))
+    if p.top_p < 1.0:
+        sorted_x, order = torch.sort(x, descending=True)
+        sorted_probs = sorted_x.softmax(-1)
+        drop = sorted_probs.cumsum(-1) - sorted_probs >= p.top_p
+        drop[0] = False
+        x = x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    out = x.softmax(-1)
+    if not bool(torch.isfinite(out).all()):
+        out = torch.zeros_like(logits).index_fill_(0, logits.argmax().view(1), 1.0)
+    return out
+
+
+def legacy_sample(self, items, sampling, all_logits, logprobs, greedy, sampled, noise, selected, out,
+                  return_probs) -> None:
+    """ModelRunner._sample as it was: the head's greedy picks read back, then each sampled row
+    alone (its distribution, one multinomial draw from its generator, its log-softmax)."""
+    top, top_lp = greedy.T.tolist()
+    top = [int(t) for t in top]
+    at = 0
+    for i in sampling:
+        item = items[i]
+        seq, first, at = item.seq, at, at + 1 + item.num_draft
+        banned = self.bans is not None and seq.thinking is not None
+        if seq.params.greedy and not item.num_draft and not banned and math.isfinite(top_lp[first]):
+            out.token_ids[i], out.logprobs[i] = [top[first]], [top_lp[first]]
+            continue
+        try:
+            if not all(map(math.isfinite, top_lp[first:at])):
+                raise FloatingPointError("the model's logits for this request are not finite")
+            logits = all_logits[first:at]
+            end = item.start + item.num_tokens - item.num_draft
+            for j in range(at - first if banned else 0):
+                logits[j, self.bans(item, end + j)] = float("-inf")
+            generator = self.device.generator(seq)
+            if item.num_draft:
+                tokens = verify(logits, item.draft, item.draft_probs, seq.params, generator)
+            else:
+                p = seq.params
+                tokens = [int(logits[0].argmax()) if p.greedy else
+                          int(torch.multinomial(legacy_probs(logits[0], p), 1, generator=generator))]
+            lp = torch.log_softmax(logits[:len(tokens)], -1).gather(
+                1, torch.tensor(tokens, device=logits.device)[:, None])
+            out.token_ids[i], out.logprobs[i] = tokens, lp.squeeze(1).tolist()
+        except Exception as exc:
+            out.errors[i] = failure(seq, exc)
 
 
 class Stub:
@@ -130,8 +195,10 @@ def sync(engine: LLMEngine) -> None:
         torch.cuda.synchronize()
 
 
-def steady(folder: Path, batch: int, steps: int, device: str, stub_ms: float = 0.0, async_scheduling: bool = False):
-    """An engine with `batch` requests decoding (the stub in place), and a timed step."""
+def steady(folder: Path, batch: int, steps: int, device: str, stub_ms: float = 0.0, async_scheduling: bool = False,
+           path: str = "greedy"):
+    """An engine with `batch` requests decoding (the stub in place), and a timed step. `path`:
+    greedy requests, or sampled ones through the batched sampler or the per-row one."""
     max_tokens = 2 * steps + 64
     blocks = batch * -(-(PROMPT_TOKENS + max_tokens) // 16) + 16
     # cpu_step off: its compiled decoder would run the real layers past the stubbed forward.
@@ -141,8 +208,12 @@ def steady(folder: Path, batch: int, steps: int, device: str, stub_ms: float = 0
     stub = Stub(engine, max(batch, engine.config.max_num_seqs), stub_ms / 1e3)
     vocab = engine.worker("m").cfg.vocab_size
     g = torch.Generator().manual_seed(batch)
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    for _ in range(batch):
+    if path == "per_row":
+        runner = engine.worker("m").runner
+        runner._sample = types.MethodType(legacy_sample, runner)
+    for i in range(batch):
+        params = (SamplingParams(max_tokens=max_tokens, ignore_eos=True) if path == "greedy" else
+                  SamplingParams(temperature=0.8, top_p=0.95, seed=i, max_tokens=max_tokens, ignore_eos=True))
         engine.add_request(torch.randint(0, vocab - 1, (PROMPT_TOKENS,), generator=g).tolist(), params)
     seqs = [seq for _, seq in engine.requests.values()]
     while not all(len(s) > s.num_prompt_tokens for s in seqs):     # every prompt prefilled
@@ -172,8 +243,8 @@ def overlap(folder: Path, batch: int, steps: int, device: str, stub_ms: float) -
     return out
 
 
-def measure(folder: Path, batch: int, steps: int, device: str) -> dict:
-    engine, stub, timed_step = steady(folder, batch, steps, device)
+def measure(folder: Path, batch: int, steps: int, device: str, path: str = "greedy") -> dict:
+    engine, stub, timed_step = steady(folder, batch, steps, device, path=path)
     phases = Phases(engine)
     totals = [timed_step() for _ in range(steps)]
     phases.on = True
@@ -219,13 +290,17 @@ def main() -> None:
     ap.add_argument("--threads", type=int, help="torch's intra-op threads (default: torch's own choice)")
     ap.add_argument("--stub-ms", type=float, nargs="*", default=list(STUB_MS),
                     help="the overlap rows' forward lengths (none: skip them)")
+    ap.add_argument("--sampled-batches", type=int, nargs="*", default=list(SAMPLED_BATCHES),
+                    help="the sampled rows' batches (none: skip them)")
+    ap.add_argument("--sampled-steps", type=int, default=SAMPLED_STEPS, help="steps timed per sampled row")
     ap.add_argument("--out", type=Path, default=RESULTS / "step_overhead.json")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     results: dict = {"machine": machine() | {"device": device}, "steps": args.steps,
-                     "prompt_tokens": PROMPT_TOKENS, "forms": {}, "overlap": {}}
+                     "prompt_tokens": PROMPT_TOKENS, "forms": {}, "overlap": {}, "sampled": {},
+                     "sampled_steps": args.sampled_steps}
     with tempfile.TemporaryDirectory() as tmp:
         for vocab in args.vocabs:
             folder = model_folder(Path(tmp), vocab)
@@ -233,6 +308,11 @@ def main() -> None:
                 console.print(f"vocabulary {vocab:,}, batch {batch}")
                 results["forms"].setdefault(str(vocab), {})[str(batch)] = measure(folder, batch, args.steps,
                                                                                    args.device)
+            for batch in args.sampled_batches:
+                for path in PATHS:
+                    console.print(f"vocabulary {vocab:,}, batch {batch}, {path.replace('_', '-')}")
+                    results["sampled"].setdefault(str(vocab), {}).setdefault(str(batch), {})[path] = measure(
+                        folder, batch, args.sampled_steps, args.device, path)
             if vocab == args.vocabs[0]:
                 for stub_ms in args.stub_ms:
                     for batch in OVERLAP_BATCHES:
@@ -259,6 +339,22 @@ def main() -> None:
             for batch, r in by_batch.items():
                 table.add_row(stub_ms, batch, *(f"{r[m][k]:.2f}{'x' if k == 'ratio' else ''}" for m in ("off", "on")
                                                 for k in ("ms_per_step", "forward_ms", "ratio")))
+        console.print(table)
+
+    if results["sampled"]:
+        table = Table(title=f"Sampled steps (temperature 0.8, top_p 0.95, seeded) against the same steps greedy "
+                            f"(median of {args.sampled_steps} steps; ms per step, sampling phase in brackets)")
+        for col in ("vocabulary", "batch", "greedy", "sampled: batched", "sampled: per-row", "per-row / batched",
+                    "its sampling phase"):
+            table.add_column(col, justify="right")
+        for vocab, by_batch in results["sampled"].items():
+            for batch, r in by_batch.items():
+                cells = [f"{r[p]['ms_per_step']:.2f} ({r[p]['phases_ms']['sampling']:.2f})" for p in PATHS]
+                r["per_row_over_batched"] = r["per_row"]["ms_per_step"] / r["batched"]["ms_per_step"]
+                r["per_row_over_batched_sampling"] = (r["per_row"]["phases_ms"]["sampling"]
+                                                      / r["batched"]["phases_ms"]["sampling"])
+                table.add_row(f"{int(vocab):,}", batch, *cells, f"{r['per_row_over_batched']:.2f}x",
+                              f"{r['per_row_over_batched_sampling']:.2f}x")
         console.print(table)
 
     results["targets"] = verdicts(results["forms"], args.vocabs) + [

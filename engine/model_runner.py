@@ -2,10 +2,11 @@
 positions, slot mapping, block tables, context lengths), one forward pass, then sample.
 
 Every device difference of the engine lives here (and in the kernels' dispatcher): `Device`
-resolves where the engine runs, its memory budget and how a step's host-built index tensors
-reach it; the runner keeps the KV cache on it, samples greedy rows there with one read back
-per step, and on CUDA replays decode steps from graphs: the layers', then the LM head's and
-the greedy picks'. On the CPU the same code runs with every copy a no-op."""
+resolves where the engine runs and its memory budget, `PinnedRing` takes a step's host-built
+index tensors there; the runner keeps the KV cache on it, picks every row's token there
+(`sampler.select`) with one read back per step, and on CUDA replays decode steps from graphs:
+the layers', then the LM head's with the greedy or sampled picks. On the CPU the same code
+runs with every copy a no-op."""
 from __future__ import annotations
 
 import itertools
@@ -24,12 +25,13 @@ import kernels
 from engine.config import EngineConfig, ModelConfig
 from engine.cpu_step import CPUStep
 from engine.model import CausalLM, StepBatch
-from engine.sampler import probs as sampling_probs
-from engine.sampler import sample, verify
+from engine.sampler import SamplingRows, fill_noise, select, verify
+from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, failure
 from engine.step import RunnerOutput, ScheduledSeq, SchedulerOutput
 
 log = logging.getLogger("sluice.engine")
+_GREEDY = SamplingParams()          # a graph's padding rows
 
 
 @dataclass(frozen=True)
@@ -70,14 +72,6 @@ class Device:
             return int(torch.cuda.mem_get_info(self.device)[0] * config.gpu_memory_utilization)
         return int(config.memory_budget_gb * 2**30)
 
-    def upload(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """A step's host-built int64 index tensors on the device: on CUDA one pinned,
-        non-blocking copy of all of them; on the CPU they are already there."""
-        if self.device.type == "cpu":
-            return tensors
-        flat = torch.cat([t.reshape(-1) for t in tensors]).pin_memory().to(self.device, non_blocking=True)
-        return [part.view(t.shape) for part, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
-
     def bind(self) -> None:
         """Make this the current device of the calling thread (Triton launches and CUDA
         graphs use the current device, which is per thread)."""
@@ -102,13 +96,45 @@ def _padded(rows: list[list[int]]) -> list[int]:
     return flat
 
 
-def _int64(fields: list[list[int]]) -> list[torch.Tensor]:
-    """Lists of ints as int64 tensors viewing one buffer: filling an array from them costs a
-    fraction of torch.tensor over them."""
+def _pack(ints: list[list[int]], floats: list[list[float]] = ()) -> tuple[array, list[int]]:
+    """Lists of ints, then lists of floats (as float64 bits), in one int64 buffer, and each
+    one's length: filling an array from them costs a fraction of torch.tensor over them."""
     flat = array("q")
-    for f in fields:
+    for f in ints:
         flat.fromlist(f)
-    return list(torch.frombuffer(flat, dtype=torch.int64).split_with_sizes([len(f) for f in fields]))
+    for f in floats:
+        flat.frombytes(array("d", f).tobytes())
+    return flat, [len(f) for f in (*ints, *floats)]
+
+
+class PinnedRing:
+    """A step's packed index tensors on their way to the device: written into one of a ring
+    of persistent pinned host buffers, then one non-blocking copy. A CUDA event per buffer
+    marks when its last copy has read it: async scheduling builds step N + 1's inputs while
+    step N runs, and step N + 2's reuse step N's buffer only after its copy (by then done: the
+    engine has waited for step N's tokens). A buffer grows, doubling, when a step needs more.
+    (On the CPU the runner uses none: its index tensors view the packed buffer itself.)"""
+
+    def __init__(self, device: torch.device, slots: int = 2):
+        self.device, self.cuda = device, device.type == "cuda"
+        self.buffers = [torch.empty(0, dtype=torch.int64) for _ in range(slots)]
+        self.events = [torch.cuda.Event() for _ in range(slots)] if self.cuda else []
+        self.next = 0
+
+    def upload(self, flat: array, sizes: list[int]) -> list[torch.Tensor]:
+        i, n = self.next, len(flat)
+        self.next = (i + 1) % len(self.buffers)
+        if self.cuda:
+            self.events[i].synchronize()
+        if self.buffers[i].numel() < n:
+            self.buffers[i] = torch.empty(max(n, 2 * self.buffers[i].numel()), dtype=torch.int64,
+                                          pin_memory=self.cuda)
+        host = self.buffers[i][:n]
+        host.copy_(torch.frombuffer(flat, dtype=torch.int64))
+        out = torch.empty(n, dtype=torch.int64, device=self.device).copy_(host, non_blocking=True)
+        if self.cuda:
+            self.events[i].record()
+        return list(out.split_with_sizes(sizes))
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -136,11 +162,25 @@ def _greedy(logits: torch.Tensor, logprobs_out: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
+class _Sampled:
+    """The rows of a step that `select` runs on, prepared with its inputs: their sampling
+    parameters on the device, where they sit among the head's rows (None: the first ones, a
+    graph's bucket of decode rows, the padding greedy), each sampling item's row among them,
+    and whether any uses top-k or top-p."""
+    rows: SamplingRows
+    index: torch.Tensor | None
+    at: dict[int, int]
+    filtered: bool
+
+
+@dataclass
 class _Graphs:
     """Decode steps captured per padded batch size, and the static tensors they read and write:
-    the layers' graph (to `hidden`), and the head's (the LM head to `logits`, each row's greedy
-    token and log-probability to `top`). A drafter's steps replay the layers alone: it reads
-    its hidden states through a sub-vocabulary head of its own."""
+    the layers' graph (to `hidden`), and the head's (the LM head to `logits`, each row's token
+    and log-probability to `top`), in three forms: greedy picks, or `select` over the rows'
+    sampling parameters and noise (`rows`, `noise`), with or without top-k / top-p (which
+    sort). A drafter's steps replay the layers alone: it reads its hidden states through a
+    sub-vocabulary head of its own."""
     buckets: list[int]
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -151,13 +191,23 @@ class _Graphs:
     logits: torch.Tensor
     logprobs: torch.Tensor
     top: torch.Tensor
+    rows: SamplingRows
+    noise: torch.Tensor
     graphs: dict[int, torch.cuda.CUDAGraph] = field(default_factory=dict)     # batch size -> layers' graph
-    heads: dict[int, torch.cuda.CUDAGraph] = field(default_factory=dict)      # batch size -> head's graph
+    heads: dict[tuple[int, str], torch.cuda.CUDAGraph] = field(default_factory=dict)  # (batch size, HEADS) -> head's
 
-    def replay(self, bucket: int, head: bool = True) -> None:
+    def replay(self, bucket: int, head: str | None = "greedy") -> None:
         self.graphs[bucket].replay()
-        if head:
-            self.heads[bucket].replay()
+        if head is not None:
+            self.heads[bucket, head].replay()
+
+    def head(self, bucket: int, sampled: _Sampled | None) -> str:
+        """The head a step replays: a sampled one when rows sample and it was captured."""
+        mode = "greedy" if sampled is None else "filtered" if sampled.filtered else "sampled"
+        return mode if (bucket, mode) in self.heads else "greedy"
+
+
+HEADS = ("greedy", "sampled", "filtered")
 
 
 def _capture(step: Callable[[], None], pool):
@@ -204,7 +254,11 @@ class ModelRunner:
                           for _ in range(cfg.num_layers)]
         self.graphs: _Graphs | None = None
         self.cpu_step = CPUStep.build(model, self.kv_caches, cpu_ops is not None) if device.cpu_step else None
-        self.log_softmax_out = torch.empty(0, cfg.vocab_size, device=dev)      # _greedy's, kept across steps
+        # Buffers kept across steps: on the CPU a fresh one past 32 MiB is mapped, and page-faulted
+        # in, at every step. _greedy's output, and the noise of the rows that sample.
+        self.log_softmax_out = torch.empty(0, cfg.vocab_size, device=dev)
+        self.noise = torch.empty(0, cfg.vocab_size, device=dev)
+        self.inputs = PinnedRing(dev) if dev.type == "cuda" else None
         self.queue: ThreadPoolExecutor | None = None        # async scheduling's (start_queue)
         self.last: dict[int, int] = {}      # seq_id -> the token the latest step sampled, for placeholders
 
@@ -291,7 +345,33 @@ class ModelRunner:
             fields += [_padded([s.seq.block_table for s in items]),
                        [s.start - s.seq.num_dropped + s.num_tokens for s in items],
                        list(itertools.accumulate((s.num_tokens for s in items), initial=0))]
-        input_ids, positions, slot_mapping, head_rows, *rest = self.device.upload(_int64(fields))
+        # The items that sample (a verification's rows run `verify` instead) and their rows
+        # among the head's; `select` runs on those rows, or with a graph on every decode row.
+        at, rows = 0, {}
+        for i in sampling:
+            if not scheduled[i].num_draft and not scheduled[i].seq.params.greedy:
+                rows[i] = at
+            at += 1 + scheduled[i].num_draft
+        floats = []
+        if rows:
+            params = ([scheduled[i].seq.params for i in decodes] + [_GREEDY] * pad if pad_to else
+                      [scheduled[i].seq.params for i in rows])
+            temperature, top_k, top_p = SamplingRows.host(params, self.cfg.vocab_size)
+            fields += [top_k] if pad_to else [top_k, list(rows.values())]
+            floats = [temperature, top_p]
+        flat, sizes = _pack(fields, floats)
+        parts = (self.inputs.upload(flat, sizes) if self.inputs is not None else
+                 list(torch.frombuffer(flat, dtype=torch.int64).split_with_sizes(sizes)))
+        sampled = None
+        if rows:
+            extra = 3 if pad_to else 4          # top_k, (index), temperature, top_p
+            top_k, *index, temperature, top_p = parts[-extra:]
+            del parts[-extra:]
+            sampled = _Sampled(SamplingRows(temperature.view(torch.float64).float(), top_k,
+                                            top_p.view(torch.float64).float()), index[0] if index else None,
+                               {i: rows[i] if pad_to else k for k, i in enumerate(rows)},
+                               SamplingRows.filters([scheduled[i].seq.params for i in rows], self.cfg.vocab_size))
+        input_ids, positions, slot_mapping, head_rows, *rest = parts
         batch = StepBatch(slot_mapping, len(decodes) + pad, self.kv_caches)
         if decodes:
             tables, batch.decode_context_lens, *rest = rest
@@ -299,7 +379,7 @@ class ModelRunner:
         if chunks:
             tables, batch.prefill_context_lens, batch.prefill_query_start = rest
             batch.prefill_block_tables = tables.view(len(chunks), -1)
-        return input_ids, positions, batch, (head_rows, sampling, placeholders)
+        return input_ids, positions, batch, (head_rows, sampling, placeholders, sampled)
 
     @staticmethod
     def sinks(scheduled: list[ScheduledSeq]) -> list[tuple[list[int], list[int], int]]:
@@ -342,7 +422,17 @@ class ModelRunner:
                     torch.full((n,), self.scratch * bs, device=dev), torch.ones(n, dtype=torch.long, device=dev),
                     torch.full((n, width), self.scratch, device=dev),
                     torch.zeros(n, self.cfg.hidden_size, dtype=self.device.dtype, device=dev),
-                    torch.zeros(n, vocab, device=dev), torch.zeros(n, vocab, device=dev), torch.zeros(n, 2, device=dev))
+                    torch.zeros(n, vocab, device=dev), torch.zeros(n, vocab, device=dev), torch.zeros(n, 2, device=dev),
+                    SamplingRows(torch.zeros(n, device=dev), torch.full((n,), vocab, device=dev),
+                                 torch.full((n,), math.inf, device=dev)),
+                    torch.full((n, vocab), 0.5, device=dev))
+
+        def head(b: int, mode: str) -> None:
+            g.logits[:b] = self.model.logits(g.hidden[:b])
+            top = _greedy(g.logits[:b], g.logprobs[:b])
+            if mode != "greedy":
+                top = select(g.logits[:b], g.logprobs[:b], top, g.rows[:b], g.noise[:b], mode == "filtered")[0]
+            g.top[:b] = top
         pool = None
         try:
             for b in reversed(buckets):
@@ -351,19 +441,24 @@ class ModelRunner:
 
                 def step(b: int = b, batch: StepBatch = batch) -> None:
                     g.hidden[:b] = self.model(g.input_ids[:b], g.positions[:b], batch)
-
-                def head(b: int = b) -> None:
-                    g.logits[:b] = self.model.logits(g.hidden[:b])
-                    g.top[:b] = _greedy(g.logits[:b], g.logprobs[:b])
                 step()                  # warm up: compile and launch every kernel before capture
-                head()
+                head(b, "greedy")
                 if "paged_decode_attention" in kernels.FALLBACKS:
                     raise RuntimeError("decode attention runs its reference twin, which cannot be captured")
                 g.graphs[b], pool = _capture(step, pool)
-                g.heads[b], pool = _capture(head, pool)
+                g.heads[b, "greedy"], pool = _capture(lambda b=b: head(b, "greedy"), pool)
         except Exception as e:
             log.warning("CUDA graphs off for a %s model (%s); its decode steps run eagerly", self.cfg.arch, e)
             return
+        try:
+            for b in reversed(buckets):
+                for mode in HEADS[1:]:
+                    head(b, mode)
+                    g.heads[b, mode], pool = _capture(lambda b=b, mode=mode: head(b, mode), pool)
+        except Exception as e:      # the greedy heads still run; sampled rows select after them
+            log.warning("sampled heads not captured for a %s model (%s); its sampled rows select eagerly",
+                        self.cfg.arch, e)
+            g.heads = {key: graph for key, graph in g.heads.items() if key[1] == "greedy"}
         self.graphs = g
 
     def _bucket(self, scheduled: list[ScheduledSeq]) -> int:
@@ -375,9 +470,10 @@ class ModelRunner:
         return next(b for b in g.buckets if b >= len(scheduled))
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: StepBatch, bucket: int,
-                 head: bool) -> torch.Tensor:
-        """The step's hidden states; replayed from a bucket's graphs, with `head` the head's too
-        (its logits and greedy picks in the graphs' static tensors)."""
+                 head: str | None, sampled: _Sampled | None, noise: list) -> torch.Tensor:
+        """The step's hidden states; replayed from a bucket's graphs, with `head` one of the
+        head's too (its logits and picks in the graphs' static tensors; a sampled head reads
+        the rows' parameters and fresh noise, `noise` as fill_noise takes it)."""
         if not bucket:
             if self.cpu_step is not None and self.cpu_step.takes(batch, len(input_ids)):
                 return self.cpu_step(input_ids, positions, batch)
@@ -391,7 +487,12 @@ class ModelRunner:
         # Columns past this step's widest table keep stale blocks: the kernel reads no entry
         # past a row's context length.
         g.block_tables[:bucket, :batch.decode_block_tables.shape[1]] = batch.decode_block_tables
-        g.replay(bucket, head=head)
+        if head in HEADS[1:]:
+            for static, rows in zip((g.rows.temperature, g.rows.top_k, g.rows.top_p),
+                                    (sampled.rows.temperature, sampled.rows.top_k, sampled.rows.top_p)):
+                static[:bucket] = rows
+            fill_noise(g.noise[:bucket], noise)
+        g.replay(bucket, head)
         return g.hidden[:bucket]
 
     def sub_vocab(self, first: int, keep: frozenset[int] | set[int]) -> SubVocab | None:
@@ -446,60 +547,113 @@ class ModelRunner:
     def _execute(self, items: list[ScheduledSeq], bucket: int, sinks: list, prepared: tuple,
                  return_probs: bool = False, vocab: SubVocab | None = None) -> RunnerOutput:
         self.shift(sinks)
-        input_ids, positions, batch, (head_rows, sampling, placeholders) = prepared
+        input_ids, positions, batch, (head_rows, sampling, placeholders, sampled) = prepared
         if placeholders:
             rows, seq_ids = zip(*placeholders)
             input_ids[list(rows)] = torch.tensor([self.last.get(i, 0) for i in seq_ids], device=input_ids.device)
         in_graph = bool(bucket) and vocab is None
-        hidden = self._forward(input_ids, positions, batch, bucket, in_graph)
+        # return_probs wants the distributions, which a graph keeps to itself: such a step
+        # replays the greedy head and selects after it.
+        head = self.graphs.head(bucket, None if return_probs else sampled) if in_graph else None
+        # (row among the sampled ones, its generator): a seeded request's own, on this device.
+        noise = [(k, self.device.generator(items[i].seq)) for i, k in sampled.at.items()] if sampled else []
+        hidden = self._forward(input_ids, positions, batch, bucket, head, sampled, noise)
         out = RunnerOutput.empty(len(items))
         if in_graph:            # a decode-only step: each item samples from its own row
-            logits, greedy = self.graphs.logits[:len(items)], self.graphs.top[:len(items)]
+            g = self.graphs
+            logits, logprobs, top = g.logits[:len(items)], g.logprobs[:len(items)], g.top[:len(items)]
         elif sampling:
             # One LM-head pass over every sampling row, as the head is the largest matrix.
             rows = hidden.index_select(0, head_rows)
             logits = (self.model.logits(rows) if vocab is None else vocab.logits(rows)).float()
-            # A buffer kept across steps: on the CPU a fresh one past 32 MiB is mapped, and
-            # page-faulted in, at every step.
             if self.log_softmax_out.shape[0] < len(rows):
                 self.log_softmax_out = torch.empty_like(logits)
-            greedy = _greedy(logits, self.log_softmax_out[:len(rows)])
+            logprobs = self.log_softmax_out[:len(rows)]
+            top = _greedy(logits, logprobs)
         if sampling:
-            self._sample(items, sampling, logits, greedy, out, return_probs)
+            self._sample(items, sampling, logits, logprobs, top, sampled, noise, head in HEADS[1:], out, return_probs)
         if self.queue is not None:
             self.last = {items[i].seq.seq_id: out.token_ids[i][-1] for i in sampling if out.token_ids[i]}
         return out
 
-    def _sample(self, items: list[ScheduledSeq], sampling: list[int], all_logits: torch.Tensor,
-                greedy: torch.Tensor, out: RunnerOutput, return_probs: bool) -> None:
-        """The sampling items' tokens into `out` (see run), from their rows of the head's logits
-        and greedy picks (read back once: the step's one sync)."""
-        top, top_lp = greedy.T.tolist()
-        top = [int(t) for t in top]
-        at = 0
+    def _sample(self, items: list[ScheduledSeq], sampling: list[int], logits: torch.Tensor, logprobs: torch.Tensor,
+                top: torch.Tensor, sampled: _Sampled | None, noise: list, selected: bool, out: RunnerOutput,
+                return_probs: bool) -> None:
+        """The sampling items' tokens into `out` (see run), from the head's rows: their logits,
+        log-softmax and picks `top` (greedy, or with `selected` a sampled graph's). The rows
+        that sample run `select` here unless a graph did. A thinking item's row whose bans are
+        not empty picks again from its logits with those tokens at -inf (row by row: the bans
+        are known only now; with the row's own noise, so graph or not, the same draw). A
+        verification's rows run `verify` (eager: each acceptance decides whether the next row
+        is read), bans applied. The picks are read back once: the step's one sync."""
+        dists, g = {}, self.graphs
+        if sampled is not None:
+            m = len(items) if sampled.index is None else len(sampled.at)
+            if selected:
+                noise_rows = g.noise
+            else:           # the very function the sampled graphs hold, on the rows that sample
+                if self.noise.shape[0] < m:
+                    self.noise = logits.new_empty(m, logits.shape[1])
+                noise_rows = self.noise[:m]
+                fill_noise(noise_rows, noise)
+                index = sampled.index
+
+                def rows(t: torch.Tensor) -> torch.Tensor:
+                    return t[:m] if index is None else t.index_select(0, index)
+                try:
+                    chosen, dist = select(rows(logits), rows(logprobs), rows(top), sampled.rows[:m], noise_rows,
+                                          sampled.filtered)
+                except Exception as exc:
+                    for i in sampled.at:
+                        out.errors[i] = failure(items[i].seq, exc)
+                    sampled = None
+                else:
+                    if index is None:
+                        top[:m] = chosen
+                    else:
+                        top.index_copy_(0, index, chosen)
+                    dists = {i: dist[k:k + 1] for i, k in sampled.at.items()} if return_probs else {}
+        spans, at = [], 0
         for i in sampling:
             item = items[i]
-            seq, first, at = item.seq, at, at + 1 + item.num_draft
-            banned = self.bans is not None and seq.thinking is not None
-            if seq.params.greedy and not item.num_draft and not banned and math.isfinite(top_lp[first]):
-                out.token_ids[i], out.logprobs[i] = [top[first]], [top_lp[first]]   # plain greedy: nothing left to fail
+            first, at = at, at + 1 + item.num_draft
+            spans.append((i, first, at))
+            if self.bans is None or item.seq.thinking is None or out.errors[i]:
                 continue
             try:
-                if not all(map(math.isfinite, top_lp[first:at])):
-                    raise FloatingPointError("the model's logits for this request are not finite")
-                logits = all_logits[first:at]
                 end = item.start + item.num_tokens - item.num_draft      # the sequence's length
-                for j in range(at - first if banned else 0):     # row j predicts index end + j
-                    logits[j, self.bans(item, end + j)] = float("-inf")
-                generator = self.device.generator(seq)
-                if item.num_draft:
-                    tokens = verify(logits, item.draft, item.draft_probs, seq.params, generator)
-                else:
-                    tokens = [sample(logits[0], seq.params, generator)]
-                    if return_probs and not seq.params.greedy:
-                        out.probs[i] = sampling_probs(logits[0], seq.params)[None]
-                lp = torch.log_softmax(logits[:len(tokens)], -1).gather(
-                    1, torch.tensor(tokens, device=logits.device)[:, None])
-                out.token_ids[i], out.logprobs[i] = tokens, lp.squeeze(1).tolist()
+                for j in range(at - first):                             # row first + j predicts index end + j
+                    if not (banned := self.bans(item, end + j)):
+                        continue
+                    r = first + j
+                    logits[r, banned] = float("-inf")
+                    if item.num_draft:
+                        continue
+                    top[r:r + 1] = _greedy(logits[r:r + 1], logprobs[r:r + 1])
+                    if sampled is not None and (k := sampled.at.get(i)) is not None:
+                        top[r:r + 1], dist = select(logits[r:r + 1], logprobs[r:r + 1], top[r:r + 1],
+                                                    sampled.rows[k:k + 1], noise_rows[k:k + 1], sampled.filtered)
+                        dists[i] = dist
+            except Exception as exc:
+                out.errors[i] = failure(item.seq, exc)
+        tokens, lps = top.T.tolist()
+        for i, first, at in spans:
+            item, seq = items[i], items[i].seq
+            if out.errors[i]:
+                continue
+            if not all(map(math.isfinite, lps[first:at])):
+                out.errors[i] = failure(seq, FloatingPointError("the model's logits for this request are not finite"))
+                continue
+            if not item.num_draft:
+                out.token_ids[i], out.logprobs[i] = [int(tokens[first])], [lps[first]]
+                if return_probs and i in dists:
+                    out.probs[i] = dists[i]
+                continue
+            try:
+                rows = logits[first:at]
+                drafted = verify(rows, item.draft, item.draft_probs, seq.params, self.device.generator(seq))
+                lp = torch.log_softmax(rows[:len(drafted)], -1).gather(
+                    1, torch.tensor(drafted, device=rows.device)[:, None])
+                out.token_ids[i], out.logprobs[i] = drafted, lp.squeeze(1).tolist()
             except Exception as exc:
                 out.errors[i] = failure(seq, exc)

@@ -184,8 +184,9 @@ def test_decode_graph_padding_and_static_buffers_equal_eager(folder, emulated_gr
     emulated_graphs.enable()
     engine = make_engine(folder, max_num_seqs=8)
     runner = engine.worker("tiny").runner
-    # Per batch size, the layers' graph and the head's.
-    assert runner.graphs.buckets == [1, 2, 4, 8] and len(emulated_graphs.captured) == 8
+    # Per batch size, the layers' graph and the head's three (greedy, sampled, filtered).
+    assert runner.graphs.buckets == [1, 2, 4, 8] and len(emulated_graphs.captured) == 16
+    assert sorted(runner.graphs.heads) == [(b, h) for b in (1, 2, 4, 8) for h in ("filtered", "greedy", "sampled")]
     # One block beyond the block manager's: the padded rows' scratch block.
     assert runner.kv_caches[0][0].shape[0] == len(engine.worker("tiny").block_manager.blocks) + 1 == 257
     got = engine.generate(ps, params)
@@ -195,6 +196,37 @@ def test_decode_graph_padding_and_static_buffers_equal_eager(folder, emulated_gr
     assert emulated_graphs.replays > 0
     stats = engine.stats()["tiny"]
     assert stats["kv_blocks_free"] == 256 and stats["cuda_graph_batch_sizes"] == [1, 2, 4, 8]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_sampled_decode_through_the_head_graphs_equals_eager(folder, emulated_graphs, async_scheduling):  # noqa: F811
+    """Seeded requests (temperature alone, top-k / top-p) with greedy and thinking ones (bans
+    pick again after the graph): the sampled heads' `select` on the static rows and noise gives
+    eager's tokens, both heads replayed; as many live sequences as buckets, then fewer."""
+    ps = prompts(6, seed=31)
+    params = [SamplingParams(max_tokens=20, temperature=0.8, seed=1, ignore_eos=True),
+              SamplingParams(max_tokens=26, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=1.1, top_p=0.9, seed=2, ignore_eos=True),
+              SamplingParams(max_tokens=14, temperature=0.7, top_k=6, seed=3, ignore_eos=True),
+              SamplingParams(max_tokens=24, temperature=0.9, seed=4, max_thinking_tokens=5, stop_token_ids=[5]),
+              SamplingParams(max_tokens=12, temperature=1.0, seed=5, ignore_eos=True)]
+    eager = make_engine(folder, max_num_seqs=8, async_scheduling=async_scheduling).generate(ps, params)
+    emulated_graphs.enable()
+    engine = make_engine(folder, max_num_seqs=8, async_scheduling=async_scheduling)
+    graphs = engine.worker("tiny").runner.graphs
+    replays = {"greedy": 0, "sampled": 0, "filtered": 0}
+    for (_, mode), graph in graphs.heads.items():
+        graph.replay = lambda mode=mode, replay=graph.replay: (replays.__setitem__(mode, replays[mode] + 1), replay())
+    got = engine.generate(ps, params)
+    assert [c.token_ids for c in got] == [c.token_ids for c in eager]
+    for a, b in zip(got, eager):
+        assert a.error is None
+        torch.testing.assert_close(a.logprobs, b.logprobs, rtol=1e-4, atol=1e-4)
+    # The filtered head while a top-k / top-p request decodes, then the plain sampled one.
+    assert replays["filtered"] > 0 and replays["sampled"] > 0
+    # Temperature alone: the same draws, filtered head or not.
+    alone = [SamplingParams(max_tokens=16, temperature=0.8, seed=1, ignore_eos=True)]
+    assert engine.generate(ps[:1], alone)[0].token_ids == eager[0].token_ids[:16]
 
 
 def test_a_drafter_replays_its_layers_alone_and_reads_its_own_sub_vocabulary(folder, emulated_graphs):  # noqa: F811
@@ -218,6 +250,27 @@ def test_a_drafter_replays_its_layers_alone_and_reads_its_own_sub_vocabulary(fol
     assert [c.token_ids for c in got] == [c.token_ids for c in plain]
     assert engine.stats()["tiny"]["speculation"]["accepted"] > 0
     assert replays["layers"] > 0 and replays["head"] == 0
+
+
+def test_a_sampled_drafter_with_the_full_head_selects_after_its_greedy_graph(folder, emulated_graphs):  # noqa: F811
+    """Seeded sampled speculation, the drafter on the full vocabulary: its steps want the
+    distributions for the rejection rule, which a graph keeps to itself, so they replay the
+    greedy head and run `select` after it; the tokens equal the same engine's without graphs."""
+    ps = prompts(3, seed=33)
+    params = [SamplingParams(max_tokens=18, temperature=0.9, top_p=0.9, seed=s, ignore_eos=True) for s in (1, 2, 3)]
+    spec = SpecConfig(target="tiny", draft="draft", prompt_lookup=False, max_k=3, draft_cost=0.1, verify_cost=0.05,
+                      draft_vocab=0)
+    models = {"tiny": ModelEntry(str(folder)), "draft": ModelEntry(str(folder))}
+    eager = make_engine(folder, models=models, speculative=spec, max_num_seqs=4).generate(ps, params)
+    emulated_graphs.enable()
+    engine = make_engine(folder, models=models, speculative=spec, max_num_seqs=4)
+    heads = {"greedy": 0, "sampled": 0, "filtered": 0}
+    for (_, mode), graph in engine.worker("draft").runner.graphs.heads.items():
+        graph.replay = lambda mode=mode, replay=graph.replay: (heads.__setitem__(mode, heads[mode] + 1), replay())
+    got = engine.generate(ps, params)
+    assert [c.token_ids for c in got] == [c.token_ids for c in eager] and all(c.error is None for c in got)
+    assert heads["greedy"] > 0 and heads["sampled"] == heads["filtered"] == 0
+    assert engine.stats()["tiny"]["speculation"]["proposed"] > 0
 
 
 def test_graphs_stay_off_when_decode_attention_runs_its_reference(folder, emulated_graphs, monkeypatch,  # noqa: F811
