@@ -30,7 +30,7 @@ from common import RESULTS, ROOT
 from rich.console import Console
 from rich.table import Table
 
-from engine.config import MAX_GGUF_STEPS, EngineConfig, ModelEntry
+from engine.config import EngineConfig, ModelEntry
 from engine.llm_engine import LLMEngine
 from engine.quantize import DEQUANT_ROWS
 from engine.sampling_params import SamplingParams
@@ -57,7 +57,7 @@ def main() -> None:
     ap.add_argument("--kv", nargs="+", default=["float32"], choices=["float32", "int8"], help="KV cache dtypes")
     ap.add_argument("--cpu-kernels", nargs="+", default=["on"], choices=["on", "off"])
     ap.add_argument("--prompts", nargs="+", default=["default"], choices=["default", "dequantized"])
-    ap.add_argument("--gguf-steps", nargs="+", type=int, default=[MAX_GGUF_STEPS],
+    ap.add_argument("--gguf-steps", nargs="+", type=int, default=[1],
                     help="gguf: the K-quants' activation steps per block (ModelEntry.gguf_steps; 1: one scale per 256)")
     ap.add_argument("--questions", type=int, default=100, help="0: perplexity only")
     ap.add_argument("--ppl-tokens", type=int, default=2048)
@@ -69,7 +69,7 @@ def main() -> None:
     for model in args.models:
         for quant, kv, compiled, path, steps in [
                 (q, kv, c, p, st) for q in args.quants for kv in args.kv for c in args.cpu_kernels
-                for p in args.prompts for st in (args.gguf_steps if q == "gguf" else [MAX_GGUF_STEPS])]:
+                for p in args.prompts for st in (args.gguf_steps if q == "gguf" else [1])]:
             entry = ModelEntry(model, quant=quant.removesuffix("-dot"), dot_rows=int(quant.endswith("-dot")),
                                dequant_rows=DEQUANT_ROWS["cpu"] if path == "dequantized" else None, gguf_steps=steps)
             engine = LLMEngine(EngineConfig(models={"m": entry}, max_kv_blocks=2048, kv_cache_dtype=kv,

@@ -73,10 +73,11 @@ class ModelEntry(msgspec.Struct, forbid_unknown_fields=True):
     # no table, or False: their kernel at every decode batch. A bf16 model's layers choose the
     # same way between cuBLAS and the Triton GEMV (kernels/gemv_triton.py); False: cuBLAS.
     dense_buckets: bool = True
-    # quant "gguf" on the CPU: a K-quant's activations take a step per 32 values, 1 to this many
-    # times their block of 256's int8 scale (kernels/gguf_quant.py's quantize_steps); 1: one scale
-    # per 256 values, as llama.cpp's q8_K (the 1.5B's perplexity +0.5% on float32's, against +0.00%).
-    gguf_steps: int = 8
+    # quant "gguf" on the CPU: 1, a K-quant's activations on one int8 scale per 256 values, as
+    # llama.cpp's q8_K; up to 8, a step per 32 of them, 1 to this many times that scale
+    # (kernels/gguf_quant.py's quantize_steps): the 1.5B's perplexity +0.04% on float32's against
+    # +0.50%, its prompts and batch-8 decode about a quarter slower (docs/engine.md).
+    gguf_steps: int = 1
     thinking: ThinkingConfig = ThinkingConfig()
 
     def __post_init__(self) -> None:

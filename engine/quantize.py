@@ -348,7 +348,7 @@ class GGUFLinear(Module):
 
     def __init__(self, parts: list[tuple[str, torch.Tensor]], bias: torch.Tensor | None,
                  device: torch.device | str = "cpu", triton_rows: int = GGUF_TRITON_ROWS,
-                 steps: int = gguf_quant.MAX_STEPS):
+                 steps: int = 1):
         super().__init__()
         merged: list[tuple[str, torch.Tensor]] = []
         for qtype, w in parts:
@@ -401,7 +401,7 @@ class GGUFEmbedding(Module):
             self.dtype).view(*ids.shape, self.dim)
 
 
-def apply_gguf(model: CausalLM, folder: Path, blocks: Path, steps: int = gguf_quant.MAX_STEPS) -> CausalLM:
+def apply_gguf(model: CausalLM, folder: Path, blocks: Path, steps: int = 1) -> CausalLM:
     """Swap the model's Linears (and its embedding) for ones on the GGUF's own blocks (`blocks`,
     models/convert.py's file: uint8 tensors named as the Hugging Face weights, their types in
     its metadata). A tensor of a type no kernel reads serves in float32 from the folder's float

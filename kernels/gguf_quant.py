@@ -187,12 +187,14 @@ def dequantize(w: torch.Tensor, qtype: str, cols: int) -> torch.Tensor:
 
 
 # A K-quant's activation block is 256 values, so that the weights' integer sub-block scales multiply
-# the integer sums, but one int8 scale over 256 lets an outlier round its block's other values
-# away (the 1.5B's perplexity rose 0.55% on them, mostly in gate|up, whose inputs carry Qwen's
-# outlier channels). So each 32 values of the block take a step of their own, a small integer
+# the integer sums; but one int8 scale over 256 lets an outlier round its block's other values
+# away (the 1.5B's perplexity +0.50% on float32's: Qwen's normed hidden states carry outlier
+# channels). With steps, each 32 values of the block take a step of their own, a small integer
 # multiple (1..steps) of the block's: the integer scale folds into the weights' in int16 and the
-# sums stay in int32, while a run of 32 without the outlier keeps up to `steps` times finer steps.
-# 8 keeps every int16 product below 2**15 (x's unit sums: 8 * 32 * 127; Q6_K's scales: 128 * 8).
+# sums stay in int32, while a run of 32 without the outlier keeps up to `steps` times finer steps
+# (+0.04% with 8), at a multiply and the sub-block scales' shuffles per row and block, which
+# prompts and batches pay (ModelEntry.gguf_steps; docs/engine.md). 8 keeps every int16 product
+# below 2**15 (x's unit sums: 8 * 32 * 127; Q6_K's scales: 128 * 8).
 MAX_STEPS = 8
 
 
@@ -214,7 +216,7 @@ def quantize_steps(x: torch.Tensor, block: int, steps: int) -> tuple[torch.Tenso
     return q.view(m, k), d.view(m, -1), mult.to(torch.int16).view(m, -1)
 
 
-def gguf_int8_matmul(x: torch.Tensor, w: torch.Tensor, qtype: str, steps: int = MAX_STEPS) -> torch.Tensor:
+def gguf_int8_matmul(x: torch.Tensor, w: torch.Tensor, qtype: str, steps: int = 1) -> torch.Tensor:
     """x float32 [M, K] @ the stored tensor w [N, row_bytes].T -> [M, N] by integer dot
     products, as llama.cpp computes on its blocks: x quantized to int8 per block of the type's
     `act` values with a step per 32 of them (`quantize_steps`), per unit the integer sum of its

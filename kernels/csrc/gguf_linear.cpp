@@ -132,14 +132,10 @@ alignas(32) constexpr int8_t WORD[8][32] = {
     W(0), W(1), W(2), W(3), W(4), W(5), W(6), W(7)
 #undef W
 };
-// Q6_K: bytes 2j and 2j + 1 of its 16 int8 scales, each eight times (widened, a sub-block of
-// 32's two units' scales).
-alignas(16) constexpr int8_t PAIR[8][16] = {
-#define P(j) {2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, \
-               2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1}
-    P(0), P(1), P(2), P(3), P(4), P(5), P(6), P(7)
-#undef P
-};
+// Q6_K: a 32-bit lane holding two int16 unit scales -> the first in the low 128 bits' eight
+// int16s, the second in the high ones' (a sub-block of 32's two units).
+alignas(32) constexpr int8_t PAIR[32] = {0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+                                         2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3};
 
 // Q4_K's twelve bytes of 6-bit scales and mins (GGML's packing) -> sub-block j's scale in
 // bytes j, its min in bytes 8 + j.
@@ -255,21 +251,31 @@ static inline void block(const uint8_t* blk, const Act& x, int64_t b, int rows, 
             const __m256i sm = _mm256_cvtepu8_epi16(T == Q4_K ? scales_mins(blk + 4) : scales_mins_x(blk + 4));
             const __m256i scales = _mm256_permute2x128_si256(sm, sm, 0x00);
             const __m128i mins = _mm256_extracti128_si256(sm, 1);
+            // With steps, each row's sub-block scales times x's step multiples there (at most 63 * 8),
+            // once a block; the unit scales then take their shuffles per row, not once for the tile.
+            __m256i row[ROWS ? ROWS : TILE];
+            if (x.mult)
+                for (int r = 0; r < R; ++r)
+                    row[r] = _mm256_mullo_epi16(scales, _mm256_broadcastsi128_si256(_mm_loadu_si128(
+                                                    (const __m128i*)(x.mult + r * mults_per_row + k0 / 32))));
             for (int h = 0; h < 2; ++h) {
                 const __m256i p0 = load(blk + 16 + 64 * h), p1 = load(blk + 48 + 64 * h);
                 const __m256i q0 = _mm256_and_si256(p0, low), q1 = _mm256_and_si256(_mm256_srli_epi16(p0, 4), low);
                 const __m256i q2 = _mm256_and_si256(p1, low), q3 = _mm256_and_si256(_mm256_srli_epi16(p1, 4), low);
-                const auto row_scales = [&](int r, __m256i* s) {
-                    // sub-block j's 6-bit scale times x's step multiple there: at most 63 * 8
-                    const __m256i sr = x.mult ? _mm256_mullo_epi16(scales, _mm256_broadcastsi128_si256(
-                        _mm_loadu_si128((const __m128i*)(x.mult + r * mults_per_row + k0 / 32)))) : scales;
-                    for (int i = 0; i < 4; ++i) s[i] = _mm256_shuffle_epi8(sr, load(WORD[4 * h + i]));
-                };
-                half(h, q0, q1, q2, q3, row_scales, [&](int r, __m256i total, float sx) {
+                const auto finish = [&](int r, __m256i total, float sx) {
                     const __m128i xs = _mm_loadu_si128((const __m128i*)(x.sum + r * sums_per_row + k0 / 32));
                     const __m256i min_sum = _mm256_zextsi128_si256(_mm_madd_epi16(mins, xs));
                     acc[r] = scaled(scaled(acc[r], total, d * sx), min_sum, -dmin * sx);
-                });
+                };
+                if (x.mult) {
+                    half(h, q0, q1, q2, q3, [&](int r, __m256i* s) {
+                        for (int i = 0; i < 4; ++i) s[i] = _mm256_shuffle_epi8(row[r], load(WORD[4 * h + i]));
+                    }, finish);
+                } else {
+                    __m256i shared[4];
+                    for (int i = 0; i < 4; ++i) shared[i] = _mm256_shuffle_epi8(scales, load(WORD[4 * h + i]));
+                    half(h, q0, q1, q2, q3, [&](int, __m256i* s) { std::copy(shared, shared + 4, s); }, finish);
+                }
             }
         } else {                                    // Q6_K: q - 32 as q 0..63, and -32 times x's unit sums
             const uint8_t *ql = blk, *qh = blk + 128;
@@ -277,6 +283,18 @@ static inline void block(const uint8_t* blk, const Act& x, int64_t b, int rows, 
             const __m128i sc = _mm_loadu_si128((const __m128i*)(blk + 192));
             const __m256i sc16 = _mm256_cvtepi8_epi16(sc);
             const __m256i three = _mm256_set1_epi8(3);
+            // With steps, each row's 16 unit scales times x's step multiples there (at most 128 * 8),
+            // once a block: a multiple per 32 values, widened to both its units.
+            __m256i row[ROWS ? ROWS : TILE];
+            if (x.mult)
+                for (int r = 0; r < R; ++r) {
+                    const __m256i m = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(x.mult + r * mults_per_row + k0 / 32)));
+                    row[r] = _mm256_mullo_epi16(sc16, _mm256_or_si256(m, _mm256_slli_epi32(m, 16)));
+                }
+            // Sub-block j's two unit scales: 32-bit lane j of a row's 16, in both halves of a vector.
+            const auto pair = [&](__m256i units, int j) {
+                return _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(units, _mm256_set1_epi32(j)), load(PAIR));
+            };
             for (int h = 0; h < 2; ++h) {
                 const __m256i l0 = load(ql + 64 * h), l1 = load(ql + 64 * h + 32), hb = load(qh + 32 * h);
                 const __m256i q0 = _mm256_or_si256(_mm256_and_si256(l0, low), _mm256_slli_epi16(_mm256_and_si256(hb, three), 4));
@@ -286,20 +304,20 @@ static inline void block(const uint8_t* blk, const Act& x, int64_t b, int rows, 
                                                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), three), 4));
                 const __m256i q3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low),
                                                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), three), 4));
-                const auto pair = [&](int j) {
-                    return _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc, _mm_load_si128((const __m128i*)PAIR[j])));
-                };
-                const __m256i p[4] = {pair(4 * h), pair(4 * h + 1), pair(4 * h + 2), pair(4 * h + 3)};
-                const auto row_scales = [&](int r, __m256i* s) {
-                    // a sub-block's two unit scales times x's step multiple there: at most 128 * 8
-                    const int16_t* mult = x.mult + r * mults_per_row + k0 / 32 + 4 * h;
-                    for (int i = 0; i < 4; ++i) s[i] = x.mult ? _mm256_mullo_epi16(p[i], _mm256_set1_epi16(mult[i])) : p[i];
-                };
-                half(h, q0, q1, q2, q3, row_scales, [&](int r, __m256i total, float sx) {
+                const auto finish = [&](int r, __m256i total, float sx) {
                     const __m256i xs = load(x.sum + r * sums_per_row + k0 / 16);
                     const __m256i shift = _mm256_slli_epi32(_mm256_madd_epi16(xs, sc16), 5);
                     acc[r] = scaled(acc[r], _mm256_sub_epi32(total, shift), d * sx);
-                });
+                };
+                if (x.mult) {
+                    half(h, q0, q1, q2, q3, [&](int r, __m256i* s) {
+                        for (int i = 0; i < 4; ++i) s[i] = pair(row[r], 4 * h + i);
+                    }, finish);
+                } else {
+                    __m256i shared[4];
+                    for (int i = 0; i < 4; ++i) shared[i] = pair(sc16, 4 * h + i);
+                    half(h, q0, q1, q2, q3, [&](int, __m256i* s) { std::copy(shared, shared + 4, s); }, finish);
+                }
             }
         }
     }
@@ -482,7 +500,7 @@ torch::Tensor gguf_linear(const torch::Tensor& x_, at::TensorList parts, at::Int
 }
 
 TORCH_LIBRARY_FRAGMENT(sluice, m) {
-    m.def("gguf_linear(Tensor x, Tensor[] parts, int[] types, Tensor? bias, int steps=8) -> Tensor");
+    m.def("gguf_linear(Tensor x, Tensor[] parts, int[] types, Tensor? bias, int steps=1) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(sluice, CPU, m) {
