@@ -202,6 +202,10 @@ class GatewayMetrics:
                       "(ModelEntry.dense_buckets)", ("model", "layer"),
                       lambda: {(m, kind): len(b) for m, s in engine_stats().items()
                                for kind, b in s["gemv_buckets"].items()}))
+        r.add(Sampled("sluice_engine_gguf_steps", "a K-quant's activation steps per block of 256 on the gguf "
+                      "precision's CPU kernel: 1, one int8 scale (llama.cpp's q8_K); up to 8, a step per 32 values "
+                      "(ModelEntry.gguf_steps)", ("model",),
+                      lambda: {(m,): s["gguf_steps"] for m, s in engine_stats().items() if s["quant"] == "gguf"}))
         r.add(Sampled("sluice_engine_dot_rows", "rows from which quantized matmuls run on integer dot products on "
                       "the CPU (0: never)", ("model",),
                       lambda: {(m,): s["dot_rows"] for m, s in engine_stats().items()}))

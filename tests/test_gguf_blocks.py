@@ -243,6 +243,7 @@ def test_one_call_decode_steps_on_gguf_blocks_equal_the_python_path(tmp_cache, t
         engine = LLMEngine(EngineConfig(models={"m": ModelEntry(str(path), quant="gguf")}, max_kv_blocks=64,
                                         cpu_step=cpu_step), progress=False)
         outs = engine.generate([[5, 9, 40, 7, 100], [3, 4, 5]], SamplingParams(max_tokens=12, ignore_eos=True))
+        assert engine.stats()["m"]["gguf_steps"] == 1            # llama.cpp's q8_K rounding by default
         return [(o.token_ids, o.logprobs) for o in outs], engine.stats()["m"]["cpu_steps"]
     (ours, steps), (ref, none) = run(True), run(False)
     assert steps > 0 and none == 0
