@@ -401,7 +401,7 @@ class GGUFEmbedding(Module):
             self.dtype).view(*ids.shape, self.dim)
 
 
-def apply_gguf(model: CausalLM, folder: Path, blocks: Path, steps: int = 1) -> CausalLM:
+def apply_gguf(model: CausalLM, folder: Path, blocks: Path, steps: int) -> CausalLM:
     """Swap the model's Linears (and its embedding) for ones on the GGUF's own blocks (`blocks`,
     models/convert.py's file: uint8 tensors named as the Hugging Face weights, their types in
     its metadata). A tensor of a type no kernel reads serves in float32 from the folder's float
