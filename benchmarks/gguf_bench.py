@@ -2,15 +2,17 @@
 shapes and types: each in the layout the engine serves (Q4_K as Q4_Kx, Q5_0 as Q5_0x4, repacked
 at load: kernels/gguf_quant.py's `repack`) against the same blocks as the file stores them, and
 against the float32 GEMM on the weights dequantized (torch's sgemm: what a prompt would cost on
-dequantized weights, the dequantization itself not counted). The K-quants are also timed with
+dequantized weights, the dequantization itself not counted), and against the int8 precision's
+kernel at the same shape (kernels/csrc/quant_matmul.cpp's int8_linear: int8 weights per channel,
+x per 128 values), the default precision the gguf one is measured against. The K-quants are also timed with
 their activations on a step per 32 values (gguf_linear's steps 8: kernels/gguf_quant.py's
 quantize_steps, ModelEntry.gguf_steps) against the default one int8 scale per 256 (llama.cpp's q8_K).
 
 Each layer is timed over enough copies of its blocks to be read from memory, not from the last
 level cache, as a decode step reads its layers; rows 1 and 8 are decode, 512 a prompt. The
-layouts take turns. It prints ms per call, the GB/s of stored weight bytes read (at 1 row, as a
-share of the read bandwidth), the served layout's speed against the file's and the kernel's
-against sgemm, and writes benchmarks/results/gguf_bench.json.
+layouts and int8 take turns. It prints ms per call, the GB/s of stored weight bytes read (at 1
+row, as a share of the read bandwidth), the served layout's speed against the file's, int8's and
+sgemm's, and writes benchmarks/results/gguf_bench.json.
 
     python benchmarks/gguf_bench.py [--threads 2] [--rows 1 8 512] [--out ...]
 """
@@ -25,14 +27,14 @@ from common import RESULTS, machine, memory_bandwidth_gbs, timed, write_results
 from rich.console import Console
 from rich.table import Table
 
-from kernels import cpu_build, gguf_cpu, gguf_quant
+from kernels import cpu_build, gguf_cpu, gguf_quant, quant_matmul_cpu
 
 console = Console(width=150)
 # (name, type in the file, K in, N out, the most rows it runs at in a step: the head sees a
 # prompt's last row)
 LAYERS = [("1.5B gate|up", "Q4_K", 1536, 8960, 512), ("1.5B down", "Q4_K", 8960, 1536, 512),
           ("1.5B head", "Q6_K", 1536, 151936, 8), ("0.5B gate|up", "Q5_0", 896, 9728, 512),
-          ("0.5B head", "Q8_0", 896, 151936, 8)]
+          ("0.5B down", "Q6_K", 4864, 896, 512), ("0.5B head", "Q8_0", 896, 151936, 8)]
 CACHE_BYTES = 96 << 20           # copies of a layer's blocks until they exceed the L3 several times
 
 
@@ -51,9 +53,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=RESULTS / "gguf_bench.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    ops = gguf_cpu.load()
-    if ops is None:
-        raise SystemExit(f"the compiled kernel is not built here ({cpu_build.unable()})")
+    ops, int8_ops = gguf_cpu.load(), quant_matmul_cpu.load()
+    if ops is None or int8_ops is None:
+        raise SystemExit(f"the compiled kernels are not built here ({cpu_build.unable()})")
     bandwidth = memory_bandwidth_gbs()
     results = []
     for name, qtype, k, n, most in LAYERS:
@@ -62,39 +64,44 @@ def main() -> None:
         layouts = {qtype: [w] + [w.clone() for _ in range(max(0, CACHE_BYTES // w.numel() - 1))]}
         if layout != qtype:
             layouts[layout] = [gguf_quant.repack(qtype, c)[1] for c in layouts[qtype]]
+        int8 = [torch.randint(-127, 128, (n, k), dtype=torch.int8) for _ in range(max(1, CACHE_BYTES // (n * k)))]
+        int8_scales = torch.rand(n) / 100
         dense = gguf_quant.dequantize(w, qtype, k).t().contiguous()
         for m in [r for r in args.rows if r <= most]:
             x = torch.randn(m, k)
             calls = len(layouts[qtype]) if m < 64 else 2
             steps = gguf_quant.MAX_STEPS
             variants = {(t, 1) for t in layouts} | ({(layout, steps)} if gguf_quant.TYPES[qtype].act > 32 else set())
-            times = {v: [] for v in variants}
+            times = {v: [] for v in variants | {("int8", 1)}}
             for _ in range(args.repeats):
                 for t, st in sorted(variants):
                     copies = layouts[t]
                     times[t, st].append(measure(lambda i: ops.gguf_linear(
                         x, [copies[i % len(copies)]], [gguf_quant.TYPES[t].id], None, st), calls, 1))
+                times["int8", 1].append(measure(lambda i: int8_ops.int8_linear(
+                    x, int8[i % len(int8)], int8_scales, 128), len(int8) if m < 64 else 2, 1))
             s = statistics.median(times[layout, 1])
             row = {"layer": name, "type": qtype, "layout": layout, "k": k, "n": n, "rows": m,
                    "weight_gb": w.numel() / 1e9, "ms": 1e3 * s, "gb_s": w.numel() / s / 1e9,
-                   "gmac_s": m * k * n / s / 1e9, "file_layout_ms": 1e3 * statistics.median(times[qtype, 1])}
+                   "gmac_s": m * k * n / s / 1e9, "file_layout_ms": 1e3 * statistics.median(times[qtype, 1]),
+                   "int8_ms": 1e3 * statistics.median(times["int8", 1])}
             if (layout, steps) in times:
                 row["steps_ms"] = 1e3 * statistics.median(times[layout, steps])
             if not args.no_sgemm:
                 row["sgemm_ms"] = 1e3 * measure(lambda i: x @ dense, 2, args.repeats)
             results.append(row)
             console.print(f"{name} {layout} [{k} x {n}] {m} rows: {row['ms']:.2f} ms, {row['gb_s']:.1f} GB/s"
-                          f" ({qtype} as stored {row['file_layout_ms']:.2f} ms)"
+                          f" ({qtype} as stored {row['file_layout_ms']:.2f} ms, int8 {row['int8_ms']:.2f} ms)"
                           + (f", sgemm {row['sgemm_ms']:.2f} ms" if "sgemm_ms" in row else ""))
     table = Table(title=f"gguf_linear at the Qwen models' shapes; {args.threads} threads, {machine()['isa']}, "
                         f"build {cpu_build.BUILDS['sluice_gguf_linear'].isa}, read bandwidth {bandwidth:.1f} GB/s")
     for col in ("layer", "layout (file's)", "K x N", "rows", "ms", "weights GB/s (share)", "GMAC/s",
-                "vs the file's layout", "steps 8 vs 1", "sgemm ms", "vs sgemm"):
+                "vs the file's layout", "vs int8", "steps 8 vs 1", "sgemm ms", "vs sgemm"):
         table.add_column(col)
     for r in results:
         table.add_row(r["layer"], f"{r['layout']} ({r['type']})", f"{r['k']} x {r['n']}", str(r["rows"]),
                       f"{r['ms']:.2f}", f"{r['gb_s']:.1f} ({r['gb_s'] / bandwidth:.0%})", f"{r['gmac_s']:.1f}",
-                      f"{r['file_layout_ms'] / r['ms']:.2f}x",
+                      f"{r['file_layout_ms'] / r['ms']:.2f}x", f"[bold]{r['int8_ms'] / r['ms']:.2f}x[/]",
                       f"{r['ms'] / r['steps_ms']:.2f}x" if "steps_ms" in r else "",
                       f"{r['sgemm_ms']:.2f}" if "sgemm_ms" in r else "",
                       f"[bold]{r['sgemm_ms'] / r['ms']:.2f}x[/]" if "sgemm_ms" in r else "")

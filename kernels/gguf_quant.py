@@ -16,10 +16,12 @@ the order `gguf.quants.dequantize` computes it, so the twin is equal to it to th
     Q4_K   256   144    32    4 bits                   d * sc (6 bit) -dmin * m (6 bit)
     Q6_K   256   210    16    6 bits - 32              d * sc (int8)  -
 
-Two more layouts are repacked at load for the CPU kernel, not a file's, each holding the same
-values in the same bytes per block (so they dequantize to the same bits) in an order that
-unpacks in fewer instructions: Q5_0x4 (`group_q5_0`), four consecutive blocks of a row in 88
-bytes, and Q4_Kx (`repack_q4_k`), Q4_K with its 6-bit scales and mins packed anew.
+Three more layouts are repacked at load for the CPU kernel, not a file's, each holding the same
+values in the same bytes (so they dequantize to the same bits) in an order that unpacks and sums
+in fewer instructions: Q5_0x4 and Q8_0x4 (`group_q5_0`, `group_q8_0`), four
+consecutive blocks of a row in their 88 and 136 bytes, interleaved so that each 4-byte lane of a
+32-byte vector holds one block's weights, and Q4_Kx (`repack_q4_k`), Q4_K with its 6-bit scales
+and mins packed anew.
 """
 from __future__ import annotations
 
@@ -49,12 +51,17 @@ TYPES = {t.name: t for t in (
     BlockType("Q6_K", 4, 256, 210, (208,), 16, 256),
     BlockType("Q5_0x4", 5, 128, 88, (0, 2, 4, 6), 32, 32),
     BlockType("Q4_Kx", 6, 256, 144, (0, 2), 32, 256),
+    BlockType("Q8_0x4", 7, 128, 136, (0, 2, 4, 6), 32, 32),
 )}
-LAYOUTS = {"Q5_0": "Q5_0x4", "Q4_K": "Q4_Kx"}            # a file's type -> the CPU kernel's layout of it
+LAYOUTS = {"Q5_0": "Q5_0x4", "Q8_0": "Q8_0x4", "Q4_K": "Q4_Kx"}    # a file's type -> the CPU kernel's layout of it
 FILE_TYPES = tuple(t for t in TYPES if t not in LAYOUTS.values())   # the GGUF types read as stored
 
-# Q5_0x4 keeps a unit's 32 fifth bits in an order that one shift per 4-byte lane (lane L by L
-# bits) brings weight 4L + k's bit to bit 7 of byte k: weight j's bit is bit 8 (j % 4) + 7 - j // 4.
+# Q5_0x4 and Q8_0x4 interleave four blocks: each of their four vectors of 32 weights holds, in every
+# 4-byte lane L, four weights of block L % 4, so the kernel's products sum per lane within one block
+# (x takes the same order). Vector k's byte 16 h + 4 b + i is block b's weight 8 k + 4 h + i.
+_X4_ORDER = torch.tensor([32 * (p % 16 // 4) + 8 * (p // 32) + 4 * (p % 32 // 16) + p % 4 for p in range(128)])
+# A vector keeps its 32 fifth bits in an order that one shift per 4-byte lane (lane L by L bits)
+# brings byte 4L + k's bit to bit 7 of byte k: byte j's bit is bit 8 (j % 4) + 7 - j // 4.
 _X4_BIT = [8 * (j % 4) + 7 - j // 4 for j in range(32)]
 
 
@@ -66,18 +73,25 @@ def _bits(b: torch.Tensor) -> torch.Tensor:
 
 def group_q5_0(w: torch.Tensor) -> torch.Tensor:
     """Q5_0 rows uint8 [rows, row_bytes] (blocks a multiple of 4 each) -> the same rows as Q5_0x4:
-    per four blocks their float16 scales, their fifth bits (each block's in _X4_BIT's order),
-    then two runs of 32 bytes, each holding two blocks' weights in order: the first's in the low
-    nibbles, the second's in the high ones."""
+    per four blocks their float16 scales, then their 128 weights as four vectors in _X4_ORDER: each
+    vector's fifth bits (a uint32 in _X4_BIT's order), then two runs of 32 bytes, each holding two
+    vectors: the first's low four bits in the low nibbles, the second's in the high ones."""
     rows = w.shape[0]
     b = w.reshape(-1, 4, 22)
-    nib = _nibbles(b[..., 6:])                                       # [groups, 4, 32]: weights in order
-    qh = b[..., 2:6].contiguous().view(torch.int32)                  # [groups, 4, 1]
-    moved = torch.zeros_like(qh)
+    five = (_nibbles(b[..., 6:]) | (_bits(b[..., 2:6]) << 4)).reshape(-1, 128)[:, _X4_ORDER].view(-1, 4, 32)
+    fifth = torch.zeros(five.shape[:2], dtype=torch.int32)
     for j, bit in enumerate(_X4_BIT):
-        moved |= ((qh >> j) & 1) << bit
-    return torch.cat([b[..., :2].reshape(-1, 8), moved.view(torch.uint8).reshape(-1, 16),
-                      (nib[:, 0::2] | (nib[:, 1::2] << 4)).reshape(-1, 64)], -1).reshape(rows, -1)
+        fifth |= (five[..., j] >> 4).to(torch.int32) << bit
+    low = five & 0x0F
+    return torch.cat([b[..., :2].reshape(-1, 8), fifth.view(torch.uint8).reshape(-1, 16),
+                      (low[:, 0::2] | (low[:, 1::2] << 4)).reshape(-1, 64)], -1).reshape(rows, -1)
+
+
+def group_q8_0(w: torch.Tensor) -> torch.Tensor:
+    """Q8_0 rows uint8 [rows, row_bytes] (blocks a multiple of 4 each) -> the same rows as Q8_0x4:
+    per four blocks their float16 scales, then their 128 int8 weights in _X4_ORDER."""
+    b = w.reshape(-1, 4, 34)
+    return torch.cat([b[..., :2].reshape(-1, 8), b[..., 2:].reshape(-1, 128)[:, _X4_ORDER]], -1).reshape(w.shape)
 
 
 def row_bytes(qtype: str, cols: int) -> int:
@@ -131,7 +145,14 @@ def repack(qtype: str, w: torch.Tensor) -> tuple[str, torch.Tensor]:
     layout = LAYOUTS.get(qtype)
     if layout is None or w.shape[1] % TYPES[layout].nbytes:
         return qtype, w
-    return layout, (group_q5_0 if qtype == "Q5_0" else repack_q4_k)(w)
+    return layout, {"Q5_0": group_q5_0, "Q8_0": group_q8_0, "Q4_K": repack_q4_k}[qtype](w)
+
+
+def _in_order(vectors: torch.Tensor) -> torch.Tensor:
+    """An x4 layout's weights [n, 128] (or [n, 4, 32]) in _X4_ORDER -> its four blocks [n, 4, 32]."""
+    blocks = torch.empty(vectors.shape[0], 128, dtype=vectors.dtype)
+    blocks[:, _X4_ORDER] = vectors.reshape(-1, 128)
+    return blocks.view(-1, 4, 32)
 
 
 def unpack(blocks: torch.Tensor, qtype: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -148,7 +169,9 @@ def unpack(blocks: torch.Tensor, qtype: str) -> tuple[torch.Tensor, torch.Tensor
     if qtype == "Q5_0x4":
         d, qh, qs = blocks[:, :8], blocks[:, 8:24].reshape(n, 4, 4), blocks[:, 24:].reshape(n, 2, 32)
         low = torch.stack([qs & 0x0F, qs >> 4], 2).reshape(n, 4, 32)
-        return (low | (_bits(qh)[..., _X4_BIT] << 4)).to(torch.int8) - 16, _f16(d), None
+        return _in_order((low | (_bits(qh)[..., _X4_BIT] << 4)).to(torch.int8) - 16), _f16(d), None
+    if qtype == "Q8_0x4":
+        return _in_order(blocks[:, 8:].contiguous().view(torch.int8)), _f16(blocks[:, :8]), None
     if qtype == "Q4_1":
         d, m, qs = blocks[:, :2], blocks[:, 2:4], blocks[:, 4:]
         return _nibbles(qs).to(torch.int8).view(n, 1, 32), _f16(d), _f16(m)

@@ -78,7 +78,7 @@ def test_a_layer_of_mixed_parts_and_a_bias_is_its_parts_side_by_side(rows):
     columns, the bias added there: the same bits as a call per part and the bias added after."""
     ops = compiled()
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(3))
-    types = ["Q5_0", "Q8_0", "Q4_K", "Q6_K", "Q4_1", "Q4_Kx", "Q5_0x4"]
+    types = ["Q5_0", "Q8_0", "Q4_K", "Q6_K", "Q4_1", "Q4_Kx", "Q5_0x4", "Q8_0x4"]
     ws = [gguf_quant.random_blocks(q, 16 + 8 * i, 512, seed=i) for i, q in enumerate(types)]
     ids = [gguf_quant.TYPES[q].id for q in types]
     bias = torch.randn(sum(len(w) for w in ws))
@@ -228,16 +228,17 @@ def test_a_type_no_kernel_reads_serves_in_float_with_a_warning(tmp_cache, tmp_pa
 
 def test_one_call_decode_steps_on_gguf_blocks_equal_the_python_path(tmp_cache, tmp_path):
     """engine/cpu_step.py's compiled step calls the same gguf kernel on the same blocks (a q|k|v
-    of three types among them, and the MLP's Q5_0 repacked at load where its rows allow: down's
-    128 columns are four blocks, Q5_0x4; gate|up's 64 stay Q5_0), so its tokens and
-    log-probabilities are the Python path's to the bit."""
+    of three types among them, and the MLP repacked at load where its rows allow: down's 128
+    columns are four blocks, Q5_0x4 in one layer and Q8_0x4 in the other; gate|up's 64 stay
+    Q5_0), so its tokens and log-probabilities are the Python path's to the bit."""
     compiled()
     path = tmp_path / "tiny-gguf.gguf"
     write_tiny_gguf("llama", path, {"q_proj": "Q8_0", "k_proj": "Q5_0", "v_proj": "Q4_1", "o_proj": "Q4_1",
-                                    "mlp.": "Q5_0"}, intermediate=128)
+                                    "layers.1.mlp.down_proj": "Q8_0", "mlp.": "Q5_0"}, intermediate=128)
     config = EngineConfig(models={"m": ModelEntry(str(path), quant="gguf")})
-    mlp = worker._load(config.models["m"], False, Device.resolve(config))[1].layers[0].mlp
-    assert mlp.down_proj.types == ["Q5_0x4"] and mlp.gate_up_proj.types == ["Q5_0"]
+    layers = worker._load(config.models["m"], False, Device.resolve(config))[1].layers
+    assert [layer.mlp.down_proj.types for layer in layers] == [["Q5_0x4"], ["Q8_0x4"]]
+    assert layers[0].mlp.gate_up_proj.types == ["Q5_0"]
 
     def run(cpu_step: bool):
         engine = LLMEngine(EngineConfig(models={"m": ModelEntry(str(path), quant="gguf")}, max_kv_blocks=64,

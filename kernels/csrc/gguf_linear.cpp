@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <cstring>
 #include <map>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -36,15 +37,18 @@
 
 namespace {
 
-// Repacked at load (kernels/gguf_quant.py): Q5_0x4, Q5_0 in groups of four blocks (`group_q5_0`); Q4_Kx,
+// Repacked at load (kernels/gguf_quant.py): Q5_0x4 and Q8_0x4, four blocks interleaved (`group_q5_0`,
+// `group_q8_0`); Q4_Kx,
 // Q4_K with its scales and mins in a packing vectors unpack (`repack_q4_k`).
-enum Type : int64_t { Q8_0 = 0, Q5_0 = 1, Q4_1 = 2, Q4_K = 3, Q6_K = 4, Q5_0x4 = 5, Q4_Kx = 6 };
+enum Type : int64_t { Q8_0 = 0, Q5_0 = 1, Q4_1 = 2, Q4_K = 3, Q6_K = 4, Q5_0x4 = 5, Q4_Kx = 6, Q8_0x4 = 7 };
 
-// Weights and bytes per block, activations per int8 scale, and per unit sum of x.
-struct Traits { int64_t block, bytes, act, unit; };
+// Weights and bytes per block, activations per int8 scale, per unit sum of x, and whether x is
+// read in the x4 layouts' interleaved order.
+struct Traits { int64_t block, bytes, act, unit; bool x4 = false; };
 constexpr Traits traits(int64_t t) {
     return t == Q8_0 ? Traits{32, 34, 32, 32} : t == Q5_0 ? Traits{32, 22, 32, 32} : t == Q4_1 ? Traits{32, 20, 32, 32}
-         : t == Q4_K || t == Q4_Kx ? Traits{256, 144, 256, 32} : t == Q6_K ? Traits{256, 210, 256, 16} : Traits{128, 88, 32, 32};
+         : t == Q4_K || t == Q4_Kx ? Traits{256, 144, 256, 32} : t == Q6_K ? Traits{256, 210, 256, 16}
+         : t == Q5_0x4 ? Traits{128, 88, 32, 32, true} : Traits{128, 136, 32, 32, true};
 }
 
 constexpr int TILE = 32;        // rows of x per tile: a block's share of them is 8 KiB (K-quants)
@@ -162,24 +166,25 @@ static inline __m128i scales_mins_x(const uint8_t* s) {
     return _mm_or_si128(nibbles, _mm_srli_epi16(top, 2));
 }
 
-// Unit j of a block of a type with units of 32 (Q5_0x4's blocks hold four): its 32 integers, as
-// signed bytes (Q8_0, Q5_0: multiplied as |q| times x with q's sign) or unsigned (Q4_1), and
-// its scale d.
-template <int64_t T>
-static inline __m256i unit(const uint8_t* blk, int j, float& d) {
+// Q5_0x4's vector j of 32 weights (q - 16, signed bytes): two vectors' low four bits in each 32-byte
+// run, and each vector's fifth bits moved to bit 4 of their bytes by one shift per lane (their
+// order in the layout is made for it).
+static inline __m256i x4_vector(const uint8_t* blk, int j) {
     const __m256i sixteen = _mm256_set1_epi8(16);
-    if constexpr (T == Q5_0x4) {
-        // Two blocks' nibbles in each 32-byte run, and each block's fifth bits moved to bit 4 of
-        // their bytes by one shift per lane (their order in the layout is made for it).
-        uint32_t h;
-        std::memcpy(&h, blk + 8 + 4 * j, 4);
-        const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), v = load(blk + 24 + 32 * (j / 2));
-        const __m256i fifth = _mm256_and_si256(_mm256_srli_epi16(_mm256_sllv_epi32(_mm256_set1_epi32((int)h), lanes), 3),
-                                               sixteen);
-        d = f16(blk + 2 * j);
-        return _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(j % 2 ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0x0F)),
-                                               fifth), sixteen);
-    }
+    uint32_t h;
+    std::memcpy(&h, blk + 8 + 4 * j, 4);
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), v = load(blk + 24 + 32 * (j / 2));
+    const __m256i fifth = _mm256_and_si256(_mm256_srli_epi16(_mm256_sllv_epi32(_mm256_set1_epi32((int)h), lanes), 3),
+                                           sixteen);
+    return _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(j % 2 ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0x0F)),
+                                           fifth), sixteen);
+}
+
+// A block of a type with units of 32: its 32 integers, as signed bytes (Q8_0, Q5_0: multiplied as
+// |q| times x with q's sign) or unsigned (Q4_1), and its scale d.
+template <int64_t T>
+static inline __m256i unit(const uint8_t* blk, float& d) {
+    const __m256i sixteen = _mm256_set1_epi8(16);
     d = f16(blk);
     if constexpr (T == Q8_0) return load(blk + 2);
     if constexpr (T == Q5_0)
@@ -200,32 +205,36 @@ static inline void block(const uint8_t* blk, const Act& x, int64_t b, int rows, 
     const int64_t K = x.K, k0 = b * tr.block;
     const int64_t scales_per_row = K / tr.act, sums_per_row = K / tr.unit, mults_per_row = K / 32;
     const __m256i low = _mm256_set1_epi8(0x0F);
-    if constexpr (T == Q5_0x4) {
-        // Four blocks: a row's four integer sums reduced into one vector of four, then one float
-        // step for them (the blocks' d times x's scales); a row's acc holds four sums, one per
-        // block position.
+    if constexpr (tr.x4) {
+        // Four blocks interleaved, x in the same order (kernels/gguf_quant.py's _X4_ORDER): every
+        // 4-byte lane of a vector holds weights of one block, lane L of block L % 4 in each half.
+        // A row's products then sum into int32 lanes of one block each and take one float step,
+        // each lane its block's d times x's scale there: no reduction across lanes. Q5_0's add up
+        // in int16 across the four vectors first (|q| <= 16, |x| <= 127: at most 4 * 2 * 16 * 127
+        // = 16256); Q8_0's pairs fill int16 already.
         const __m256i ones = _mm256_set1_epi16(1);
-        const __m128 d = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)blk));
+        const __m128 d4 = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)blk));
+        const __m256 d = _mm256_set_m128(d4, d4);
         __m256i q[4], u[4];
         for (int j = 0; j < 4; ++j) {
-            float unused;
-            q[j] = unit<T>(blk, j, unused);
+            q[j] = T == Q5_0x4 ? x4_vector(blk, j) : load(blk + 8 + 32 * j);
             u[j] = _mm256_sign_epi8(q[j], q[j]);
         }
         for (int r = 0; r < R; ++r) {
             const int8_t* xr = x.q + r * K + k0;
-            __m256i sums[4];
-            for (int j = 0; j < 4; ++j)
-                sums[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(u[j], _mm256_sign_epi8(load(xr + 32 * j), q[j])), ones);
-            const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(sums[0], sums[1]), _mm256_hadd_epi32(sums[2], sums[3]));
-            const __m128i total = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
-            const __m128 scale = _mm_mul_ps(d, _mm_loadu_ps(x.scale + r * scales_per_row + k0 / 32));
-            acc[r] = _mm256_zextps128_ps256(_mm_fmadd_ps(_mm_cvtepi32_ps(total), scale, _mm256_castps256_ps128(acc[r])));
+            __m256i p[4];
+            for (int j = 0; j < 4; ++j) p[j] = _mm256_maddubs_epi16(u[j], _mm256_sign_epi8(load(xr + 32 * j), q[j]));
+            const __m256i lanes = T == Q5_0x4
+                ? _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3])), ones)
+                : _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(p[0], ones), _mm256_madd_epi16(p[1], ones)),
+                                   _mm256_add_epi32(_mm256_madd_epi16(p[2], ones), _mm256_madd_epi16(p[3], ones)));
+            const __m256 scale = _mm256_mul_ps(d, _mm256_broadcast_ps((const __m128*)(x.scale + r * scales_per_row + k0 / 32)));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), scale, acc[r]);
         }
     } else if constexpr (tr.block == 32) {         // one unit of 32
         const __m256i ones = _mm256_set1_epi16(1);
         float d;
-        const __m256i q = unit<T>(blk, 0, d), u = T == Q4_1 ? q : _mm256_sign_epi8(q, q);
+        const __m256i q = unit<T>(blk, d), u = T == Q4_1 ? q : _mm256_sign_epi8(q, q);
         for (int r = 0; r < R; ++r) {
             __m256i xv = load(x.q + r * K + k0);
             if constexpr (T != Q4_1) xv = _mm256_sign_epi8(xv, q);
@@ -394,13 +403,14 @@ static void linear(const Act& x, const uint8_t* W, const Out& O, int64_t M, int6
     });
 }
 
-// x per block of B values as int8, and the integer sum of every U values. One scale per block
+// x per block of B values as int8, and the integer sum of every U values (x4: the int8 values in
+// the x4 layouts' order). One scale per block
 // (`mult` null: max(|x|max, 1e-8) / 127, x / scale rounded half to even: kernels/quant_matmul.py's
 // quantize_rows), or a step per 32 values, a multiple m (1..steps) of the block's scale
 // d = max(|x|max, 1e-8) / (127 steps), and sums in those steps (kernels/gguf_quant.py's
 // quantize_steps, to the bit: the same float operations in the same order).
-static void quantize(const float* x, int64_t M, int64_t K, int64_t B, int64_t U, int8_t* q, float* xs, int16_t* xi,
-                     int16_t* mult, int steps) {
+static void quantize(const float* x, int64_t M, int64_t K, int64_t B, int64_t U, bool x4, int8_t* q, float* xs,
+                     int16_t* xi, int16_t* mult, int steps) {
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     const auto run_max = [&](const float* p) {
@@ -432,6 +442,14 @@ static void quantize(const float* x, int64_t M, int64_t K, int64_t B, int64_t U,
                 }
             }
         }
+        // The x4 layouts' order: byte 16 h + 4 b + i of vector k is x[32 b + 8 k + 4 h + i], per 128 values.
+        if (x4)
+            for (int64_t i = m0 * K; i < m1 * K; i += 128) {
+                int8_t in_order[128];
+                std::memcpy(in_order, q + i, 128);
+                for (int p = 0; p < 128; p += 4)
+                    std::memcpy(q + i + p, in_order + 32 * (p % 16 / 4) + 8 * (p / 32) + 4 * (p % 32 / 16), 4);
+            }
     });
 }
 
@@ -452,7 +470,7 @@ torch::Tensor gguf_linear(const torch::Tensor& x_, at::TensorList parts, at::Int
     for (size_t i = 0; i < parts.size(); ++i) {
         const int64_t type = types[i];
         const torch::Tensor& w = parts[i];
-        TORCH_CHECK(type >= Q8_0 && type <= Q4_Kx, "gguf_linear: unknown type ", type);
+        TORCH_CHECK(type >= Q8_0 && type <= Q8_0x4, "gguf_linear: unknown type ", type);
         const Traits tr = traits(type);
         TORCH_CHECK(K % tr.block == 0, "gguf_linear: K = ", K, " is not a multiple of the type's block ", tr.block);
         TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous() &&
@@ -467,18 +485,18 @@ torch::Tensor gguf_linear(const torch::Tensor& x_, at::TensorList parts, at::Int
     }
     auto out = torch::empty({M, N}, x.options());
     struct Quantized { std::vector<int8_t> q; std::vector<float> scale; std::vector<int16_t> sum, mult; };
-    thread_local std::map<std::pair<int64_t, int64_t>, Quantized> scratch;     // by (act, unit)
+    thread_local std::map<std::tuple<int64_t, int64_t, bool>, Quantized> scratch;     // by (act, unit, x4)
     int64_t n0 = 0;
     for (size_t i = 0; i < parts.size(); ++i) {
         const Traits tr = traits(types[i]);
         const bool stepped = tr.act > 32 && steps > 1;
-        Quantized& a = scratch[{tr.act, tr.unit}];
+        Quantized& a = scratch[{tr.act, tr.unit, tr.x4}];
         const bool first = std::none_of(types.begin(), types.begin() + i, [&](int64_t t) {
-            return traits(t).act == tr.act && traits(t).unit == tr.unit; });
+            return traits(t).act == tr.act && traits(t).unit == tr.unit && traits(t).x4 == tr.x4; });
         if (first) {                // no earlier part quantized x this way
             a.q.resize(M * K), a.scale.resize(M * K / tr.act), a.sum.resize(M * K / tr.unit);
             a.mult.resize(M * K / 32);
-            quantize(x.data_ptr<float>(), M, K, tr.act, tr.unit, a.q.data(), a.scale.data(), a.sum.data(),
+            quantize(x.data_ptr<float>(), M, K, tr.act, tr.unit, tr.x4, a.q.data(), a.scale.data(), a.sum.data(),
                      stepped ? a.mult.data() : nullptr, (int)steps);
         }
         const Act act{a.q.data(), a.scale.data(), a.sum.data(), stepped ? a.mult.data() : nullptr, K};
@@ -492,6 +510,7 @@ torch::Tensor gguf_linear(const torch::Tensor& x_, at::TensorList parts, at::Int
             case Q4_K: linear<Q4_K>(act, W, O, M, n); break;
             case Q5_0x4: linear<Q5_0x4>(act, W, O, M, n); break;
             case Q4_Kx: linear<Q4_Kx>(act, W, O, M, n); break;
+            case Q8_0x4: linear<Q8_0x4>(act, W, O, M, n); break;
             default: linear<Q6_K>(act, W, O, M, n);
         }
         n0 += n;
