@@ -12,8 +12,9 @@ prompts run on dequantized float32 weights wherever the stored format is kept (a
 int4). `--cpu-kernels` picks how a layer's other kernels run, each setting its own engine: `off`
 their PyTorch twins (EngineConfig.cpu_kernels off), `on` the compiled ones of kernels/layer_cpu.py
 called from Python (cpu_step off), `step` a decode step's layers in one compiled call
-(engine/cpu_step.py, the default). The two engines take turns, median of 3, all on the same
-threads.
+(engine/cpu_step.py, the default). `--gguf-steps 1 8` runs gguf with its K-quants' activations
+on one scale per 256 and on a step per 32 in ModelEntry.gguf_steps_on's projections. The two
+engines take turns, median of 3, all on the same threads.
 
 `--isa avx2` measures an AVX2-only host's code on any x86 host that has AVX2: llama.cpp built
 with `-DGGML_NATIVE=OFF` (ggml's portable set: AVX, AVX2, FMA, F16C, BMI2, no AVX-512), Sluice's
@@ -51,7 +52,7 @@ from common import RESULTS, machine, memory_bandwidth_gbs, write_results
 from rich.console import Console
 from rich.table import Table
 
-from engine.config import EngineConfig, ModelEntry
+from engine.config import GGUF_STEPS, EngineConfig, ModelEntry
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.worker import weight_bytes
@@ -169,6 +170,8 @@ def main() -> None:
     ap.add_argument("--quants", nargs="+", default=["gguf", "int8-dot", "int4-dot"],
                     choices=["gguf", "int8", "int8-dot", "int4", "int4-dot"])
     ap.add_argument("--cpu-kernels", nargs="+", default=["step"], choices=["off", "on", "step"])
+    ap.add_argument("--gguf-steps", nargs="+", type=int, default=[GGUF_STEPS],
+                    help="gguf: the K-quants' activation steps per block in ModelEntry.gguf_steps_on's projections")
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     ap.add_argument("--tokens", type=int, default=64, help="decoded per sequence")
     ap.add_argument("--prompt", type=int, default=512, help="prefill prompt tokens")
@@ -195,8 +198,11 @@ def main() -> None:
         gguf = Path(model) if model.endswith(".gguf") else cache_dir() / "gguf" / f"{model}.gguf"
         name = gguf.stem
         llama_bytes = gguf_read_bytes(gguf)
-        for quant, compiled in [(q, c) for q in args.quants for c in args.cpu_kernels]:
-            entry = ModelEntry(str(folder), quant=quant.removesuffix("-dot"), dot_rows=int(quant.endswith("-dot")))
+        for quant, compiled, steps in [(q, c, st) for q in args.quants for c in args.cpu_kernels
+                                       for st in (args.gguf_steps if q == "gguf" else [1])]:
+            entry = ModelEntry(str(folder), quant=quant.removesuffix("-dot"), dot_rows=int(quant.endswith("-dot")),
+                               gguf_steps=steps)
+            label = f"gguf, steps {steps}" if quant == "gguf" and steps > 1 else quant
             engine = LLMEngine(EngineConfig(models={"m": entry}, device="cpu",
                                             max_num_seqs=max(args.batches), num_threads=args.threads,
                                             memory_budget_gb=3.0, cpu_kernels=compiled != "off",
@@ -220,13 +226,13 @@ def main() -> None:
                 # Decode reads the weights once per step, whatever the batch.
                 gb_s = {"sluice": sluice_bytes, "llama.cpp": llama_bytes}
                 gb_s = {k: gb_s[k] * tok_s[k] / batch / 1e9 for k in tok_s} if what == "decode" else {}
-                rows.append({"model": name, "sluice_weights": quant, "cpu_kernels": compiled,
+                rows.append({"model": name, "sluice_weights": label, "cpu_kernels": compiled,
                              "llama_cpp_weights": "gguf as stored",
                              "what": what, "batch": batch, "tokens": args.tokens if what == "decode" else args.prompt,
                              "tok_s": tok_s, "runs": runs, "gb_s": gb_s, "read_bandwidth_gbs": read_gbs,
                              "bandwidth_share": {k: v / statistics.median(read_gbs) for k, v in gb_s.items()},
                              "ratio": tok_s["sluice"] / tok_s["llama.cpp"]} | loaded)
-                console.print(f"{name} {quant} (layer kernels {compiled}) {what} batch {batch}: "
+                console.print(f"{name} {label} (layer kernels {compiled}) {what} batch {batch}: "
                               f"Sluice {tok_s['sluice']:.1f} tok/s, "
                               f"llama.cpp {tok_s['llama.cpp']:.1f} ({rows[-1]['ratio']:.2f}x)")
             del engine

@@ -12,7 +12,7 @@ twins and compiled (EngineConfig.cpu_kernels), `--prompts default dequantized` w
 on the default path and on dequantized weights (ModelEntry.dequant_rows), and each counts the
 answers that differ from the first of its rows. `--gguf-steps 1 8` answers gguf with its K-quants'
 activations on one int8 scale per 256 values (llama.cpp's q8_K) and on a step per 32 of them
-(ModelEntry.gguf_steps).
+(ModelEntry.gguf_steps), in the projections `--gguf-steps-on` names (ModelEntry.gguf_steps_on).
 Prints a table and writes benchmarks/results/quant_quality.json.
 
 The data is read from $SLUICE_DATA or ../shared/data (never copied into the repository).
@@ -30,7 +30,7 @@ from common import RESULTS, ROOT
 from rich.console import Console
 from rich.table import Table
 
-from engine.config import EngineConfig, ModelEntry
+from engine.config import GGUF_PROJECTIONS, GGUF_STEPS_ON, EngineConfig, ModelEntry
 from engine.llm_engine import LLMEngine
 from engine.quantize import DEQUANT_ROWS
 from engine.sampling_params import SamplingParams
@@ -49,6 +49,25 @@ def squad(data_dir: Path, n: int, seed: int) -> tuple[list[str], list[tuple[str,
     return [p["context"] for p in paragraphs], random.Random(seed).sample(qas, n)
 
 
+def steps_label(row: dict) -> str:
+    """A row's gguf steps and the projections taking them, for the table."""
+    if not row["gguf_steps"]:
+        return "-"
+    on = row.get("gguf_steps_on")
+    if not on:
+        return str(row["gguf_steps"])
+    return f"{row['gguf_steps']} on {'all' if len(on) == len(GGUF_PROJECTIONS) else ', '.join(on)}"
+
+
+def projections(names: str) -> tuple[str, ...]:
+    """`--gguf-steps-on`'s value: comma-separated projection names, or all."""
+    chosen = GGUF_PROJECTIONS if names == "all" else tuple(names.split(","))
+    if unknown := set(chosen) - set(GGUF_PROJECTIONS):
+        raise argparse.ArgumentTypeError(f"no projection {', '.join(sorted(unknown))}; "
+                                         f"known: {', '.join(GGUF_PROJECTIONS)}, all")
+    return chosen
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
@@ -59,6 +78,9 @@ def main() -> None:
     ap.add_argument("--prompts", nargs="+", default=["default"], choices=["default", "dequantized"])
     ap.add_argument("--gguf-steps", nargs="+", type=int, default=[1],
                     help="gguf: the K-quants' activation steps per block (ModelEntry.gguf_steps; 1: one scale per 256)")
+    ap.add_argument("--gguf-steps-on", nargs="+", type=projections, default=[GGUF_STEPS_ON],
+                    help="gguf: sets of projections that take those steps, each its own row: comma-separated "
+                         f"names of {', '.join(GGUF_PROJECTIONS)}, or all (ModelEntry.gguf_steps_on)")
     ap.add_argument("--questions", type=int, default=100, help="0: perplexity only")
     ap.add_argument("--ppl-tokens", type=int, default=2048)
     ap.add_argument("--data", type=Path, default=Path(os.environ.get("SLUICE_DATA", ROOT.parent / "shared" / "data")))
@@ -67,11 +89,13 @@ def main() -> None:
     contexts, questions = squad(args.data, args.questions, seed=0)
     rows, answered = [], {}
     for model in args.models:
-        for quant, kv, compiled, path, steps in [
-                (q, kv, c, p, st) for q in args.quants for kv in args.kv for c in args.cpu_kernels
-                for p in args.prompts for st in (args.gguf_steps if q == "gguf" else [1])]:
+        for quant, kv, compiled, path, steps, on in [
+                (q, kv, c, p, st, on) for q in args.quants for kv in args.kv for c in args.cpu_kernels
+                for p in args.prompts for st in (args.gguf_steps if q == "gguf" else [1])
+                for on in (args.gguf_steps_on if q == "gguf" and st > 1 else [GGUF_STEPS_ON])]:
             entry = ModelEntry(model, quant=quant.removesuffix("-dot"), dot_rows=int(quant.endswith("-dot")),
-                               dequant_rows=DEQUANT_ROWS["cpu"] if path == "dequantized" else None, gguf_steps=steps)
+                               dequant_rows=DEQUANT_ROWS["cpu"] if path == "dequantized" else None, gguf_steps=steps,
+                               gguf_steps_on=on)
             engine = LLMEngine(EngineConfig(models={"m": entry}, max_kv_blocks=2048, kv_cache_dtype=kv,
                                             cpu_kernels=compiled == "on"), progress=False)
             tok = engine.worker("m").tokenizer
@@ -89,6 +113,7 @@ def main() -> None:
                 differ = sum(a != b for a, b in zip(answers, other))
             rows.append({"model": model, "quant": quant, "kv": kv, "cpu_kernels": compiled, "prompts": path,
                          "gguf_steps": steps if quant == "gguf" else None,
+                         "gguf_steps_on": list(on) if quant == "gguf" and steps > 1 else None,
                          "dequant_rows": engine.worker("m").dequant_rows, "perplexity": ppl,
                          "exact_match": em, "f1": f, "answers_differing_from_the_first_row": differ})
             console.print(rows[-1])
@@ -103,7 +128,7 @@ def main() -> None:
         base = next(x for x in rows if x["model"] == r["model"])
         scores = [f"{r['exact_match']:.1f}", f"{r['f1']:.1f}", f"{r['exact_match'] - base['exact_match']:+.1f}",
                   str(r["answers_differing_from_the_first_row"])] if questions else ["-"] * 4
-        table.add_row(r["model"], r["quant"], r["kv"], r["cpu_kernels"], r["prompts"], str(r["gguf_steps"] or "-"),
+        table.add_row(r["model"], r["quant"], r["kv"], r["cpu_kernels"], r["prompts"], steps_label(r),
                       f"{r['perplexity']:.4f} ({r['perplexity'] / base['perplexity'] - 1:+.2%})",
                       *scores)
     console.print(table)

@@ -41,6 +41,8 @@ class ThinkingConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 # int4 kernels (awq, gptq; engine/awq_gptq.py).
 QUANT_SCHEMES = ("none", "int8", "int4", "fp8", "gguf", "awq", "gptq")
 MAX_GGUF_STEPS = 8      # kernels/gguf_quant.py's MAX_STEPS (config stays free of torch)
+GGUF_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")   # engine/model.py's Linears
+GGUF_STEPS, GGUF_STEPS_ON = 1, ("gate_up_proj",)      # ModelEntry's defaults (why: its comment)
 FLOAT_DTYPES = ("float32", "bfloat16")       # compute dtypes, and unquantized KV
 
 
@@ -75,9 +77,12 @@ class ModelEntry(msgspec.Struct, forbid_unknown_fields=True):
     dense_buckets: bool = True
     # quant "gguf" on the CPU: 1, a K-quant's activations on one int8 scale per 256 values, as
     # llama.cpp's q8_K; up to 8, a step per 32 of them, 1 to this many times that scale
-    # (kernels/gguf_quant.py's quantize_steps): the 1.5B's perplexity +0.04% on float32's against
-    # +0.50%, its prompts and batch-8 decode about a quarter slower (docs/engine.md).
-    gguf_steps: int = 1
+    # (kernels/gguf_quant.py's quantize_steps), in the projections `gguf_steps_on` names. The
+    # MLP's gate|up reads the post-attention norm's output, where Qwen's outlier channels are:
+    # the 1.5B's perplexity on float32's at 8 steps there is +0.08%, against +0.50% at 1 and
+    # +0.04% at 8 in every projection, each projection's prompts and batches slower (docs/engine.md).
+    gguf_steps: int = GGUF_STEPS
+    gguf_steps_on: tuple[str, ...] = GGUF_STEPS_ON
     thinking: ThinkingConfig = ThinkingConfig()
 
     def __post_init__(self) -> None:
@@ -90,6 +95,9 @@ class ModelEntry(msgspec.Struct, forbid_unknown_fields=True):
         if not 1 <= self.gguf_steps <= MAX_GGUF_STEPS:
             raise ValueError(f"model {self.source!r}: gguf_steps must be 1 (one int8 scale per 256 activations) to "
                              f"{MAX_GGUF_STEPS}, got {self.gguf_steps}")
+        if unknown := set(self.gguf_steps_on) - set(GGUF_PROJECTIONS):
+            raise ValueError(f"model {self.source!r}: gguf_steps_on names projections of "
+                             f"{', '.join(GGUF_PROJECTIONS)}, got {', '.join(sorted(unknown))}")
         if self.dot_rows is not None and self.dot_rows < 0:
             raise ValueError(f"model {self.source!r}: dot_rows must be 0 (off), a row count or left out "
                              f"(the measured default), got {self.dot_rows}")

@@ -302,6 +302,7 @@ class LLMEngine:
                       "cpu_kernels": w.runner.cpu_ops is not None,
                       "cpu_steps": w.runner.cpu_step.steps if w.runner.cpu_step else 0,
                       "quant": self.config.models[name].quant, "gguf_steps": self.config.models[name].gguf_steps,
+                      "gguf_steps_on": list(self.config.models[name].gguf_steps_on),
                       "weight_bytes": weight_bytes(w.model),
                       "dequant_rows": w.dequant_rows, "dot_rows": w.dot_rows, "dense_buckets": list(w.dense_buckets),
                       "gemv_buckets": {kind: list(b) for kind, b in w.gemv_buckets.items()},

@@ -401,12 +401,13 @@ class GGUFEmbedding(Module):
             self.dtype).view(*ids.shape, self.dim)
 
 
-def apply_gguf(model: CausalLM, folder: Path, blocks: Path, steps: int) -> CausalLM:
+def apply_gguf(model: CausalLM, folder: Path, blocks: Path, steps: int, steps_on: tuple[str, ...]) -> CausalLM:
     """Swap the model's Linears (and its embedding) for ones on the GGUF's own blocks (`blocks`,
     models/convert.py's file: uint8 tensors named as the Hugging Face weights, their types in
     its metadata). A tensor of a type no kernel reads serves in float32 from the folder's float
     weights, with a warning naming it: slower, never wrong. `steps`: on the CPU kernel, the
-    K-quants' activation steps per block (kernels/gguf_quant.py's quantize_steps)."""
+    K-quants' activation steps per block (kernels/gguf_quant.py's quantize_steps) in the
+    projections named in `steps_on` (ModelEntry.gguf_steps_on); one elsewhere."""
     device, dtype = model.norm.weight.device, model.norm.weight.dtype
     with safe_open(blocks, framework="pt") as f:
         types = f.metadata()
@@ -437,7 +438,7 @@ def apply_gguf(model: CausalLM, folder: Path, blocks: Path, steps: int) -> Causa
                 _float_weights(module, folder, sources, device, dtype)
                 continue
             bias = None if module.bias is None else module.bias.data
-            layer = GGUFLinear(parts, bias, device, steps=steps)
+            layer = GGUFLinear(parts, bias, device, steps=steps if child in steps_on else 1)
             setattr(model.get_submodule(parent) if parent else model, child, layer)
     return model
 

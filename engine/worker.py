@@ -132,7 +132,7 @@ def _load(entry: ModelEntry, progress: bool, device: Device) -> tuple[ModelConfi
                              f"{folder} was not converted from one; choose int8 or int4 for a float checkpoint")
         model = load_model(folder, cfg, linear_weights=False, device=device.device, dtype=device.dtype,
                            embedding=False)
-        return cfg, apply_gguf(model, folder, blocks, entry.gguf_steps), Tokenizer(folder)
+        return cfg, apply_gguf(model, folder, blocks, entry.gguf_steps, entry.gguf_steps_on), Tokenizer(folder)
     stored = awq_gptq.scheme(folder, entry.quant)
     if stored is not None:
         model = awq_gptq.load(folder, cfg, stored, device.device, device.dtype, entry.dequant_rows, entry.dot_rows)

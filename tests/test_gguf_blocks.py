@@ -125,6 +125,8 @@ def test_a_layer_computes_with_its_models_gguf_steps(steps):
         assert (y - dense).norm() < 0.7 * (one - dense).norm()
     with pytest.raises(ValueError, match="gguf_steps must be 1"):
         ModelEntry("m", quant="gguf", gguf_steps=0)
+    with pytest.raises(ValueError, match="gguf_steps_on names projections of .* got gate_proj"):
+        ModelEntry("m", quant="gguf", gguf_steps_on=("gate_proj",))
     assert config.MAX_GGUF_STEPS == gguf_quant.MAX_STEPS
 
 
@@ -239,12 +241,18 @@ def test_one_call_decode_steps_on_gguf_blocks_equal_the_python_path(tmp_cache, t
     layers = worker._load(config.models["m"], False, Device.resolve(config))[1].layers
     assert [layer.mlp.down_proj.types for layer in layers] == [["Q5_0x4"], ["Q8_0x4"]]
     assert layers[0].mlp.gate_up_proj.types == ["Q5_0"]
+    # gguf_steps reaches the projections gguf_steps_on names, and only those.
+    stepped = EngineConfig(models={"m": ModelEntry(str(path), quant="gguf", gguf_steps=8,
+                                                   gguf_steps_on=("gate_up_proj", "o_proj"))})
+    layer = worker._load(stepped.models["m"], False, Device.resolve(stepped))[1].layers[1]
+    assert [p.steps for p in (layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)] == [8, 8, 1]
 
     def run(cpu_step: bool):
         engine = LLMEngine(EngineConfig(models={"m": ModelEntry(str(path), quant="gguf")}, max_kv_blocks=64,
                                         cpu_step=cpu_step), progress=False)
         outs = engine.generate([[5, 9, 40, 7, 100], [3, 4, 5]], SamplingParams(max_tokens=12, ignore_eos=True))
         assert engine.stats()["m"]["gguf_steps"] == 1            # llama.cpp's q8_K rounding by default
+        assert engine.stats()["m"]["gguf_steps_on"] == ["gate_up_proj"]
         return [(o.token_ids, o.logprobs) for o in outs], engine.stats()["m"]["cpu_steps"]
     (ours, steps), (ref, none) = run(True), run(False)
     assert steps > 0 and none == 0
