@@ -38,8 +38,7 @@
 namespace {
 
 // Repacked at load (kernels/gguf_quant.py): Q5_0x4 and Q8_0x4, four blocks interleaved (`group_q5_0`,
-// `group_q8_0`); Q4_Kx,
-// Q4_K with its scales and mins in a packing vectors unpack (`repack_q4_k`).
+// `group_q8_0`); Q4_Kx, Q4_K with its scales and mins in a packing vectors unpack (`repack_q4_k`).
 enum Type : int64_t { Q8_0 = 0, Q5_0 = 1, Q4_1 = 2, Q4_K = 3, Q6_K = 4, Q5_0x4 = 5, Q4_Kx = 6, Q8_0x4 = 7 };
 
 // Weights and bytes per block, activations per int8 scale, per unit sum of x, and whether x is
@@ -403,12 +402,11 @@ static void linear(const Act& x, const uint8_t* W, const Out& O, int64_t M, int6
     });
 }
 
-// x per block of B values as int8, and the integer sum of every U values (x4: the int8 values in
-// the x4 layouts' order). One scale per block
-// (`mult` null: max(|x|max, 1e-8) / 127, x / scale rounded half to even: kernels/quant_matmul.py's
-// quantize_rows), or a step per 32 values, a multiple m (1..steps) of the block's scale
-// d = max(|x|max, 1e-8) / (127 steps), and sums in those steps (kernels/gguf_quant.py's
-// quantize_steps, to the bit: the same float operations in the same order).
+// x per block of B values as int8 (x4: in the x4 layouts' order), and the integer sum of every U
+// values. One scale per block (`mult` null: max(|x|max, 1e-8) / 127, x / scale rounded half to
+// even: kernels/quant_matmul.py's quantize_rows), or a step per 32 values, a multiple m
+// (1..steps) of the block's scale d = max(|x|max, 1e-8) / (127 steps), and sums in those steps
+// (kernels/gguf_quant.py's quantize_steps, to the bit: the same float operations in the same order).
 static void quantize(const float* x, int64_t M, int64_t K, int64_t B, int64_t U, bool x4, int8_t* q, float* xs,
                      int16_t* xi, int16_t* mult, int steps) {
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
