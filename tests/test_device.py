@@ -236,7 +236,7 @@ def test_a_drafter_replays_its_layers_alone_and_reads_its_own_sub_vocabulary(fol
     plain = make_engine(folder).generate(ps, GREEDY)
     emulated_graphs.enable()
     spec = SpecConfig(target="tiny", draft="draft", prompt_lookup=False, max_k=3, draft_cost=0.1, verify_cost=0.05,
-                      draft_vocab=64)
+                      draft_prefill_cost=0.05, govern=False, draft_vocab=64)  # pinned: measured, load-dependent
     engine = make_engine(folder, models={"tiny": ModelEntry(str(folder)), "draft": ModelEntry(str(folder))},
                          speculative=spec, max_num_seqs=4)
     draft = engine.worker("draft").runner
@@ -259,7 +259,7 @@ def test_a_sampled_drafter_with_the_full_head_selects_after_its_greedy_graph(fol
     ps = prompts(3, seed=33)
     params = [SamplingParams(max_tokens=18, temperature=0.9, top_p=0.9, seed=s, ignore_eos=True) for s in (1, 2, 3)]
     spec = SpecConfig(target="tiny", draft="draft", prompt_lookup=False, max_k=3, draft_cost=0.1, verify_cost=0.05,
-                      draft_vocab=0)
+                      draft_prefill_cost=0.05, govern=False, draft_vocab=0)  # pinned: measured, load-dependent
     models = {"tiny": ModelEntry(str(folder)), "draft": ModelEntry(str(folder))}
     eager = make_engine(folder, models=models, speculative=spec, max_num_seqs=4).generate(ps, params)
     emulated_graphs.enable()
