@@ -84,26 +84,12 @@ def model_folder(root: Path, vocab: int) -> Path:
 
 
 # ---- the per-row sampling path the batched sampler replaced (the baseline only) ----------
-def legacy_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    x = logits / p.temperature
-    if p.top_k and p.top_k < x.shape[-1]:
-        x = x.masked_fill(x < torch.topk(x, p.top_k).values[-1], float("-inf"))
-    if p.top_p < 1.0:
-        sorted_x, order = torch.sort(x, descending=True)
-        sorted_probs = sorted_x.softmax(-1)
-        drop = sorted_probs.cumsum(-1) - sorted_probs >= p.top_p
-        drop[0] = False
-        x = x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    out = x.softmax(-1)
-    if not bool(torch.isfinite(out).all()):
-        out = torch.zeros_like(logits).index_fill_(0, logits.argmax().view(1), 1.0)
-    return out
-
-
 def legacy_sample(self, items, sampling, all_logits, logprobs, greedy, sampled, noise, selected, out,
                   return_probs) -> None:
     """ModelRunner._sample as it was: the head's greedy picks read back, then each sampled row
-    alone (its distribution, one multinomial draw from its generator, its log-softmax)."""
+    alone (its distribution, one multinomial draw from its generator, its log-softmax). The
+    distribution is tests/test_sampler.py's per-row reference, the batched sampler's specification."""
+    from tests.test_sampler import reference_probs
     top, top_lp = greedy.T.tolist()
     top = [int(t) for t in top]
     at = 0
@@ -127,7 +113,7 @@ def legacy_sample(self, items, sampling, all_logits, logprobs, greedy, sampled, 
             else:
                 p = seq.params
                 tokens = [int(logits[0].argmax()) if p.greedy else
-                          int(torch.multinomial(legacy_probs(logits[0], p), 1, generator=generator))]
+                          int(torch.multinomial(reference_probs(logits[0], p), 1, generator=generator))]
             lp = torch.log_softmax(logits[:len(tokens)], -1).gather(
                 1, torch.tensor(tokens, device=logits.device)[:, None])
             out.token_ids[i], out.logprobs[i] = tokens, lp.squeeze(1).tolist()
