@@ -126,7 +126,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                                                scale=scale)[0]
             out[lo:hi] = o.transpose(0, 1)
             continue
-        if q_len >= SPLIT_PREFIX_ROWS:
+        if q_len >= SPLIT_PREFIX_ROWS and q.device.type == "cpu":     # the fused op is the CPU's own
             out[lo:hi] = _prefix_then_causal(q[lo:hi], k, v, groups, scale)
             continue
         # A few tokens after a cached prefix (speculative verification, a short chunk): the query

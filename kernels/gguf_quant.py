@@ -67,7 +67,7 @@ _X4_BIT = [8 * (j % 4) + 7 - j // 4 for j in range(32)]
 
 def _bits(b: torch.Tensor) -> torch.Tensor:
     """[..., 4] bytes of a little-endian uint32 -> [..., 32] its bits, bit 0 first."""
-    at = torch.arange(32)
+    at = torch.arange(32, device=b.device)
     return (b[..., at // 8] >> (at % 8).to(torch.uint8)) & 1
 
 
@@ -150,8 +150,8 @@ def repack(qtype: str, w: torch.Tensor) -> tuple[str, torch.Tensor]:
 
 def _in_order(vectors: torch.Tensor) -> torch.Tensor:
     """An x4 layout's weights [n, 128] (or [n, 4, 32]) in _X4_ORDER -> its four blocks [n, 4, 32]."""
-    blocks = torch.empty(vectors.shape[0], 128, dtype=vectors.dtype)
-    blocks[:, _X4_ORDER] = vectors.reshape(-1, 128)
+    blocks = torch.empty(vectors.shape[0], 128, dtype=vectors.dtype, device=vectors.device)
+    blocks[:, _X4_ORDER.to(vectors.device)] = vectors.reshape(-1, 128)
     return blocks.view(-1, 4, 32)
 
 
@@ -189,7 +189,7 @@ def unpack(blocks: torch.Tensor, qtype: str) -> tuple[torch.Tensor, torch.Tensor
     if qtype == "Q6_K":
         ql, qh, sc, d = blocks[:, :128], blocks[:, 128:192], blocks[:, 192:208], _f16(blocks[:, 208:210])
         low = _nibbles(ql.reshape(n, 2, 64)).reshape(n, 8, 32)                  # halves of 128 weights
-        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
+        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=blocks.device).view(1, 1, 4, 1)
         high = ((qh.reshape(n, 2, 1, 32) >> shifts) & 3).reshape(n, 8, 32)
         q = (low | (high << 4)).to(torch.int8) - 32
         return q.view(n, 16, 16), d * sc.contiguous().view(torch.int8).to(torch.float32), None
