@@ -142,9 +142,9 @@ class QuantLinear(Module):
         # and a 1.5B decode step makes some 500 of them here.
         b, rows = self._buffers, x.shape[0]
         dense = self.dense[rows] if rows < len(self.dense) else 0 < self.dequant_rows <= rows
-        if dense and b["dense_w"] is not None:
-            y = torch.nn.functional.linear(x, b["dense_w"])
-        elif dense:     # int8's reference serves fp8's e4m3 weights too: both are x @ (w * scale).T
+        if dense and b["dense_w"] is not None:      # the bias in cuBLAS's epilogue, not a kernel of its own
+            return torch.nn.functional.linear(x, b["dense_w"], b["bias"])
+        if dense:     # int8's reference serves fp8's e4m3 weights too: both are x @ (w * scale).T
             y = (quant_matmul.int4_matmul(x, b["w"], b["scales"], b["zeros"], self.group) if self.mode == "int4"
                  else quant_matmul.int8_matmul(x, b["w"], b["scales"]))
         elif 0 < self.dot_rows <= rows:

@@ -320,6 +320,24 @@ def test_fp8_layer_dequantizes_weights_only_and_restricts_to_rows():
     assert dot_matmul("fp8", 128) is None
 
 
+def test_dense_buckets_add_the_bias_in_the_matmul():
+    """Row counts the bucket table sends to the dense weights take the bias in the same call (on
+    CUDA in cuBLAS's epilogue, not a kernel of its own): x times the dequantized weights plus the
+    bias, which for int8 and int4 is also what their own path computes (fp8's quantizes x too)."""
+    torch.manual_seed(4)
+    w, bias = torch.randn(48, 64), torch.randn(48)
+    for mode, names, quantize in (("int8", ("w", "scales"), quantize_int8), ("fp8", ("w", "scales"), quantize_fp8),
+                                  ("int4", ("w", "scales", "zeros"), lambda w: quantize_int4(w, 32))):
+        tensors, group = dict(zip(names, quantize(w))), 32 if mode == "int4" else 128
+        dense = QuantLinear(mode, tensors, bias, group, packed=False, dense=(False, True, False, True))
+        plain = QuantLinear(mode, tensors, bias, group, packed=False)
+        for rows in (1, 3):
+            x = torch.randn(rows, 64)
+            torch.testing.assert_close(dense(x), x @ dequantize(mode, tensors, group).T + bias, rtol=1e-5, atol=1e-5)
+            if mode != "fp8":
+                torch.testing.assert_close(dense(x), plain(x), rtol=1e-5, atol=1e-5)
+
+
 def test_bucket_table_picks_per_row_count_from_the_smallest_bucket_at_or_above_it(tmp_path):
     table = tmp_path / "buckets.json"
     assert dense_rows("int8", "GPU A", table) == ()                 # no file: today's behaviour
