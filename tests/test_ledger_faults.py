@@ -13,8 +13,8 @@ import time
 import pytest
 
 from gateway.http.app import create_app
-from gateway.usage.ledger import Ledger, LedgerUnavailable
-from tests.services import Postgres, server
+from gateway.usage.ledger import Ledger, LedgerUnavailable, open_database
+from tests.services import Postgres, ledger_at, server  # noqa: F401
 from tests.test_gateway_parts import row
 from tests.test_gateway_support import auth, embedder, llm, make_gateway, wait_for, wait_ready  # noqa: F401
 
@@ -127,3 +127,20 @@ def test_postgres_restarted_under_load_loses_no_row(tmp_path):
 
     refused = asyncio.run(scenario())
     assert refused > 0                                # the restart was felt, and recovered from
+
+
+def test_a_batch_written_again_after_its_acknowledgement_was_lost_is_counted_once(ledger_at):
+    """A restarting server can commit a batch and lose the acknowledgement; the ledger keeps
+    those rows and writes them again, with whatever arrived meanwhile: the rows already there
+    are neither refused nor counted again, the new one is."""
+    db = open_database(ledger_at)
+    batch = [row(1), row(2), row(3, "beta")]
+    db.write(batch)
+    db.write(batch)
+    db.write([*batch, row(4, "beta")])
+    assert sorted(r.request_id for r in db.rows()) == ["req_1", "req_2", "req_3", "req_4"]
+    assert db.spent("alpha", "2025-06") == pytest.approx(1.0)
+    assert db.spent("beta", "2025-06") == pytest.approx(1.0)
+    assert db.usage("alpha", "2025-06")["small"]["requests"] == 2
+    assert db.fold(100) == 4                                    # the running totals take each row once
+    db.close_writer()

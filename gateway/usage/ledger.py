@@ -130,8 +130,8 @@ class SqliteDatabase:
         db = self._writer
         with _immediate(db):
             for row in rows:
-                db.execute(INSERT, astuple(row))
-                db.execute(ADD_SPEND, (row.tenant, row.month, row.cost))
+                if db.execute(INSERT, astuple(row)).fetchall():
+                    db.execute(ADD_SPEND, (row.tenant, row.month, row.cost))
 
     def fold(self, limit: int) -> int:
         # A connection of its own that never syncs: a fold lost to a power cut is done again

@@ -120,11 +120,12 @@ class PostgresDatabase:
 
     def write(self, rows: list[UsageRow]) -> None:
         spend: dict[tuple[str, str], float] = defaultdict(float)
-        for row in rows:
-            spend[row.tenant, row.month] += row.cost
         db = self._writing()
         with db.transaction(), db.cursor() as cur:
-            cur.executemany(INSERT, [astuple(row) for row in rows])
+            cur.executemany(INSERT, [astuple(row) for row in rows], returning=True)
+            for row, _ in zip(rows, cur.results()):
+                if cur.fetchall():
+                    spend[row.tenant, row.month] += row.cost
             cur.executemany(ADD_SPEND, [(t, m, c) for (t, m), c in sorted(spend.items())])
 
     def fold(self, limit: int) -> int:

@@ -41,7 +41,11 @@ COLUMNS = [f.name for f in fields(UsageRow)]
 SELECT_ROWS = f"SELECT {', '.join(COLUMNS)} FROM requests"
 # Written with %s (PostgreSQL's placeholder); SQLite's ? is substituted in.
 # A new row is not yet in the operator view's running totals (rolled = 0): rollup.py folds it.
-INSERT = f"INSERT INTO requests({', '.join(COLUMNS)}, rolled) VALUES ({', '.join(['%s'] * len(COLUMNS))}, 0)"
+# A row already there was committed by a write whose acknowledgement was lost (the server
+# restarting), which the ledger tries again: it is skipped, and returns nothing, so that its
+# cost is not added twice.
+INSERT = (f"INSERT INTO requests({', '.join(COLUMNS)}, rolled) VALUES ({', '.join(['%s'] * len(COLUMNS))}, 0) "
+          "ON CONFLICT(request_id) DO NOTHING RETURNING request_id")
 USAGE = ("SELECT model, count(*), sum(prompt_tokens), sum(cached_tokens), sum(completion_tokens), "
          "sum(thinking_tokens), sum(cost) FROM requests WHERE tenant = %s AND month = %s GROUP BY model")
 USAGE_KEYS = ("requests", "prompt", "cached", "completion", "thinking", "cost")
@@ -54,7 +58,8 @@ class Database(Protocol):
     Unavailable: type[Exception]    # of those, the store's own trouble (full, read-only, gone), not the row's
 
     def write(self, rows: list[UsageRow]) -> None:
-        """Commit the rows and add their costs to the monthly totals, all in one transaction, or raise Error."""
+        """Commit the rows and add their costs to the monthly totals, all in one transaction, or raise
+        Error. A row already committed (written again after a lost acknowledgement) is skipped."""
 
     def fold(self, limit: int) -> int:
         """Add up to `limit` committed rows not yet in the running totals (rollup.py) to them, in
