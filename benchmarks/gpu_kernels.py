@@ -13,6 +13,9 @@ batch, a prompt chunk), and which is fastest where.
     int4 triton     kernels/quant_matmul_triton.py on the stored format
     fp8             QuantLinear's fp8: activations rounded to e4m3 per row, then torch._scaled_mm
                     on FP8 tensor cores (compute capability 8.9 and up; below, its emulation)
+    int8 gemv,      the bf16 GEMV's kernel on the int8 / e4m3 weights transposed to [in,out], widened
+    fp8 gemv        in registers, each output's scale after the sum (decode buckets only; fp8 on
+                    compute capability 8.9 and up)
     Q4_K triton ... kernels/gguf_quant_triton.py on a GGUF type's own blocks (random contents, the
                     layer's shape; each type whose block divides the layer's input)
 
@@ -26,13 +29,14 @@ Decode attention: the split-KV (flash-decoding) launch the kernel picks against 
 
 The batch-bucket table: per precision (int8, int4, fp8) and decode batch bucket (the row counts
 measured up to --max-bucket), the time of one decode step's linear layers on its own kernel
-against dense bf16 (F.linear on the weights dequantized once, what QuantLinear's dense copy runs),
-summed over every layer of the models measured (each decoder layer's four, times the layer count,
-and the LM head), and the faster of the two. bf16 per layer kind ("bf16.qkv", "bf16.o", ...): the
-Triton GEMV ("kernel") against cuBLAS on the same [in,out] weights ("dense"), summed over the
-models' layers of that kind; the GEMV only where it is faster. It goes into the results JSON and,
-for this device, into engine/precision_buckets.json, which the engine reads (engine/quantize.py's
-dense_rows and apply_gemv_buckets).
+against dense bf16 (F.linear on the weights dequantized once, what QuantLinear's dense copy runs)
+and, for int8 and fp8, the GEMV on their own bytes, summed over every layer of the models
+measured (each decoder layer's four, times the layer count, and the LM head), and the fastest.
+bf16 per layer kind ("bf16.qkv", "bf16.o", ...): the Triton GEMV ("kernel") against cuBLAS on
+the same [in,out] weights ("dense"), summed over the models' layers of that kind; the GEMV only
+where it is faster. It goes into the results JSON and, for this device, into
+engine/precision_buckets.json, which the engine reads (engine/quantize.py's bucket_ways and
+apply_gemv_buckets).
 `--table-from RESULTS.json` rebuilds the table from a saved run, without a GPU.
 
 Prints tables and writes benchmarks/results/gpu_kernels-<device>.json, with the fastest way per
@@ -102,6 +106,10 @@ def ways(w: torch.Tensor) -> dict[str, tuple[object, int]]:
         out["fp8"] = (fp8, q8f.nbytes + s8f.nbytes)
     except RuntimeError as e:
         console.print(f"[red]fp8 cannot run a {tuple(w.shape)} layer here: {e}[/]")
+    for quant, (q, s) in (("int8", (q8, s8)), ("fp8", (q8f, s8f))):
+        if quant == "int8" or fp8_native(torch.device("cuda")):     # e4m3 in Triton needs sm_89 on
+            layer = QuantLinear(quant, {"w": q, "scales": s}, None, GROUP, device="cuda", ways=("gemv",) * 257)
+            out[f"{quant} gemv"] = (layer, q.nbytes + s.nbytes)
     for qtype in ("Q4_K", "Q6_K", "Q5_0", "Q8_0"):
         if w.shape[1] % gguf_quant.TYPES[qtype].block == 0:
             blocks = gguf_quant.random_blocks(qtype, *w.shape)
@@ -165,24 +173,32 @@ def engine_way(quant: str, rows: int) -> str:
 
 def bucket_table(models: dict, max_bucket: int) -> dict:
     """Per precision and decode batch bucket: µs of one step's linear layers on the precision's
-    kernel and on dense bf16, summed over the models' layers, and the faster ("kernel" on a tie)."""
+    kernel, on dense bf16 and (int8, fp8) on the GEMV, summed over the models' layers, and the
+    fastest (the kernel on a tie; the GEMV only where measured at every layer)."""
     table: dict[str, dict] = {}
     for quant in PRECISIONS:
         table[quant] = {}
         rows = sorted({int(r) for layers in models.values() for layer in layers.values() for r in layer["rows"]})
         for r in (r for r in rows if r <= max_bucket):
-            kernel = dense = 0.0
+            cell = {"kernel_us": 0.0, "dense_us": 0.0, "gemv_us": 0.0}
+            gemv = True
             for model, layers in models.items():
                 for name, layer in layers.items():
                     ways = (layer["rows"].get(r) or layer["rows"].get(str(r)) or {}).get("ways", {})
                     if engine_way(quant, r) not in ways or "bf16 [out,in]" not in ways:
                         continue
                     count = 1 if name == "lm_head" else LAYERS[model]
-                    kernel += count * ways[engine_way(quant, r)]["us"]
-                    dense += count * ways["bf16 [out,in]"]["us"]
-            if kernel and dense:
-                table[quant][str(r)] = {"kernel_us": kernel, "dense_us": dense,
-                                        "pick": "dense" if dense < kernel else "kernel"}
+                    cell["kernel_us"] += count * ways[engine_way(quant, r)]["us"]
+                    cell["dense_us"] += count * ways["bf16 [out,in]"]["us"]
+                    if f"{quant} gemv" in ways:
+                        cell["gemv_us"] += count * ways[f"{quant} gemv"]["us"]
+                    gemv = gemv and f"{quant} gemv" in ways
+            if not gemv:
+                del cell["gemv_us"]
+            if cell["kernel_us"] and cell["dense_us"]:
+                cell["pick"] = min((w for w in ("kernel", "gemv", "dense") if f"{w}_us" in cell),
+                                   key=lambda w: cell[f"{w}_us"])
+                table[quant][str(r)] = cell
     for kind in sorted({name for layers in models.values() for name in layers}):
         quant = f"bf16.{kind}"
         table[quant] = {}
@@ -202,14 +218,15 @@ def bucket_table(models: dict, max_bucket: int) -> dict:
 
 def show_buckets(table: dict, device: str) -> None:
     t = Table(title=f"Batch buckets on {device}: one decode step's linear layers, µs on the precision's kernel / "
-                    f"dense bf16 (bf16.<layer>: the Triton GEMV / cuBLAS; the pick in bold)")
+                    f"dense bf16 / (int8, fp8) the GEMV on its own bytes (bf16.<layer>: the Triton GEMV / cuBLAS); "
+                    f"the pick in bold")
     buckets = sorted({int(b) for q in table.values() for b in q})
     for col in ("precision", *map(str, buckets)):
         t.add_column(col)
     for quant, rows in table.items():
-        t.add_row(quant, *[(f"[bold]{c['kernel_us']:.0f}[/] / {c['dense_us']:.0f}" if c["pick"] == "kernel" else
-                            f"{c['kernel_us']:.0f} / [bold]{c['dense_us']:.0f}[/]") if (c := rows.get(str(b))) else "-"
-                           for b in buckets])
+        t.add_row(quant, *[" / ".join(f"[bold]{c[w + '_us']:.0f}[/]" if c["pick"] == w else f"{c[w + '_us']:.0f}"
+                                      for w in ("kernel", "dense", "gemv") if w + "_us" in c)
+                           if (c := rows.get(str(b))) else "-" for b in buckets])
     console.print(t)
 
 
@@ -249,7 +266,8 @@ def main() -> None:
                "dequant_rows": DEQUANT_ROWS["cuda"], "models": {}}
     table = Table(title=f"Linear layers on {device}: µs per call (GB/s of weight read), fastest in bold")
     for col in ("model", "layer", "rows", "bf16 [in,out]", "bf16 [out,in]", "bf16 gemv", "gemv vs cuBLAS",
-                "int8 triton", "int8 dequant", "int4 tinygemm", "int4 triton", "fp8", "int8 / int4 engine"):
+                "int8 triton", "int8 dequant", "int8 gemv", "int4 tinygemm", "int4 triton", "fp8", "fp8 gemv",
+                "int8 / int4 engine"):
         table.add_column(col)
     for model, shapes in SHAPES.items():
         if model not in args.models:
@@ -266,7 +284,7 @@ def main() -> None:
                 x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
                 times = {}
                 for name, (_, nbytes) in sets[0].items():
-                    if name == "bf16 gemv" and rows > args.max_bucket:     # not a decode batch
+                    if name.endswith(" gemv") and rows > args.max_bucket:     # not a decode batch
                         continue
                     us = median_us([s[name][0] for s in sets], x)
                     times[name] = {"us": us, "gb_s": nbytes / (us * 1e3)}
@@ -276,7 +294,7 @@ def main() -> None:
                 cells = [(f"[bold]{t['us']:.1f}[/] ({t['gb_s']:.0f})" if name == best else
                           f"{t['us']:.1f} ({t['gb_s']:.0f})") if (t := times.get(name)) else "-"
                          for name in ("bf16 [in,out]", "bf16 [out,in]", "bf16 gemv", "int8 triton", "int8 dequant",
-                                      "int4 tinygemm", "int4 triton", "fp8")]
+                                      "int8 gemv", "int4 tinygemm", "int4 triton", "fp8", "fp8 gemv")]
                 # cuBLAS's time over the GEMV's on the same weights: above 1, the GEMV is faster.
                 ratio = (f"{times['bf16 [in,out]']['us'] / times['bf16 gemv']['us']:.2f}x"
                          if "bf16 gemv" in times else "-")

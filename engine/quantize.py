@@ -16,8 +16,9 @@ quantizes its activations to int8 instead and sums their products with the weigh
 llama.cpp does. Those ops compute rather than stream: their time grows with every row, so a
 matmul over many rows (a prompt chunk) runs the kernels' float reference instead, on weights
 dequantized a slice at a time (`dequant_rows`). Elsewhere (CUDA) they run on the kernels
-package, from the stored format as is. Where a device's measured table says so (`dense_rows`),
-a decode batch bucket multiplies densely on a copy of the weights dequantized once, instead.
+package, from the stored format as is. Where a device's measured table says so (`bucket_ways`),
+a decode batch bucket multiplies densely on a copy of the weights dequantized once instead, or
+(int8, fp8) runs the Triton GEMV on a transposed copy of its own bytes.
 """
 from __future__ import annotations
 
@@ -32,7 +33,16 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from engine.model import CausalLM, Linear, Module, linear_sources
-from kernels import gguf_cpu, gguf_matmul, gguf_quant, int4_matmul, int8_matmul, quant_matmul, quant_matmul_cpu
+from kernels import (
+    gemv_linear,
+    gguf_cpu,
+    gguf_matmul,
+    gguf_quant,
+    int4_matmul,
+    int8_matmul,
+    quant_matmul,
+    quant_matmul_cpu,
+)
 from kernels.cpu_build import vnni
 from kernels.quant_matmul import unpack_int4
 
@@ -86,16 +96,20 @@ class QuantLinear(Module):
     pays for a few rows, and a dense GEMM computes, which pays for many. fp8 runs
     `torch._scaled_mm` where the device has FP8 tensor cores (`fp8_native`) and the layer's sizes
     are multiples of 16, else the kernels' emulation (`fp8_matmul`); its dequantized path is
-    weight-only (activations not rounded). `dense`: for each row count below its length, whether
-    to multiply on `dense_w`, the weights dequantized once into `dtype` (a device's measured
-    choice per decode batch bucket, `dense_rows`); past it, `dequant_rows` decides."""
+    weight-only (activations not rounded). `ways`: for each row count below its length, "kernel"
+    (the above), "dense" (on `dense_w`, the weights dequantized once into `dtype`) or, for int8
+    and fp8, "gemv" (kernels.gemv_linear on `gemv_w`, the stored weights transposed to [in, out],
+    each output's scale after the sum: weight-only, as dense is); a device's measured choice per
+    decode batch bucket (`bucket_ways`). Past it, `dequant_rows` decides."""
 
     def __init__(self, mode: str, tensors: dict[str, torch.Tensor], bias: torch.Tensor | None, group: int,
                  packed: bool = True, device: torch.device | str = "cpu", dequant_rows: int = 0, dot_rows: int = 0,
-                 dense: tuple[bool, ...] = (), dtype: torch.dtype = torch.float32):
+                 ways: tuple[str, ...] = (), dtype: torch.dtype = torch.float32):
         super().__init__()
         device = torch.device(device)
-        self.mode, self.group, self.dense = mode, group, dense
+        if "gemv" in ways and mode not in GEMV_MODES:
+            raise ValueError(f"the GEMV reads int8 or fp8 weights, not {mode}")
+        self.mode, self.group, self.ways = mode, group, ways
         self.scaled_mm = mode == "fp8" and fp8_native(device) and all(d % 16 == 0 for d in tensors["w"].shape)
         dot = dot_matmul(mode, group) if dot_rows and device.type == "cpu" else None
         # How many activations share an int8 scale: int4's group; on the compiled int8 kernel a
@@ -111,7 +125,11 @@ class QuantLinear(Module):
         # The CPU's packed int8 layout is the stored one; int4's packed layouts are not.
         self.dequant_rows = dequant_rows if not self.packed or mode == "int8" else 0
         self.register_buffer("bias", bias, persistent=False)
-        self.register_buffer("dense_w", dequantize(mode, tensors, group).to(device, dtype) if any(dense) else None,
+        self.register_buffer("dense_w", dequantize(mode, tensors, group).to(device, dtype) if "dense" in ways else None,
+                             persistent=False)
+        gemv = "gemv" in ways
+        self.register_buffer("gemv_w", tensors["w"].t().contiguous().to(device) if gemv else None, persistent=False)
+        self.register_buffer("gemv_scales", tensors["scales"].to(device, torch.float32) if gemv else None,
                              persistent=False)
         if not self.packed:
             for name in ("w", "scales", "zeros")[:3 if mode == "int4" else 2]:
@@ -141,10 +159,12 @@ class QuantLinear(Module):
         # Buffers read from _buffers: nn.Module's attribute fallback costs microseconds a lookup,
         # and a 1.5B decode step makes some 500 of them here.
         b, rows = self._buffers, x.shape[0]
-        dense = self.dense[rows] if rows < len(self.dense) else 0 < self.dequant_rows <= rows
-        if dense and b["dense_w"] is not None:      # the bias in cuBLAS's epilogue, not a kernel of its own
+        way = self.ways[rows] if rows < len(self.ways) else "dense" if 0 < self.dequant_rows <= rows else "kernel"
+        if way == "gemv":
+            return gemv_linear(x, b["gemv_w"], b["bias"], b["gemv_scales"])
+        if way == "dense" and b["dense_w"] is not None:     # the bias in cuBLAS's epilogue, not a kernel of its own
             return torch.nn.functional.linear(x, b["dense_w"], b["bias"])
-        if dense:     # int8's reference serves fp8's e4m3 weights too: both are x @ (w * scale).T
+        if way == "dense":      # int8's reference serves fp8's e4m3 weights too: both are x @ (w * scale).T
             y = (quant_matmul.int4_matmul(x, b["w"], b["scales"], b["zeros"], self.group) if self.mode == "int4"
                  else quant_matmul.int8_matmul(x, b["w"], b["scales"]))
         elif 0 < self.dot_rows <= rows:
@@ -182,7 +202,7 @@ class QuantLinear(Module):
         tiles = self.packed and self.mode == "int4" and self.w.is_cuda      # w is [N / 8, ...]
         sub._buffers = {name: None if b is None else
                         b.index_select(0, ids[::8] // 8) if name == "w" and tiles else
-                        b.index_select(1 if name == "scales_and_zeros" else 0, ids)
+                        b.index_select(1 if name in ("scales_and_zeros", "gemv_w") else 0, ids)
                         for name, b in self._buffers.items()}
         return sub
 
@@ -240,29 +260,32 @@ def dequant_rows_default(device: str, mode: str, group: int, dot_rows: int) -> i
 
 
 # Per CUDA device (its torch name), per precision, per decode batch bucket: whether a layer runs
-# its own kernel or multiplies densely on its weights dequantized once into the compute dtype (a
-# copy held beside the quantized ones). benchmarks/gpu_kernels.py measures both at the served
-# models' layer shapes and writes the faster into this file; without it, or without the device
+# its own kernel, multiplies densely on its weights dequantized once into the compute dtype (a
+# copy held beside the quantized ones), or (int8, fp8) runs the Triton GEMV on its own bytes.
+# benchmarks/gpu_kernels.py measures each at the served models' layer shapes and writes the
+# fastest into this file; without it, or without the device
 # in it, every precision runs its kernel at every decode batch (ModelEntry.dense_buckets: off).
 # bf16 ("bf16.<layer kind>") chooses the same way between the Triton GEMV and cuBLAS.
 BUCKETS = Path(__file__).with_name("precision_buckets.json")
+GEMV_MODES = ("int8", "fp8")     # the precisions whose weights the Triton GEMV reads (one scale per output)
 
 
-def dense_rows(mode: str, device_name: str, table: Path = BUCKETS) -> tuple[bool, ...]:
-    """From `table`, whether `mode`'s layers multiply densely at each row count up to the largest
-    bucket measured on `device_name`: a row count takes the choice of the smallest bucket measured
-    at or above it (the CUDA graph it pads to). Empty where the table has no such entry: rows
-    past the buckets follow `dequant_rows`."""
+def bucket_ways(mode: str, device_name: str, table: Path = BUCKETS) -> tuple[str, ...]:
+    """From `table`, how `mode`'s layers multiply at each row count up to the largest bucket
+    measured on `device_name` ("kernel", "dense", or for int8 and fp8 "gemv"): a row count takes
+    the choice of the smallest bucket measured at or above it (the CUDA graph it pads to). Empty
+    where the table has no such entry: rows past the buckets follow `dequant_rows`."""
     if not table.is_file():
         return ()
     entry = json.loads(table.read_text()).get("devices", {}).get(device_name, {}).get("buckets", {}).get(mode)
     if not entry:
         return ()
-    if not set(entry.values()) <= {"kernel", "dense"}:
-        raise ValueError(f"{table}: {device_name} {mode}: each bucket picks \"kernel\" or \"dense\", "
+    allowed = ("kernel", "dense", "gemv") if mode in GEMV_MODES else ("kernel", "dense")
+    if not set(entry.values()) <= set(allowed):
+        raise ValueError(f"{table}: {device_name} {mode}: each bucket picks one of {', '.join(allowed)}; "
                          f"got {sorted(set(entry.values()))}")
-    buckets = sorted((int(b), pick == "dense") for b, pick in entry.items())
-    return tuple(next(d for b, d in buckets if b >= rows) for rows in range(buckets[-1][0] + 1))
+    buckets = sorted((int(b), pick) for b, pick in entry.items())
+    return tuple(next(way for b, way in buckets if b >= rows) for rows in range(buckets[-1][0] + 1))
 
 
 def apply_gemv_buckets(model: CausalLM, device_name: str, table: Path = BUCKETS) -> dict[str, tuple[bool, ...]]:
@@ -278,7 +301,7 @@ def apply_gemv_buckets(model: CausalLM, device_name: str, table: Path = BUCKETS)
         if isinstance(module, Linear):
             kind = name.rpartition(".")[2].removesuffix("_proj")
             if kind not in picks:
-                picks[kind] = tuple(not dense for dense in dense_rows(f"bf16.{kind}", device_name, table))
+                picks[kind] = tuple(way == "kernel" for way in bucket_ways(f"bf16.{kind}", device_name, table))
             module.gemv_rows = picks[kind]
     return {kind: rows for kind, rows in picks.items() if any(rows)}
 
@@ -479,7 +502,7 @@ def apply_quantization(model: CausalLM, mode: str, group: int = 128, cache: Path
     quantize once and reuse. `dequant_rows`: matmuls over at least this many rows on a stored
     format dequantize (0: never). `dot_rows`: on the CPU, matmuls over at least this many rows
     run on integer dot products (0: never; int4 from one row when not 0). `buckets`: on CUDA, the
-    measured table of `dense_rows` (None: none)."""
+    measured table of `bucket_ways` (None: none)."""
     if cache is not None and cache.exists():
         # Copies, not views of the file: torch's int8 kernel segfaults on weights that are not
         # aligned as its own allocator aligns them.
@@ -492,13 +515,13 @@ def apply_quantization(model: CausalLM, mode: str, group: int = 128, cache: Path
             save_file(tensors, tmp)
             tmp.rename(cache)
     device, dtype = model.norm.weight.device, model.norm.weight.dtype
-    dense = dense_rows(mode, torch.cuda.get_device_name(device), buckets) if buckets and device.type == "cuda" else ()
+    ways = bucket_ways(mode, torch.cuda.get_device_name(device), buckets) if buckets and device.type == "cuda" else ()
     for name, module in list(model.named_modules()):
         if isinstance(module, Linear):
             parent, _, child = name.rpartition(".")
             own = {k.removeprefix(name + "."): v for k, v in tensors.items() if k.startswith(name + ".")}
             bias = None if module.bias is None else module.bias.data
             layer = QuantLinear(mode, own, bias, group, device=device, dequant_rows=dequant_rows,
-                                dot_rows=dot_rows, dense=dense, dtype=dtype)
+                                dot_rows=dot_rows, ways=ways, dtype=dtype)
             setattr(model.get_submodule(parent) if parent else model, child, layer)
     return model

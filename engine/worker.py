@@ -44,7 +44,8 @@ class Worker:
     dequant_rows: int = 0           # quantized matmuls over this many rows or more dequantize (0: never)
     dot_rows: int = 0               # quantized matmuls over this many rows or more run on integer dot products
     dense_buckets: tuple[int, ...] = ()     # captured decode batch sizes whose quantized matmuls run dense
-    # per bf16 layer kind (qkv, o, ...), the captured decode batch sizes that run the Triton GEMV
+    # per bf16 layer kind (qkv, o, ...), or a quantized model's precision (int8, fp8), the captured
+    # decode batch sizes that run the Triton GEMV
     gemv_buckets: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     @cached_property
@@ -66,9 +67,11 @@ def weight_bytes(model: CausalLM, per_token: bool = False) -> int:
     total = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     if per_token:
         # int4 on dot products reads its zeros as zero * scale (zero_scales); a dense copy of
-        # quantized weights (batch buckets) is read instead of them, at the buckets that use it.
+        # quantized weights, or the GEMV's transposed one (batch buckets), is read instead of
+        # them, at the buckets that use it.
         unread = [m.zeros for m in model.modules() if getattr(m, "zero_scales", None) is not None]
-        unread += [m.dense_w for m in model.modules() if getattr(m, "dense_w", None) is not None]
+        unread += [t for m in model.modules() for name in ("dense_w", "gemv_w", "gemv_scales")
+                   if (t := getattr(m, name, None)) is not None]
         # The embedding is read a row at a time, unless the head reads the same bytes (gguf, tied).
         head = {t.data_ptr() for t in [*model.lm_head.parameters(), *model.lm_head.buffers()]}
         unread += [t for t in [*model.embed_tokens.parameters(), *model.embed_tokens.buffers()]
@@ -112,10 +115,12 @@ def load_workers(config: EngineConfig, progress: bool = True) -> dict[str, Worke
         runner = ModelRunner(model, cfg, blocks, config.block_size, kv_int8, stop.bans, device, cpu_ops)
         runner.capture_graphs(config.max_num_seqs, scheduler.max_model_len)
         quant = next((m for m in model.modules() if isinstance(m, QuantLinear)), None)
-        dense = quant.dense if quant else ()
+        ways = quant.ways if quant else ()
+        if "gemv" in ways:      # a quantized model's layers on the GEMV, under its precision's name
+            gemv[quant.mode] = tuple(way == "gemv" for way in ways)
         workers[name] = Worker(name, cfg, model, tok, bm, scheduler, runner, thinking, stop,
                                quant.dequant_rows if quant else 0, quant.dot_rows if quant else 0,
-                               tuple(b for b in runner.graphs.buckets if b < len(dense) and dense[b])
+                               tuple(b for b in runner.graphs.buckets if b < len(ways) and ways[b] == "dense")
                                if runner.graphs else (),
                                {kind: tuple(b for b in runner.graphs.buckets if b < len(rows) and rows[b])
                                 for kind, rows in gemv.items()} if runner.graphs else {})

@@ -197,8 +197,9 @@ class GatewayMetrics:
         r.add(Sampled("sluice_engine_dense_buckets", "decode batch sizes whose quantized matmuls run on a dense "
                       "dequantized copy, per the device's measured bucket table (ModelEntry.dense_buckets)", ("model",),
                       lambda: {(m,): len(s["dense_buckets"]) for m, s in engine_stats().items()}))
-        r.add(Sampled("sluice_engine_gemv_buckets", "decode batch sizes whose bf16 layers of a kind (qkv, o, ...) "
-                      "run the Triton GEMV rather than cuBLAS, per the device's measured bucket table "
+        r.add(Sampled("sluice_engine_gemv_buckets", "decode batch sizes whose bf16 layers of a kind (qkv, o, ...), "
+                      "or a quantized model's layers (int8, fp8), run the Triton GEMV, per the device's "
+                      "measured bucket table "
                       "(ModelEntry.dense_buckets)", ("model", "layer"),
                       lambda: {(m, kind): len(b) for m, s in engine_stats().items()
                                for kind, b in s["gemv_buckets"].items()}))

@@ -9,7 +9,10 @@ partial sums a second launch adds in order, with the bias, before one rounding. 
 same inputs give the same bits at every run.
 
 bf16 in, bf16 out on CUDA. float32 runs too (the tests, under the interpreter), but on a GPU its
-tl.dot rounds the operands to TF32.
+tl.dot rounds the operands to TF32. The weight may also be int8 or float8 e4m3 with a float32 scale
+per output (`scales`): each tile is widened to x's dtype in registers (exactly: bf16 holds every
+int8 and e4m3 value) and the scale taken after the sum, so a quantized layer reads its own bytes,
+half of bf16's, at the GEMV's pace.
 """
 import functools
 
@@ -19,8 +22,8 @@ import triton.language as tl
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_wk, stride_om,
-                 HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_wk, stride_om,
+                 HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # One program per column of outputs, tile of rows and slice of K (k_per_split, whole
     # BLOCK_Ks). Rows below 16 are masked: tl.dot takes 16, and the weight read is the cost.
@@ -35,7 +38,9 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, k_per_split, stride_x
         x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=m_mask & (k[None, :] < K), other=0.0)
         w = tl.load(w_ptr + k[:, None].to(tl.int64) * stride_wk + rn[None, :], mask=(k[:, None] < K) & n_mask,
                     other=0.0)
-        acc += tl.dot(x, w)
+        acc += tl.dot(x, w.to(x.dtype))
+    if HAS_SCALE:   # a slice's partial sum takes it too: the sum of scaled parts is the scaled sum
+        acc *= tl.load(scale_ptr + rn, mask=rn < N, other=0.0)[None, :]
     if SPLIT:   # a float32 partial sum, which _gemv_reduce_kernel adds up
         tl.store(out_ptr + (tl.program_id(2) * M + rm[:, None]) * N + rn[None, :], acc, mask=m_mask & n_mask)
     else:
@@ -82,10 +87,10 @@ def _slices(K: int, splits: int, block_k: int) -> tuple[int, int]:
 
 
 def gemv_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None = None,
-                splits: int | None = None, block_n: int | None = None, block_k: int = 128,
-                num_warps: int = 4) -> torch.Tensor:
-    """`splits` (slices of K, summed by a second launch) and `block_n`: None, as `plan` sizes
-    them for this chip."""
+                scales: torch.Tensor | None = None, splits: int | None = None, block_n: int | None = None,
+                block_k: int = 128, num_warps: int = 4) -> torch.Tensor:
+    """`scales` float32 [N] for an int8 or e4m3 weight_t; `splits` (slices of K, summed by a
+    second launch) and `block_n`: None, as `plan` sizes them for this chip."""
     assert x.dim() == 2 and weight_t.stride(1) == 1, "x [M, K] and weight_t [K, N] with N contiguous"
     x = x if x.stride(1) == 1 else x.contiguous()
     (M, K), N = x.shape, weight_t.shape[1]
@@ -98,8 +103,9 @@ def gemv_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | No
     dest = out if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
     has_bias = bias is not None
     grid = (triton.cdiv(N, block_n), triton.cdiv(M, block_m), splits)
-    _gemv_kernel[grid](x, weight_t, bias if has_bias else x, dest, M, N, K, k_per_split, x.stride(0),
-                       weight_t.stride(0), out.stride(0), HAS_BIAS=has_bias, SPLIT=splits > 1,
+    _gemv_kernel[grid](x, weight_t, x if scales is None else scales, bias if has_bias else x, dest, M, N, K,
+                       k_per_split, x.stride(0), weight_t.stride(0), out.stride(0), HAS_SCALE=scales is not None,
+                       HAS_BIAS=has_bias, SPLIT=splits > 1,
                        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
     if splits > 1:
         _gemv_reduce_kernel[(triton.cdiv(M * N, 1024),)](dest, bias if has_bias else dest, out, M, N, out.stride(0),

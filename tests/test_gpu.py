@@ -362,6 +362,58 @@ def test_bf16_engine_on_the_gemv_buckets_follows_the_cpu_one(tiny_folder, tmp_pa
         assert_same_or_near_tie(cpu, p, want, got, 0.3)
 
 
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+@pytest.mark.parametrize("M", [1, 16])
+def test_quantized_layers_on_the_gemv_at_engine_shapes(mode, M):
+    """int8 and fp8 layers on the GEMV (their bytes widened to bf16 in registers, each output's scale
+    after the sum) at the 1.5B's q|k|v (with its bias) and gate|up, against x times the weights
+    dequantized in float32: equal to bf16's rounding of the output, and a graph replay equal."""
+    from engine.quantize import dequantize, quantize_int8
+    if mode == "fp8" and not fp8_native(torch.device("cuda")):
+        pytest.skip("e4m3 in Triton needs compute capability 8.9 or more")
+    heads, kvh, dh, hidden, inter = SHAPES["1.5b"]
+    torch.manual_seed(M)
+    for N, bias in (((heads + 2 * kvh) * dh, True), (2 * inter, False)):
+        w = torch.randn(N, hidden) / hidden ** 0.5
+        tensors = dict(zip(("w", "scales"), quantize_fp8(w) if mode == "fp8" else quantize_int8(w)))
+        b = torch.randn(N) if bias else None
+        layer = QuantLinear(mode, tensors, None if b is None else b.to("cuda", torch.bfloat16), 128, device="cuda",
+                            ways=("gemv",) * 17, dtype=torch.bfloat16)
+        x = torch.randn(M, hidden, dtype=torch.bfloat16)
+        want = x.float() @ dequantize(mode, tensors, 128).T + (0 if b is None else b.bfloat16().float())
+        got = layer(x.cuda())
+        torch.testing.assert_close(got.float().cpu(), want, rtol=2 ** -7, atol=2e-3)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = layer(x.cuda())
+        graph.replay()
+        assert torch.equal(out, got)
+
+
+def test_int8_engine_on_the_gemv_buckets_follows_the_cpu_one(tmp_path, monkeypatch):
+    """A table giving int8's batches up to 4 to the GEMV: the engine shows them, captures them, and
+    decodes as the CPU's int8 engine does (near-ties aside)."""
+    import json
+
+    from engine import worker
+    monkeypatch.setenv("SLUICE_CACHE", str(tmp_path / "cache"))
+    table = tmp_path / "buckets.json"
+    table.write_text(json.dumps({"devices": {torch.cuda.get_device_name(): {"buckets": {
+        "int8": {"1": "gemv", "4": "gemv", "8": "kernel"}}}}}))
+    monkeypatch.setattr(worker, "BUCKETS", table)
+    folder = make_tiny_model(tmp_path / "m", "qwen2", seed=3, hidden_size=128, intermediate_size=256)
+    prompt = list(range(1, 41))
+
+    def run(device):
+        e = LLMEngine(EngineConfig(models={"m": ModelEntry(str(folder), quant="int8", group_size=32)}, device=device,
+                                   dtype="bfloat16" if device == "cuda" else "float32", max_kv_blocks=64,
+                                   block_size=16, max_num_seqs=8), progress=False)
+        return e, e.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    (cpu, want), (gpu, got) = run("cpu"), run("cuda")
+    assert gpu.stats()["m"]["gemv_buckets"]["int8"] == [1, 2, 4]
+    assert_same_or_near_tie(cpu, prompt, want, got, tol=0.3)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or not fp8_native(torch.device("cuda")),
                     reason="FP8 tensor cores need compute capability 8.9 or more")
 @pytest.mark.parametrize("M", [1, 64, 300])

@@ -471,6 +471,23 @@ def test_triton_gemv_linear(M, K, N, bias, splits, monkeypatch):
 
 
 @triton_only
+@pytest.mark.parametrize("M", [1, 8])
+@pytest.mark.parametrize("K,N", GEMV_SHAPES)
+@pytest.mark.parametrize("splits", [None, 3])
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
+def test_triton_gemv_linear_reads_int8_and_fp8_weights_with_a_scale_per_output(M, K, N, splits, dtype, monkeypatch):
+    from kernels import gemv, gemv_triton
+    torch.manual_seed(M * K + N)
+    x, b, scales = torch.randn(M, K), torch.randn(N), torch.rand(N) / K
+    w = (torch.randint(-127, 128, (K, N)) if dtype == torch.int8 else torch.randn(K, N) * 30).to(dtype)
+    want = gemv.gemv_linear(x, w, b, scales)
+    torch.testing.assert_close(want, (x @ (w.float() * scales) + b), rtol=1e-5, atol=1e-5)
+    fill_empty_with_nan(monkeypatch)
+    got = gemv_triton.gemv_linear(x, w, b, scales, splits=splits, block_n=32, block_k=32)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@triton_only
 def test_triton_gemv_takes_strided_and_empty_rows_and_its_own_plan():
     from kernels import gemv, gemv_triton
     torch.manual_seed(0)
@@ -637,8 +654,12 @@ gt._programs_to_fill = lambda device: 264
 w, b = torch.zeros(1536, 2048, dtype=torch.bfloat16), torch.zeros(2048, dtype=torch.bfloat16)
 for M in (1, 64):
     gt.gemv_linear(torch.zeros(M, 1536, dtype=torch.bfloat16), w, b)
+# And on int8 and e4m3 weights with their scales (quantized layers' GEMV).
+for dtype in (torch.int8, torch.float8_e4m3fn):
+    gt.gemv_linear(torch.zeros(1, 1536, dtype=torch.bfloat16), w.to(dtype), b, torch.ones(2048))
 
-POINTEE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int32: "i32", torch.int64: "i64"}
+POINTEE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int32: "i32", torch.int64: "i64", torch.int8: "i8",
+           torch.float8_e4m3fn: "fp8e4nv"}
 def shared(kernel, args, kwargs, capability):
     options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
     values = dict(zip(kernel.arg_names, args), **kwargs)
@@ -657,7 +678,10 @@ def shared(kernel, args, kwargs, capability):
     src = ASTSource(kernel, signature, constants, attrs)
     return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=options).metadata.shared
 
-print(json.dumps([[k.fn.__name__, cap, shared(k, a, dict(kw), cap)] for k, a, kw in launches for cap in (90, 86)]))
+def capabilities(args):       # e4m3 is Ada's and Hopper's (sm_89 on), as the engine's fp8 is
+    return (90,) if any(isinstance(v, torch.Tensor) and v.dtype == torch.float8_e4m3fn for v in args) else (90, 86)
+print(json.dumps([[k.fn.__name__, cap, shared(k, a, dict(kw), cap)]
+                  for k, a, kw in launches for cap in capabilities(a)]))
 """
 
 

@@ -12,7 +12,7 @@ from engine.quantize import (
     DEQUANT_ROWS,
     QuantLinear,
     apply_gemv_buckets,
-    dense_rows,
+    bucket_ways,
     dequant_rows_default,
     dequantize,
     dot_matmul,
@@ -329,7 +329,7 @@ def test_dense_buckets_add_the_bias_in_the_matmul():
     for mode, names, quantize in (("int8", ("w", "scales"), quantize_int8), ("fp8", ("w", "scales"), quantize_fp8),
                                   ("int4", ("w", "scales", "zeros"), lambda w: quantize_int4(w, 32))):
         tensors, group = dict(zip(names, quantize(w))), 32 if mode == "int4" else 128
-        dense = QuantLinear(mode, tensors, bias, group, packed=False, dense=(False, True, False, True))
+        dense = QuantLinear(mode, tensors, bias, group, packed=False, ways=("kernel", "dense", "kernel", "dense"))
         plain = QuantLinear(mode, tensors, bias, group, packed=False)
         for rows in (1, 3):
             x = torch.randn(rows, 64)
@@ -340,18 +340,21 @@ def test_dense_buckets_add_the_bias_in_the_matmul():
 
 def test_bucket_table_picks_per_row_count_from_the_smallest_bucket_at_or_above_it(tmp_path):
     table = tmp_path / "buckets.json"
-    assert dense_rows("int8", "GPU A", table) == ()                 # no file: today's behaviour
+    assert bucket_ways("int8", "GPU A", table) == ()                # no file: today's behaviour
     table.write_text(json.dumps({"devices": {"GPU A": {"buckets": {
         "int4": {"1": "kernel", "8": "kernel", "16": "dense", "64": "dense"},
-        "int8": {"1": "dense", "4": "kernel"}}}}}))
-    picks = dense_rows("int4", "GPU A", table)
+        "int8": {"1": "dense", "2": "gemv", "4": "kernel"}}}}}))
+    picks = bucket_ways("int4", "GPU A", table)
     assert len(picks) == 65
-    assert not any(picks[:9]) and all(picks[9:])                    # 9..16 pad to 16's graph
-    assert dense_rows("int8", "GPU A", table) == (True, True, False, False, False)
-    assert dense_rows("fp8", "GPU A", table) == () and dense_rows("int8", "GPU B", table) == ()
+    assert set(picks[:9]) == {"kernel"} and set(picks[9:]) == {"dense"}     # 9..16 pad to 16's graph
+    assert bucket_ways("int8", "GPU A", table) == ("dense", "dense", "gemv", "kernel", "kernel")
+    assert bucket_ways("fp8", "GPU A", table) == () and bucket_ways("int8", "GPU B", table) == ()
     table.write_text(json.dumps({"devices": {"GPU A": {"buckets": {"int8": {"1": "bf16"}}}}}))
-    with pytest.raises(ValueError, match="kernel.*dense"):
-        dense_rows("int8", "GPU A", table)
+    with pytest.raises(ValueError, match="kernel, dense, gemv"):
+        bucket_ways("int8", "GPU A", table)
+    table.write_text(json.dumps({"devices": {"GPU A": {"buckets": {"int4": {"1": "gemv"}}}}}))
+    with pytest.raises(ValueError, match="kernel, dense; got"):     # the GEMV reads int8 and e4m3 only
+        bucket_ways("int4", "GPU A", table)
 
 
 def test_bf16_layers_run_the_gemv_where_the_table_picks_it_for_their_kind(tmp_path, monkeypatch):
@@ -410,6 +413,28 @@ def test_gpu_kernels_bf16_picks_reach_the_engines_layers(tmp_path, monkeypatch):
                                                         "o": (False, False) + (True,) * 15}
 
 
+def test_gpu_kernels_quantized_picks_weigh_kernel_dense_and_gemv_and_reach_the_engines_layers(tmp_path, monkeypatch):
+    """Per int8 bucket, the fastest of the Triton kernel, dense bf16 and the GEMV on int8 bytes,
+    summed over the layers (timings made up: no GPU); a GEMV not measured at some layer is not a
+    candidate there; the engine's layers read the picks back."""
+    from pathlib import Path
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
+    import gpu_kernels
+
+    def layer(rows: dict[int, tuple[float, float, float | None]]) -> dict:
+        return {"rows": {str(r): {"ways": {"int8 triton": {"us": k}, "bf16 [out,in]": {"us": d}}
+                                  | ({"int8 gemv": {"us": g}} if g is not None else {})}
+                         for r, (k, d, g) in rows.items()}}
+    models = {"qwen2.5-coder-1.5b": {"qkv": layer({1: (6.0, 5.0, 3.0), 16: (5.0, 6.0, 5.5), 32: (9.0, 6.0, None)}),
+                                     "o": layer({1: (6.0, 5.0, 3.0), 16: (5.0, 6.0, 5.5), 32: (9.0, 6.0, 1.0)})}}
+    table = gpu_kernels.bucket_table(models, max_bucket=64)["int8"]
+    assert {b: c["pick"] for b, c in table.items()} == {"1": "gemv", "16": "kernel", "32": "dense"}
+    assert "gemv_us" not in table["32"] and table["1"]["gemv_us"] == 28 * 6.0
+    path = tmp_path / "buckets.json"
+    gpu_kernels.record_buckets({"int8": table}, "GPU A", "run.json", "2.x", path)
+    assert bucket_ways("int8", "GPU A", path) == ("gemv", "gemv") + ("kernel",) * 15 + ("dense",) * 16
+
+
 @pytest.mark.parametrize("mode", ["int8", "int4", "fp8"])
 def test_quant_layer_runs_dense_where_its_table_says_and_its_kernel_elsewhere(mode):
     """Row counts the table marks dense multiply on the weights dequantized once (exactly
@@ -418,8 +443,8 @@ def test_quant_layer_runs_dense_where_its_table_says_and_its_kernel_elsewhere(mo
     w, b, x = torch.randn(64, 128), torch.randn(64), torch.randn(12, 128)
     tensors = {"w": quantize_fp8(w)[0], "scales": quantize_fp8(w)[1]} if mode == "fp8" else quantized(w, mode, 32)[0]
     deq = dequantize(mode, tensors, 32)
-    dense = (False, False, True, True, False)           # rows 2 and 3 dense
-    layer = QuantLinear(mode, tensors, b, 32, dense=dense, dequant_rows=10)
+    ways = ("kernel", "kernel", "dense", "dense", "kernel")     # rows 2 and 3 dense
+    layer = QuantLinear(mode, tensors, b, 32, ways=ways, dequant_rows=10)
     kernel = QuantLinear(mode, tensors, b, 32)
     assert layer.dense_w is not None and kernel.dense_w is None
     for rows in (1, 4, 5):
