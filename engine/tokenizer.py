@@ -39,6 +39,7 @@ class Tokenizer:
         self.special_ids = frozenset(i for i, t in added.items() if t.special)
         spellings = sorted((t.content for t in added.values() if t.special), key=len, reverse=True)
         self._specials = re.compile("|".join(map(re.escape, spellings))) if spellings else None
+        self._one: dict[int, str] = {}      # one token's text alone, at most a vocabulary's worth
 
     def encode(self, text: str) -> list[int]:
         ids = self.hf.encode(text, add_special_tokens=False).ids
@@ -48,6 +49,11 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         """Special tokens (special_ids) write nothing."""
+        if len(ids) == 1:   # the detokenizer's context after every step: a dict read, not a call into the library
+            text = self._one.get(ids[0])
+            if text is None:
+                text = self._one[ids[0]] = self.hf.decode(ids, skip_special_tokens=True)
+            return text
         return self.hf.decode(ids, skip_special_tokens=True)
 
     def wordless_ids(self) -> list[int]:
