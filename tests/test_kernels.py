@@ -631,7 +631,7 @@ COMPILE_FOR_GPUS = r"""
 import json, torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels import attention_triton as at, gemv_triton as gt
+from kernels import attention_triton as at, gemv_triton as gt, gguf_quant, gguf_quant_triton as ggt
 
 launches = []
 class Record:
@@ -643,6 +643,7 @@ for name in ("_decode_kernel", "_combine_kernel", "_prefill_kernel"):
     setattr(at, name, Record(getattr(at, name)))
 for name in ("_gemv_kernel", "_gemv_reduce_kernel"):
     setattr(gt, name, Record(getattr(gt, name)))
+ggt._gguf_kernel, ggt._gemv_reduce_kernel = Record(ggt._gguf_kernel), gt._gemv_reduce_kernel
 
 q, cache = torch.zeros(2, 12, 128), torch.zeros(4, 16, 2, 128)
 tables, lens = torch.zeros(2, 2, dtype=torch.int32), torch.tensor([20, 9])
@@ -657,9 +658,15 @@ for M in (1, 64):
 # And on int8 and e4m3 weights with their scales (quantized layers' GEMV).
 for dtype in (torch.int8, torch.float8_e4m3fn):
     gt.gemv_linear(torch.zeros(1, 1536, dtype=torch.bfloat16), w.to(dtype), b, torch.ones(2048))
+# The GGUF kernel on each file type's blocks at the 1.5B's q|k|v, at 1 and 16 rows.
+for qtype in gguf_quant.FILE_TYPES:
+    blocks = torch.zeros(2048, 1536 // gguf_quant.TYPES[qtype].block * gguf_quant.TYPES[qtype].nbytes,
+                         dtype=torch.uint8)
+    for M in (1, 16):
+        ggt.gguf_matmul(torch.zeros(M, 1536, dtype=torch.bfloat16), blocks, qtype)
 
 POINTEE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int32: "i32", torch.int64: "i64", torch.int8: "i8",
-           torch.float8_e4m3fn: "fp8e4nv"}
+           torch.uint8: "u8", torch.float8_e4m3fn: "fp8e4nv"}
 def shared(kernel, args, kwargs, capability):
     options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
     values = dict(zip(kernel.arg_names, args), **kwargs)
@@ -686,7 +693,7 @@ print(json.dumps([[k.fn.__name__, cap, shared(k, a, dict(kw), cap)]
 
 
 @triton_only
-def test_attention_and_gemv_kernels_fit_in_the_shared_memory_of_hopper_and_consumer_gpus():
+def test_triton_kernels_fit_in_the_shared_memory_of_hopper_and_consumer_gpus():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", COMPILE_FOR_GPUS], capture_output=True, text=True, timeout=600,
                          cwd=Path(__file__).parents[1], env=env)
@@ -695,7 +702,7 @@ def test_attention_and_gemv_kernels_fit_in_the_shared_memory_of_hopper_and_consu
     assert out.returncode == 0, out.stderr
     sizes = json.loads(out.stdout.strip().splitlines()[-1])
     assert sorted({kernel for kernel, _, _ in sizes}) == ["_combine_kernel", "_decode_kernel", "_gemv_kernel",
-                                                         "_gemv_reduce_kernel", "_prefill_kernel"]
+                                                         "_gemv_reduce_kernel", "_gguf_kernel", "_prefill_kernel"]
     # Per block: 227 KB on Hopper (sm_90), 99 KB on sm_86 and sm_89.
     limit = {90: 227 * 1024, 86: 99 * 1024}
     assert [s for s in sizes if s[2] > limit[s[1]]] == []
