@@ -28,7 +28,9 @@ Overlap (issue 53): the stub's forward also sleeps a graph replay's length (--st
 5 ms: the 1.5B's replays on the H100 and H200 run 1-2.5 ms), on the 1,024-token form at
 batch 1 and 64, with async scheduling off (the host's work adds to the replay) and on (the
 forward and sampling run on the runner's queue, a thread standing for the device, while the
-host plans and prepares the next step). Target: the step's wall time <= 1.10x the stub's.
+host plans and prepares the next step). Target: the step's wall time <= 1.10x the stub's. With it
+on, the main thread's work and the runner thread's beyond the forward, per step (one GIL runs
+both).
 Sampling (issue 53): at batch 1 and 64 on both forms, the same steps with every request
 sampled (temperature 0.8, top_p 0.95, each seeded) instead of greedy, through the batched
 sampler (`select` over all of a step's sampled rows, as the sampled head graphs hold it) and
@@ -218,15 +220,43 @@ def steady(folder: Path, batch: int, steps: int, device: str, stub_ms: float = 0
 
 def overlap(folder: Path, batch: int, steps: int, device: str, stub_ms: float) -> dict:
     """Median step wall time with the forward stubbed by a sleep, async scheduling off and on,
-    and over the sleep's own median length (on a busy host a sleep overshoots)."""
+    and over the sleep's own median length (on a busy host a sleep overshoots). With it on, then,
+    where the host's time goes on its two threads (`threads`)."""
     out = {}
     for mode in ("off", "on"):
-        _, stub, timed_step = steady(folder, batch, steps, device, stub_ms, mode == "on")
+        engine, stub, timed_step = steady(folder, batch, steps, device, stub_ms, mode == "on")
         stub.slept.clear()
         ms = statistics.median(timed_step() for _ in range(steps)) * 1e3
         forward_ms = statistics.median(stub.slept) * 1e3
         out[mode] = {"ms_per_step": ms, "forward_ms": forward_ms, "ratio": ms / forward_ms}
+    out["on"] |= threads(engine, timed_step, steps)
     return out
+
+
+def threads(engine: LLMEngine, timed_step, steps: int) -> dict:
+    """Medians per step, async scheduling on, in wall time (waits for the GIL included): the main
+    thread's work (schedule, prepare, postprocess, outputs) and the runner thread's beyond its
+    forward (sampling, the read-back, the outputs' records). One GIL runs both, so the overlap
+    hides the forward behind the host's Python work only where that work is shorter."""
+    phases, runner, busy = Phases(engine), engine.worker("m").runner, []
+    execute = runner._execute
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return execute(*args, **kwargs)
+        finally:
+            busy.append(time.perf_counter() - start)
+    runner._execute = timed         # launch() looks it up per step
+    phases.on = True
+    main, beyond = [], []
+    for _ in range(steps):
+        busy.clear()
+        p = phases.take(timed_step())
+        main.append(p["schedule"] + p["prepare"] + p["postprocess"] + p["output"])
+        beyond.append(sum(busy) - p["forward"])
+    return {"main_thread_ms": statistics.median(main) * 1e3,
+            "runner_beyond_forward_ms": statistics.median(beyond) * 1e3}
 
 
 def measure(folder: Path, batch: int, steps: int, device: str, path: str = "greedy") -> dict:
@@ -319,12 +349,13 @@ def main() -> None:
         table = Table(title=f"Step wall time with the forward a {', '.join(f'{m:g}' for m in args.stub_ms)} ms sleep "
                             f"(vocabulary {args.vocabs[0]:,}, median of {args.steps} steps): async scheduling off, on")
         for col in ("sleep ms", "batch", "off: ms / step", "its forward", "off / forward", "on: ms / step",
-                    "its forward", "on / forward"):
+                    "its forward", "on / forward", "on: main thread", "runner beyond forward"):
             table.add_column(col, justify="right")
         for stub_ms, by_batch in results["overlap"].items():
             for batch, r in by_batch.items():
                 table.add_row(stub_ms, batch, *(f"{r[m][k]:.2f}{'x' if k == 'ratio' else ''}" for m in ("off", "on")
-                                                for k in ("ms_per_step", "forward_ms", "ratio")))
+                                                for k in ("ms_per_step", "forward_ms", "ratio")),
+                              f"{r['on']['main_thread_ms']:.2f}", f"{r['on']['runner_beyond_forward_ms']:.2f}")
         console.print(table)
 
     if results["sampled"]:
