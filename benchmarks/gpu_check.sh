@@ -58,7 +58,15 @@ step() {    # step NAME SECONDS COMMAND...: run with a time limit, record its ex
     timeout "$limit" "$@"
     status[$name]="$? $((SECONDS - start))"
 }
-# The tests' CPU references build Sluice's compiled CPU kernels on that host first (a minute or two).
+# The tests' CPU references load Sluice's four compiled CPU kernels: built here at once, a process
+# each (the test session builds them one after another: 118 s of the H200 run's 210), then loaded
+# from torch's extension cache as the session starts.
+if [[ $wanted == *" tests "* ]]; then
+    for k in quant_matmul_cpu layer_cpu gguf_cpu; do $PY -c "from kernels import $k; $k.load()" & done
+    $PY -c "from kernels.cpu_build import CSRC, build; build('sluice_decoder', [CSRC / 'decoder.cpp'], 'its twin')" &
+    wait
+    echo "== gpu_check: compiled CPU kernels built in ${SECONDS}s"
+fi
 step tests 300 $PY -m pytest -q -p no:cacheprovider -o addopts= --durations=12 --junitxml="$RESULTS/gpu_tests-$slug.xml" tests/test_gpu.py
 step kernels 120 $PY benchmarks/gpu_kernels.py
 step bench 280 $PY benchmarks/gpu_bench.py --hf-batches --models qwen2.5-coder-1.5b qwen2.5-coder-0.5b
