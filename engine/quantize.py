@@ -445,8 +445,13 @@ def apply_gguf(model: CausalLM, folder: Path, blocks: Path, steps: int, steps_on
                             folder, hf, types[hf])
                 return None
             qtype, w = types[hf], f.get_tensor(hf).to(device)
-            # On the CPU, in its kernel's faster layout (the same values).
-            return gguf_quant.repack(qtype, w) if device.type == "cpu" else (qtype, w)
+            if device.type != "cpu":
+                return qtype, w
+            # On the CPU, in its kernel's faster layout (the same values), and in memory of its
+            # own: a tensor read here is a view of the file's mapping, which a kept view holds
+            # resident whole (the 0.5B's 423 MB for its 138 MB embedding).
+            layout, w2 = gguf_quant.repack(qtype, w)
+            return layout, w2.clone() if w2 is w else w2
 
         embed = part("model.embed_tokens.weight")
         model.embed_tokens = GGUFEmbedding(*embed, model.cfg.hidden_size, dtype) if embed is not None else \
