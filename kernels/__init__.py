@@ -91,10 +91,11 @@ int8_matmul = _dispatch(quant_matmul.int8_matmul)
 int4_matmul = _dispatch(quant_matmul.int4_matmul)
 gguf_matmul = _dispatch(gguf_quant.gguf_matmul)
 gemv_linear = _dispatch(gemv.gemv_linear)
+quantize_fp8 = _dispatch(quant_matmul.quantize_fp8)
 add_rms_norm = _dispatch(norm_rope.add_rms_norm)
 rotary_store_kv = _dispatch(norm_rope.rotary_store_kv)
 silu_and_mul = _dispatch(activation.silu_and_mul)
 rotate_keys = norm_rope.rotate_keys     # tensor operations on every device: nothing to dispatch
 
 __all__ = ["paged_decode_attention", "paged_prefill_attention", "int8_matmul", "int4_matmul", "gguf_matmul",
-           "gemv_linear", "add_rms_norm", "rotary_store_kv", "silu_and_mul"]
+           "gemv_linear", "quantize_fp8", "add_rms_norm", "rotary_store_kv", "silu_and_mul"]

@@ -414,6 +414,19 @@ def test_int8_engine_on_the_gemv_buckets_follows_the_cpu_one(tmp_path, monkeypat
     assert_same_or_near_tie(cpu, prompt, want, got, tol=0.3)
 
 
+@pytest.mark.parametrize("M", [1, 64])
+def test_fp8_row_quantization_on_cuda_equals_its_twin_to_the_bit(M):
+    """fp8's activations in one Triton launch, bf16 in as the engine gives them, against the
+    twin's tensor operations on the same device: the same scales and e4m3 bits."""
+    from kernels import quant_matmul, quant_matmul_triton
+    torch.manual_seed(M)
+    x = (torch.randn(M, 8960, device="cuda") * torch.logspace(-4, 2, M, device="cuda")[:, None]).to(torch.bfloat16)
+    q, scale = quant_matmul_triton.quantize_fp8(x)
+    want_q, want_scale = quant_matmul.quantize_fp8(x)
+    assert torch.equal(scale, want_scale)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or not fp8_native(torch.device("cuda")),
                     reason="FP8 tensor cores need compute capability 8.9 or more")
 @pytest.mark.parametrize("M", [1, 64, 300])

@@ -488,6 +488,31 @@ def test_triton_gemv_linear_reads_int8_and_fp8_weights_with_a_scale_per_output(M
 
 
 @triton_only
+def test_triton_fp8_row_quantization_equals_its_twin_to_the_bit():
+    """One launch for fp8's activations against quant_matmul.quantize_fp8: the same scales and
+    the same e4m3 bits, over rows of every magnitude (subnormals among them), signed zeros,
+    every e4m3 value, the midpoints between neighbours (ties to even) and a float32 step either
+    side of each; a NaN stays NaN."""
+    from kernels import quant_matmul, quant_matmul_triton
+    torch.manual_seed(0)
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    values = codes[codes.isfinite()].unique()
+    mid = (values[1:] + values[:-1]) / 2
+    grid = torch.cat([values, mid, mid.nextafter(torch.tensor(-1e9)), mid.nextafter(torch.tensor(1e9))])
+    rows = [grid, torch.randn(1536) * 1e-4, torch.randn(2500) * 30, torch.tensor([0.0, -0.0, 1e-30, 3.0]),
+            torch.zeros(7)]
+    for row in rows:
+        x = row[None, :]
+        q, scale = quant_matmul_triton.quantize_fp8(x)
+        want_q, want_scale = quant_matmul.quantize_fp8(x)
+        assert torch.equal(scale, want_scale)
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    x = torch.randn(2, 64)
+    x[1, 5] = float("nan")
+    assert torch.isnan(quant_matmul_triton.quantize_fp8(x)[0][1, 5].float())
+
+
+@triton_only
 def test_triton_gemv_takes_strided_and_empty_rows_and_its_own_plan():
     from kernels import gemv, gemv_triton
     torch.manual_seed(0)
@@ -632,6 +657,7 @@ import json, torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kernels import attention_triton as at, gemv_triton as gt, gguf_quant, gguf_quant_triton as ggt
+from kernels import quant_matmul_triton as qt
 
 launches = []
 class Record:
@@ -644,6 +670,7 @@ for name in ("_decode_kernel", "_combine_kernel", "_prefill_kernel"):
 for name in ("_gemv_kernel", "_gemv_reduce_kernel"):
     setattr(gt, name, Record(getattr(gt, name)))
 ggt._gguf_kernel, ggt._gemv_reduce_kernel = Record(ggt._gguf_kernel), gt._gemv_reduce_kernel
+qt._fp8_rows_kernel = Record(qt._fp8_rows_kernel)
 
 q, cache = torch.zeros(2, 12, 128), torch.zeros(4, 16, 2, 128)
 tables, lens = torch.zeros(2, 2, dtype=torch.int32), torch.tensor([20, 9])
@@ -658,6 +685,9 @@ for M in (1, 64):
 # And on int8 and e4m3 weights with their scales (quantized layers' GEMV).
 for dtype in (torch.int8, torch.float8_e4m3fn):
     gt.gemv_linear(torch.zeros(1, 1536, dtype=torch.bfloat16), w.to(dtype), b, torch.ones(2048))
+# fp8's activations, a row per program, at the 1.5B's hidden size and its down projection's input.
+for M, K in ((1, 1536), (64, 8960)):
+    qt.quantize_fp8(torch.zeros(M, K, dtype=torch.bfloat16))
 # The GGUF kernel on each file type's blocks at the 1.5B's q|k|v, at 1 and 16 rows.
 for qtype in gguf_quant.FILE_TYPES:
     blocks = torch.zeros(2048, 1536 // gguf_quant.TYPES[qtype].block * gguf_quant.TYPES[qtype].nbytes,
@@ -701,8 +731,9 @@ def test_triton_kernels_fit_in_the_shared_memory_of_hopper_and_consumer_gpus():
         pytest.skip("no ptxas to compile for a GPU with")
     assert out.returncode == 0, out.stderr
     sizes = json.loads(out.stdout.strip().splitlines()[-1])
-    assert sorted({kernel for kernel, _, _ in sizes}) == ["_combine_kernel", "_decode_kernel", "_gemv_kernel",
-                                                         "_gemv_reduce_kernel", "_gguf_kernel", "_prefill_kernel"]
+    assert sorted({kernel for kernel, _, _ in sizes}) == ["_combine_kernel", "_decode_kernel", "_fp8_rows_kernel",
+                                                         "_gemv_kernel", "_gemv_reduce_kernel", "_gguf_kernel",
+                                                         "_prefill_kernel"]
     # Per block: 227 KB on Hopper (sm_90), 99 KB on sm_86 and sm_89.
     limit = {90: 227 * 1024, 86: 99 * 1024}
     assert [s for s in sizes if s[2] > limit[s[1]]] == []
