@@ -14,7 +14,10 @@ per output (`scales`): each tile is widened to x's dtype in registers (exactly: 
 int8 and e4m3 value) and the scale taken after the sum, so a quantized layer reads its own bytes,
 half of bf16's, at the GEMV's pace.
 """
+from __future__ import annotations
+
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -65,7 +68,7 @@ def _gemv_reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, stride_om, HAS_BIAS: 
 
 
 @functools.cache
-def _programs_to_fill(device: torch.device) -> int:
+def programs_to_fill(device: torch.device) -> int:
     """Programs that keep every SM busy: two per SM (a few under the CPU's interpreter)."""
     return 2 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
@@ -86,6 +89,40 @@ def _slices(K: int, splits: int, block_k: int) -> tuple[int, int]:
     return triton.cdiv(K, k_per_split), k_per_split
 
 
+@dataclass
+class Launch:
+    """One product's grid as `plan` sizes it (or as asked): where its programs write (`dest`: the
+    output, or float32 partial sums per slice of K) and the output the slices sum into."""
+    out: torch.Tensor
+    dest: torch.Tensor
+    grid: tuple[int, int, int]
+    block_m: int
+    block_n: int
+    splits: int
+    k_per_split: int
+
+    @classmethod
+    def of(cls, x: torch.Tensor, N: int, block_k: int, block_n: int | None = None,
+           splits: int | None = None) -> Launch:
+        (M, K) = x.shape
+        block_m, planned_n, planned_splits = plan(M, N, K, programs_to_fill(x.device), block_k)
+        block_n = block_n or planned_n
+        splits, k_per_split = _slices(K, splits or planned_splits, block_k)
+        out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+        dest = out if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
+        return cls(out, dest, (triton.cdiv(N, block_n), triton.cdiv(M, block_m), splits), block_m, block_n,
+                   splits, k_per_split)
+
+    def finish(self, bias: torch.Tensor | None, num_warps: int) -> torch.Tensor:
+        """The output, the slices' partial sums added in order first (with the bias) where K was cut."""
+        if self.splits > 1:
+            M, N = self.out.shape
+            _gemv_reduce_kernel[(triton.cdiv(M * N, 1024),)](self.dest, self.dest if bias is None else bias, self.out,
+                                                             M, N, self.out.stride(0), HAS_BIAS=bias is not None,
+                                                             SPLITS=self.splits, BLOCK=1024, num_warps=num_warps)
+        return self.out
+
+
 def gemv_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None = None,
                 scales: torch.Tensor | None = None, splits: int | None = None, block_n: int | None = None,
                 block_k: int = 128, num_warps: int = 4) -> torch.Tensor:
@@ -94,21 +131,11 @@ def gemv_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | No
     assert x.dim() == 2 and weight_t.stride(1) == 1, "x [M, K] and weight_t [K, N] with N contiguous"
     x = x if x.stride(1) == 1 else x.contiguous()
     (M, K), N = x.shape, weight_t.shape[1]
-    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:      # an empty grid is no launch
-        return out
-    block_m, planned_n, planned_splits = plan(M, N, K, _programs_to_fill(x.device), block_k)
-    block_n = block_n or planned_n
-    splits, k_per_split = _slices(K, splits or planned_splits, block_k)
-    dest = out if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
-    has_bias = bias is not None
-    grid = (triton.cdiv(N, block_n), triton.cdiv(M, block_m), splits)
-    _gemv_kernel[grid](x, weight_t, x if scales is None else scales, bias if has_bias else x, dest, M, N, K,
-                       k_per_split, x.stride(0), weight_t.stride(0), out.stride(0), HAS_SCALE=scales is not None,
-                       HAS_BIAS=has_bias, SPLIT=splits > 1,
-                       BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
-    if splits > 1:
-        _gemv_reduce_kernel[(triton.cdiv(M * N, 1024),)](dest, bias if has_bias else dest, out, M, N, out.stride(0),
-                                                         HAS_BIAS=has_bias, SPLITS=splits, BLOCK=1024,
-                                                         num_warps=num_warps)
-    return out
+        return torch.empty(M, N, dtype=x.dtype, device=x.device)
+    run = Launch.of(x, N, block_k, block_n, splits)
+    _gemv_kernel[run.grid](x, weight_t, x if scales is None else scales, x if bias is None else bias, run.dest,
+                           M, N, K, run.k_per_split, x.stride(0), weight_t.stride(0), run.out.stride(0),
+                           HAS_SCALE=scales is not None, HAS_BIAS=bias is not None, SPLIT=run.splits > 1,
+                           BLOCK_M=run.block_m, BLOCK_N=run.block_n, BLOCK_K=block_k, num_warps=num_warps)
+    return run.finish(bias, num_warps)

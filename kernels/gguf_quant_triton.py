@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gemv_triton import _gemv_reduce_kernel, _programs_to_fill, _slices, plan
+from kernels.gemv_triton import Launch
 from kernels.gguf_quant import TYPES
 
 
@@ -100,18 +100,10 @@ def gguf_matmul(x: torch.Tensor, w: torch.Tensor, qtype: str, block_n: int | Non
     x = x if x.stride(-1) == 1 else x.contiguous()
     (M, K), N = x.shape, w.shape[0]
     assert K % t.block == 0 and w.shape[1] == K // t.block * t.nbytes
-    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
-        return out
-    block_m, planned_n, planned_splits = plan(M, N, K, _programs_to_fill(x.device), t.block)
-    block_n = block_n or planned_n
-    splits, k_per_split = _slices(K, splits or planned_splits, t.block)
-    dest = out if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(N, block_n), triton.cdiv(M, block_m), splits)
-    _gguf_kernel[grid](x, w, dest, M, N, K, k_per_split // t.block, w.shape[1], x.stride(0), out.stride(0),
-                       TYPE=t.id, BLOCK=t.block, NBYTES=t.nbytes, SPLIT=splits > 1, BLOCK_M=block_m,
-                       BLOCK_N=block_n, num_warps=num_warps)
-    if splits > 1:
-        _gemv_reduce_kernel[(triton.cdiv(M * N, 1024),)](dest, dest, out, M, N, out.stride(0), HAS_BIAS=False,
-                                                         SPLITS=splits, BLOCK=1024, num_warps=num_warps)
-    return out
+        return torch.empty(M, N, dtype=x.dtype, device=x.device)
+    run = Launch.of(x, N, t.block, block_n, splits)
+    _gguf_kernel[run.grid](x, w, run.dest, M, N, K, run.k_per_split // t.block, w.shape[1], x.stride(0),
+                           run.out.stride(0), TYPE=t.id, BLOCK=t.block, NBYTES=t.nbytes, SPLIT=run.splits > 1,
+                           BLOCK_M=run.block_m, BLOCK_N=run.block_n, num_warps=num_warps)
+    return run.finish(None, num_warps)

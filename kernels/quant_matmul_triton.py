@@ -6,11 +6,12 @@ Each program reads whole rows of the weight (K contiguous, as stored), and the g
 that a decode step's GEMV spreads over the whole chip rather than a few dozen programs: narrower
 tiles first, then (int8, a long K) slices of K summed by a second launch.
 """
-import functools
 
 import torch
 import triton
 import triton.language as tl
+
+from kernels.gemv_triton import programs_to_fill
 
 
 @triton.jit
@@ -87,12 +88,6 @@ def _prepare(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return x, torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
 
 
-@functools.cache
-def _programs_to_fill(device: torch.device) -> int:
-    """Programs that keep every SM busy: two per SM (a few under the CPU's interpreter)."""
-    return 2 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
 def int8_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, splits: int | None = None,
                 num_warps: int = 4) -> torch.Tensor:
     """`splits`: how many slices of K run in parallel (None: as many as it takes to fill the
@@ -100,7 +95,7 @@ def int8_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, splits: 
     x, out = _prepare(x, w)
     (M, K), N = x.shape, w.shape[0]
     block_m, block_n, block_k = min(64, max(16, triton.next_power_of_2(M))), 64, 128
-    fill = _programs_to_fill(x.device)
+    fill = programs_to_fill(x.device)
     while block_n > 16 and triton.cdiv(N, block_n) * triton.cdiv(M, block_m) < fill:
         block_n //= 2
     tiles = triton.cdiv(N, block_n) * triton.cdiv(M, block_m)

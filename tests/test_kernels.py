@@ -678,7 +678,7 @@ for splits in (1, 4):
     at.paged_decode_attention(q, cache, cache, tables, lens, 0.1, num_splits=splits)
 at.paged_prefill_attention(q, cache, cache, tables, lens, torch.tensor([0, 1, 2]), 0.1)
 # The GEMV in bf16 as planned for a 132-SM chip: the 1.5B's q|k|v at 1 and 64 rows (slices of K).
-gt._programs_to_fill = lambda device: 264
+gt.programs_to_fill = lambda device: 264
 w, b = torch.zeros(1536, 2048, dtype=torch.bfloat16), torch.zeros(2048, dtype=torch.bfloat16)
 for M in (1, 64):
     gt.gemv_linear(torch.zeros(M, 1536, dtype=torch.bfloat16), w, b)
