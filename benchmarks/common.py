@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import socket
 import subprocess
 import sys
@@ -46,6 +47,11 @@ def write_results(path: Path, results: dict) -> None:
 def percentile(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+
+def resident_mb(pid: int) -> float:
+    """The process's resident memory (VmRSS), MB."""
+    return int(re.search(r"VmRSS:\s+(\d+)", Path(f"/proc/{pid}/status").read_text()).group(1)) / 1024
 
 
 def machine() -> dict:

@@ -3,19 +3,27 @@ models (int8, the default, and gguf, the GGUF files' own blocks), its resident m
 once it is ready (/readyz answers), and again after one answered question (the banner's); with the engine's
 own count of each model's weight bytes (`sluice_engine_weight_bytes`) beside it.
 
+Then each model loaded alone, once per precision, in a fresh process (engine/worker.py's `_load`):
+what loading leaves resident beyond the weights it counts, before and after the engine hands the
+heap's freed pages back (`_return_freed_memory`, which the engine calls after its models load).
+
 One server at a time (the demo holds some 10 GB once ready): nothing else should run.
 Prints a table; writes benchmarks/results/demo_memory.json.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import re
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
-from common import RESULTS, ROOT, machine, sluice_server, write_results
+from common import RESULTS, ROOT, machine, resident_mb, sluice_server, write_results
 from rich.console import Console
 from rich.table import Table
 
@@ -23,6 +31,7 @@ from gateway.commands import DEMO_COLLECTION, DEMO_KEY, DEMO_QUESTION
 
 console = Console(width=140)
 PRECISIONS = ("int8", "gguf")
+MODELS = ("qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b")
 
 
 def config(precision: str, folder: Path) -> Path:
@@ -32,10 +41,6 @@ def config(precision: str, folder: Path) -> Path:
                     f'[engine.models.small]\nsource = "qwen2.5-coder-0.5b"\nquant = "{precision}"\n'
                     f'[engine.models.large]\nsource = "qwen2.5-coder-1.5b"\nquant = "{precision}"\n')
     return path
-
-
-def resident_mb(pid: int) -> float:
-    return int(re.search(r"VmRSS:\s+(\d+)", Path(f"/proc/{pid}/status").read_text()).group(1)) / 1024
 
 
 def weight_bytes(url: str) -> dict[str, int]:
@@ -60,11 +65,32 @@ def measure(precision: str, folder: Path) -> dict:
                 "memory_plan": [line for line in log.read_text().splitlines() if "KV blocks of" in line]}
 
 
+def load_alone(precision: str, model: str) -> dict:
+    """In this (fresh) process: MB resident beyond the loaded model's weights, before and after
+    the freed pages go back."""
+    from engine import worker
+    from engine.config import EngineConfig, ModelEntry
+    from engine.model_runner import Device
+    entry = ModelEntry(model, quant=precision)
+    device = Device.resolve(EngineConfig(models={"m": entry}))
+    before = resident_mb(os.getpid())
+    loaded = worker._load(entry, False, device)[1]
+    weights = worker.weight_bytes(loaded) / 2**20
+    loaded_mb = resident_mb(os.getpid()) - before
+    worker._return_freed_memory()
+    return {"weights_mb": weights, "beyond_weights_mb": loaded_mb - weights,
+            "beyond_weights_mb_returned": resident_mb(os.getpid()) - before - weights}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)
     ap.add_argument("--out", type=Path, default=RESULTS / "demo_memory.json")
+    ap.add_argument("--load-alone", nargs=2, metavar=("PRECISION", "MODEL"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.load_alone:         # the child process of the loads' table
+        print(json.dumps(load_alone(*args.load_alone)))
+        return
     results = {"machine": machine(), "question": DEMO_QUESTION, "precisions": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for precision in args.precisions:
@@ -79,6 +105,18 @@ def main() -> None:
                       f"{r['resident_mb_after_answer']:,.0f}",
                       f"{w.get('small', 0) / 2**20:,.0f} / {w.get('large', 0) / 2**20:,.0f}")
     console.print(table)
+    loads = Table(title="Each model loaded alone in a fresh process: MB resident beyond its weights")
+    for col in ("weights", "model", "weights MB", "beyond, loaded", "beyond, freed pages returned"):
+        loads.add_column(col, justify="right")
+    results["loads"] = {}
+    for precision in args.precisions:
+        for model in MODELS:
+            out = subprocess.run([sys.executable, __file__, "--load-alone", precision, model], check=True,
+                                 capture_output=True, text=True).stdout
+            r = results["loads"][f"{precision} {model}"] = json.loads(out.strip().splitlines()[-1])
+            loads.add_row(precision, model, f"{r['weights_mb']:,.0f}", f"{r['beyond_weights_mb']:,.0f}",
+                          f"{r['beyond_weights_mb_returned']:,.0f}")
+    console.print(loads)
     write_results(args.out, results)
     console.print(f"wrote {args.out.relative_to(ROOT)}")
 

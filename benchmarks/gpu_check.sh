@@ -59,8 +59,8 @@ step() {    # step NAME SECONDS COMMAND...: run with a time limit, record its ex
     status[$name]="$? $((SECONDS - start))"
 }
 # The tests' CPU references load Sluice's four compiled CPU kernels: built here at once, a process
-# each (the test session builds them one after another: 118 s of the H200 run's 210), then loaded
-# from torch's extension cache as the session starts.
+# each (the test session builds them one after another before its first test), then loaded from
+# torch's extension cache as the session starts.
 if [[ $wanted == *" tests "* ]]; then
     for k in quant_matmul_cpu layer_cpu gguf_cpu; do $PY -c "from kernels import $k; $k.load()" & done
     $PY -c "from kernels.cpu_build import CSRC, build; build('sluice_decoder', [CSRC / 'decoder.cpp'], 'its twin')" &

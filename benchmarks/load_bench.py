@@ -35,7 +35,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-from common import RESULTS, percentile, sluice_server, smollm_setup, write_results
+from common import RESULTS, percentile, resident_mb, sluice_server, smollm_setup, write_results
 
 KEY = "sk-load"
 QUESTIONS = ["What is the capital of France?", "Name three primary colours.", "How many legs does a spider have?",
@@ -85,10 +85,6 @@ async def closed_loop(url: str, clients: int, seconds: float) -> tuple[float, in
         wall = time.monotonic() - started
     assert all(s[1] == 200 for s in samples), Counter(s[1] for s in samples)
     return len(samples) / wall, len(samples)
-
-
-def resident_mb(pid: int) -> float:
-    return int(re.search(r"VmRSS:\s+(\d+)", Path(f"/proc/{pid}/status").read_text()).group(1)) / 1024
 
 
 async def open_loop(url: str, pid: int, rate: float, seconds: float, kinds=("ask",)) -> tuple[list, list]:

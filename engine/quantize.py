@@ -450,8 +450,8 @@ def apply_gguf(model: CausalLM, folder: Path, blocks: Path, steps: int, steps_on
             if device.type != "cpu":
                 return qtype, w
             # On the CPU, in its kernel's faster layout (the same values), and in memory of its
-            # own: a tensor read here is a view of the file's mapping, which a kept view holds
-            # resident whole (the 0.5B's 423 MB for its 138 MB embedding).
+            # own: a tensor read here is a view of the file's mapping, and a view kept would hold
+            # the whole file resident for as long as the model lives.
             layout, w2 = gguf_quant.repack(qtype, w)
             return layout, w2.clone() if w2 is w else w2
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -257,6 +258,19 @@ def test_one_call_decode_steps_on_gguf_blocks_equal_the_python_path(tmp_cache, t
     (ours, steps), (ref, none) = run(True), run(False)
     assert steps > 0 and none == 0
     assert ours == ref
+
+
+def test_loaded_blocks_hold_no_view_of_the_file(tmp_cache, tmp_path):
+    """Blocks kept as stored (Q4_1 here, which no CPU layout repacks) are copied out of the
+    blocks file's mapping: a view kept would hold the whole file resident for as long as the
+    model lives."""
+    path = tmp_path / "tiny-gguf.gguf"
+    write_tiny_gguf("llama", path, {"proj": "Q4_1", "mlp.": "Q4_1"})
+    config = EngineConfig(models={"m": ModelEntry(str(path), quant="gguf")})
+    model = worker._load(config.models["m"], False, Device.resolve(config))[1]
+    assert model.layers[0].self_attn.o_proj.types == ["Q4_1"]
+    blocks = resolve(str(path), progress=False) / convert.BLOCKS
+    assert blocks.is_file() and str(blocks) not in Path("/proc/self/maps").read_text()
 
 
 def test_a_truncated_gguf_is_an_error_naming_the_file(tmp_cache, tmp_path):
