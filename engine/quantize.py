@@ -212,7 +212,7 @@ def fp8_scaled_mm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> tor
     """fp8_matmul on FP8 tensor cores: x rounded as its twin rounds it, then one `_scaled_mm`
     with row-wise scales (x's per row [M, 1], the weights' per output [1, N]; w [N, K] row-major
     is the column-major [K, N] operand it takes). Row-wise scales take a bf16 output. On CUDA x
-    is rounded in one Triton launch (the twin's tensor operations took some 20 µs a layer)."""
+    is rounded in one Triton launch, not the twin's eight tensor operations."""
     xq, x_scale = quantize_fp8_rows(x)
     return torch._scaled_mm(xq, w.t(), scale_a=x_scale, scale_b=scales[None], out_dtype=torch.bfloat16).to(x.dtype)
 

@@ -170,8 +170,8 @@ def _fp8_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, BLOCK: tl.constexpr)
 
 
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """quant_matmul.quantize_fp8 in one launch (its ~8 tensor operations took some 20 µs a layer
-    on an H200 before `_scaled_mm` began): the same scales and the same e4m3 values."""
+    """quant_matmul.quantize_fp8 in one launch rather than its eight tensor operations (with them
+    an fp8 layer took 21-37 µs on an H200, bf16's 4-17): the same scales and e4m3 values."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     M, K = x.shape
     q = torch.empty(M, K, dtype=torch.uint8, device=x.device)
