@@ -1,7 +1,8 @@
 """Where a CPU decode step's time goes: a per-operator profile (torch profiler) of steady
-batch-1 decode steps for each model and precision, grouped into the weight-reading matmuls and
-everything else (attention over the paged cache, norms, rotary, the SiLU product, sampling, and
-the Python between ops, which is the step's wall time less its operators' own time).
+decode steps (`--batch` requests together, 1 by default) for each model and precision, grouped
+into the weight-reading matmuls and everything else (attention over the paged cache, norms,
+rotary, the SiLU product, sampling, and the Python between ops, which is the step's wall time
+less its operators' own time).
 
 Prints a table and writes benchmarks/results/cpu_profile.json; the shares say how much of a step
 faster matmuls alone could win back. `--cpu-step off on`: each also with its layers' operators
@@ -39,13 +40,14 @@ PARTS = [("weight matmuls",
          ("elementwise, copies, views", r".")]
 
 
-def profile_steps(engine: LLMEngine, steps: int) -> dict:
-    """Self CPU time per part over `steps` steady decode steps of one request, per step."""
+def profile_steps(engine: LLMEngine, steps: int, batch: int) -> dict:
+    """Self CPU time per part over `steps` steady decode steps of `batch` requests, per step."""
     rng = random.Random(0)
     vocab = engine.worker(None).cfg.vocab_size
-    engine.add_request([rng.randrange(1000, min(vocab, 30000)) for _ in range(32)],
-                       SamplingParams(max_tokens=steps + 8, ignore_eos=True))
-    for _ in range(4):                          # prefill, then a few steps to warm up
+    for _ in range(batch):
+        engine.add_request([rng.randrange(1000, min(vocab, 30000)) for _ in range(32)],
+                           SamplingParams(max_tokens=steps + 8, ignore_eos=True))
+    for _ in range(6):                          # the prompts, then a few steps to warm up
         engine.step()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
@@ -72,12 +74,13 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
     ap.add_argument("--quants", nargs="+", default=["int8", "int4"], choices=["none", "int8", "int4", "gguf"])
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--batch", type=int, default=1, help="requests decoding together")
     ap.add_argument("--cpu-step", nargs="+", default=["on"], choices=["on", "off"])
     ap.add_argument("--out", type=Path, default=RESULTS / "cpu_profile.json")
     args = ap.parse_args()
-    results = {"machine": machine(), "steps": args.steps, "models": {}}
+    results = {"machine": machine(), "steps": args.steps, "batch": args.batch, "models": {}}
     names = [p for p, _ in PARTS] + ["python between ops"]
-    table = Table(title=f"A batch-1 CPU decode step, ms per part ({machine()['isa']}, "
+    table = Table(title=f"A batch-{args.batch} CPU decode step, ms per part ({machine()['isa']}, "
                         f"{torch.get_num_threads()} threads)")
     for col in ("model", "weights", "one call", "step ms", *names, "not matmuls"):
         table.add_column(col)
@@ -88,7 +91,7 @@ def main() -> None:
             engine = LLMEngine(EngineConfig(models={"m": ModelEntry(str(folder), quant=quant)}, device="cpu",
                                             memory_budget_gb=6.0, cpu_step=step == "on"), progress=False)
             key = quant if args.cpu_step == ["on"] else f"{quant}, cpu_step {step}"
-            r = results["models"][name][key] = profile_steps(engine, args.steps)
+            r = results["models"][name][key] = profile_steps(engine, args.steps, args.batch)
             del engine
             table.add_row(name, quant, step, f"{r['wall_ms']:.1f}",
                           *[f"{r['parts_ms'].get(p, 0.0):.2f}" for p in names], f"{r['not_matmul_share']:.0%}")

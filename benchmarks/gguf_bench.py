@@ -31,10 +31,11 @@ from kernels import cpu_build, gguf_cpu, gguf_quant, quant_matmul_cpu
 
 console = Console(width=150)
 # (name, type in the file, K in, N out, the most rows it runs at in a step: the head sees a
-# prompt's last row)
+# prompt's last row). The 1.5B's down projection is Q4_K in half its layers and Q6_K in the others.
 LAYERS = [("1.5B gate|up", "Q4_K", 1536, 8960, 512), ("1.5B down", "Q4_K", 8960, 1536, 512),
-          ("1.5B head", "Q6_K", 1536, 151936, 8), ("0.5B gate|up", "Q5_0", 896, 9728, 512),
-          ("0.5B down", "Q6_K", 4864, 896, 512), ("0.5B head", "Q8_0", 896, 151936, 8)]
+          ("1.5B down", "Q6_K", 8960, 1536, 512), ("1.5B head", "Q6_K", 1536, 151936, 8),
+          ("0.5B gate|up", "Q5_0", 896, 9728, 512), ("0.5B down", "Q6_K", 4864, 896, 512),
+          ("0.5B head", "Q8_0", 896, 151936, 8)]
 CACHE_BYTES = 96 << 20           # copies of a layer's blocks until they exceed the L3 several times
 
 
@@ -49,6 +50,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 512])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--types", nargs="+", choices=sorted({t for _, t, *_ in LAYERS}),
+                    help="only the layers of these types (all by default)")
     ap.add_argument("--no-sgemm", action="store_true", help="time the kernel only")
     ap.add_argument("--out", type=Path, default=RESULTS / "gguf_bench.json")
     args = ap.parse_args()
@@ -58,7 +61,7 @@ def main() -> None:
         raise SystemExit(f"the compiled kernels are not built here ({cpu_build.unable()})")
     bandwidth = memory_bandwidth_gbs()
     results = []
-    for name, qtype, k, n, most in LAYERS:
+    for name, qtype, k, n, most in [layer for layer in LAYERS if not args.types or layer[1] in args.types]:
         w = gguf_quant.random_blocks(qtype, n, k)
         layout, _ = gguf_quant.repack(qtype, w)
         layouts = {qtype: [w] + [w.clone() for _ in range(max(0, CACHE_BYTES // w.numel() - 1))]}
