@@ -79,8 +79,8 @@ class ModelEntry(msgspec.Struct, forbid_unknown_fields=True):
     # llama.cpp's q8_K; up to 8, a step per 32 of them, 1 to this many times that scale
     # (kernels/gguf_quant.py's quantize_steps), in the projections `gguf_steps_on` names. The
     # MLP's gate|up reads the post-attention norm's output, where Qwen's outlier channels are:
-    # the 1.5B's perplexity on float32's at 8 steps there is +0.08%, against +0.50% at 1 and
-    # +0.04% at 8 in every projection, each projection's prompts and batches slower (docs/engine.md).
+    # the 1.5B's perplexity on float32's at 8 steps there is +0.06%, against +0.38% at 1 and
+    # +0.05% at 8 in every projection, each projection's prompts and batches slower (docs/engine.md).
     gguf_steps: int = GGUF_STEPS
     gguf_steps_on: tuple[str, ...] = GGUF_STEPS_ON
     thinking: ThinkingConfig = ThinkingConfig()

@@ -211,11 +211,11 @@ def dequantize(w: torch.Tensor, qtype: str, cols: int) -> torch.Tensor:
 
 # A K-quant's activation block is 256 values, so that the weights' integer sub-block scales multiply
 # the integer sums; but one int8 scale over 256 lets an outlier round its block's other values
-# away (the 1.5B's perplexity +0.50% on float32's: Qwen's normed hidden states carry outlier
+# away (the 1.5B's perplexity +0.38% on float32's: Qwen's normed hidden states carry outlier
 # channels). With steps, each 32 values of the block take a step of their own, a small integer
 # multiple (1..steps) of the block's: the integer scale folds into the weights' in int16 and the
 # sums stay in int32, while a run of 32 without the outlier keeps up to `steps` times finer steps
-# (+0.04% with 8), at a multiply and the sub-block scales' shuffles per row and block, which
+# (+0.05% with 8), at a multiply and the sub-block scales' shuffles per row and block, which
 # prompts and batches pay (ModelEntry.gguf_steps; docs/engine.md). 8 keeps every int16 product
 # below 2**15 (x's unit sums: 8 * 32 * 127; Q6_K's scales: 128 * 8).
 MAX_STEPS = 8
