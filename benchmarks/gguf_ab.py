@@ -16,16 +16,15 @@ import argparse
 import statistics
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 from common import RESULTS, machine, write_results
-from gguf_bench import CACHE_BYTES, LAYERS
+from gguf_bench import LAYERS, compiled_kernels, copies, int8_weights, measure
 from rich.console import Console
 from rich.table import Table
 
-from kernels import cpu_build, gguf_cpu, gguf_quant, quant_matmul_cpu
+from kernels import cpu_build, gguf_quant
 
 console = Console(width=150)
 SOURCE = "kernels/csrc/gguf_linear.cpp"
@@ -46,17 +45,6 @@ def build_revision(rev: str) -> object:
     return torch.ops.sluice_rev
 
 
-def per_call(fn, copies: list, repeats: int) -> list[float]:
-    fn(copies[0])
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for c in copies:
-            fn(c)
-        times.append((time.perf_counter() - start) / len(copies))
-    return times
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rev", required=True, help="the git revision whose kernel is the baseline")
@@ -66,26 +54,25 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=RESULTS / "gguf_ab.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    tree, int8_ops = gguf_cpu.load(), quant_matmul_cpu.load()
-    if tree is None or int8_ops is None:
-        raise SystemExit(f"the compiled kernels are not built here ({cpu_build.unable()})")
+    tree, int8_ops = compiled_kernels()
     rev = build_revision(args.rev)
     commit = subprocess.run(["git", "rev-parse", args.rev], cwd=ROOT, capture_output=True, text=True,
                             check=True).stdout.strip()
     results = []
     for name, qtype, k, n, _ in LAYERS:
         layout, w = gguf_quant.repack(qtype, gguf_quant.random_blocks(qtype, n, k))
-        copies = [w] + [w.clone() for _ in range(max(1, CACHE_BYTES // w.numel() - 1))]
-        int8 = [torch.randint(-127, 128, (n, k), dtype=torch.int8) for _ in range(max(2, CACHE_BYTES // (n * k)))]
-        int8_scales = torch.rand(n) / 100
+        ws = copies(w)
+        int8, int8_scales = int8_weights(n, k)
         tid = gguf_quant.TYPES[layout].id
         for m in args.rows:
             x = torch.randn(m, k)
             turns = {"tree": [], "rev": [], "int8": []}
             for _ in range(args.repeats):       # the three take turns
-                turns["tree"] += per_call(lambda c: tree.gguf_linear(x, [c], [tid], None, 1), copies, 1)
-                turns["rev"] += per_call(lambda c: rev.gguf_linear(x, [c], [tid], None, 1), copies, 1)
-                turns["int8"] += per_call(lambda c: int8_ops.int8_linear(x, c, int8_scales, 128), int8, 1)
+                for key, ops in (("tree", tree), ("rev", rev)):
+                    turns[key].append(measure(lambda i: ops.gguf_linear(x, [ws[i % len(ws)]], [tid], None, 1),
+                                              len(ws), 1))
+                turns["int8"].append(measure(lambda i: int8_ops.int8_linear(x, int8[i % len(int8)], int8_scales, 128),
+                                             len(int8), 1))
             ms = {key: 1e3 * statistics.median(v) for key, v in turns.items()}
             results.append({"layer": name, "layout": layout, "k": k, "n": n, "rows": m, "ms": ms,
                             "vs_rev": ms["rev"] / ms["tree"], "vs_int8": ms["int8"] / ms["tree"]})

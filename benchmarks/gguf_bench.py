@@ -39,6 +39,25 @@ LAYERS = [("1.5B gate|up", "Q4_K", 1536, 8960, 512), ("1.5B down", "Q4_K", 8960,
 CACHE_BYTES = 96 << 20           # copies of a layer's blocks until they exceed the L3 several times
 
 
+def compiled_kernels() -> tuple:
+    """The gguf and int8 kernels' operators, or an exit naming why they are not built here."""
+    ops, int8_ops = gguf_cpu.load(), quant_matmul_cpu.load()
+    if ops is None or int8_ops is None:
+        raise SystemExit(f"the compiled kernels are not built here ({cpu_build.unable()})")
+    return ops, int8_ops
+
+
+def copies(w: torch.Tensor) -> list[torch.Tensor]:
+    """w and clones of it, together past the last level cache: each call reads from memory."""
+    return [w] + [w.clone() for _ in range(max(0, CACHE_BYTES // w.numel() - 1))]
+
+
+def int8_weights(n: int, k: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Random int8 weights [n, k] for int8's kernel, copied past the cache, and their scales."""
+    return ([torch.randint(-127, 128, (n, k), dtype=torch.int8) for _ in range(max(1, CACHE_BYTES // (n * k)))],
+            torch.rand(n) / 100)
+
+
 def measure(fn, calls: int, repeats: int) -> float:
     """Median over `repeats` of the seconds per call of `calls` calls."""
     fn(0)
@@ -56,19 +75,16 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=RESULTS / "gguf_bench.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    ops, int8_ops = gguf_cpu.load(), quant_matmul_cpu.load()
-    if ops is None or int8_ops is None:
-        raise SystemExit(f"the compiled kernels are not built here ({cpu_build.unable()})")
+    ops, int8_ops = compiled_kernels()
     bandwidth = memory_bandwidth_gbs()
     results = []
     for name, qtype, k, n, most in [layer for layer in LAYERS if not args.types or layer[1] in args.types]:
         w = gguf_quant.random_blocks(qtype, n, k)
         layout, _ = gguf_quant.repack(qtype, w)
-        layouts = {qtype: [w] + [w.clone() for _ in range(max(0, CACHE_BYTES // w.numel() - 1))]}
+        layouts = {qtype: copies(w)}
         if layout != qtype:
             layouts[layout] = [gguf_quant.repack(qtype, c)[1] for c in layouts[qtype]]
-        int8 = [torch.randint(-127, 128, (n, k), dtype=torch.int8) for _ in range(max(1, CACHE_BYTES // (n * k)))]
-        int8_scales = torch.rand(n) / 100
+        int8, int8_scales = int8_weights(n, k)
         dense = gguf_quant.dequantize(w, qtype, k).t().contiguous()
         for m in [r for r in args.rows if r <= most]:
             x = torch.randn(m, k)
@@ -78,9 +94,9 @@ def main() -> None:
             times = {v: [] for v in variants | {("int8", 1)}}
             for _ in range(args.repeats):
                 for t, st in sorted(variants):
-                    copies = layouts[t]
+                    ws = layouts[t]
                     times[t, st].append(measure(lambda i: ops.gguf_linear(
-                        x, [copies[i % len(copies)]], [gguf_quant.TYPES[t].id], None, st), calls, 1))
+                        x, [ws[i % len(ws)]], [gguf_quant.TYPES[t].id], None, st), calls, 1))
                 times["int8", 1].append(measure(lambda i: int8_ops.int8_linear(
                     x, int8[i % len(int8)], int8_scales, 128), len(int8) if m < 64 else 2, 1))
             s = statistics.median(times[layout, 1])
