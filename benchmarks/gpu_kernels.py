@@ -49,6 +49,7 @@ import json
 import math
 import re
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -274,6 +275,7 @@ def main() -> None:
             continue
         results["models"][model] = {}
         for layer, (k, n) in shapes.items():
+            start = time.perf_counter()
             torch.manual_seed(0)
             # Copies with their own weights, so that the smallest form outgrows L2 twice, or 16 of
             # them for layers under L2 / 8, whose figures are then partly L2's (said in the JSON).
@@ -303,6 +305,8 @@ def main() -> None:
             results["models"][model][layer] = {"in": k, "out": n, "copies": copies,
                                                "int4_copies_over_l2": copies * n * k / 2 / l2, "rows": rows_out}
             save(results, device)
+            # The table prints at the end: a line per layer shows a time-limited run's progress.
+            console.print(f"{model} {layer}: {len(args.rows)} row counts in {time.perf_counter() - start:.0f} s")
             del sets
             torch.cuda.empty_cache()
     console.print(table)

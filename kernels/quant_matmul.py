@@ -112,10 +112,12 @@ FP8_MAX = 448.0         # e4m3fn's largest finite value
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x float [M, K] as float8 e4m3, scaled per row so that its largest magnitude lands on 448,
     and the scales float32 [M, 1] (x ~= q * scale). A row of zeros takes scale 1, not 0 / 0. The
-    same ops on every device, so a GPU rounds activations as this twin does."""
+    same ops on every device, so a GPU rounds activations as this twin does: the scale multiplies
+    by 1 / 448, as CUDA's torch does for any division by a Python number (a true division on the
+    CPU would differ from it in the last bit)."""
     xf = x.float()
     amax = xf.abs().amax(-1, keepdim=True)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scale = torch.where(amax > 0, amax * (1 / FP8_MAX), torch.ones_like(amax))
     return (xf / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 

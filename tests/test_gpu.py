@@ -381,37 +381,40 @@ def test_quantized_layers_on_the_gemv_at_engine_shapes(mode, M):
                             ways=("gemv",) * 17, dtype=torch.bfloat16)
         x = torch.randn(M, hidden, dtype=torch.bfloat16)
         want = x.float() @ dequantize(mode, tensors, 128).T + (0 if b is None else b.bfloat16().float())
-        got = layer(x.cuda())
+        x = x.cuda()    # before the capture: a graph cannot copy from pageable host memory
+        got = layer(x)
         torch.testing.assert_close(got.float().cpu(), want, rtol=2 ** -7, atol=2e-3)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = layer(x.cuda())
+            out = layer(x)
         graph.replay()
         assert torch.equal(out, got)
 
 
-def test_int8_engine_on_the_gemv_buckets_follows_the_cpu_one(tmp_path, monkeypatch):
+def test_int8_engine_on_the_gemv_buckets_follows_its_kernel(tmp_path, monkeypatch):
     """A table giving int8's batches up to 4 to the GEMV: the engine shows them, captures them, and
-    decodes as the CPU's int8 engine does (near-ties aside)."""
+    decodes as the same engine on int8's own kernel does (near-ties aside). Both are weight-only
+    on bf16 activations; the CPU's int8 engine rounds activations to int8 as well, which moves a
+    tiny random model's logits by more than bf16 does, so it is not the reference here."""
     import json
 
     from engine import worker
     monkeypatch.setenv("SLUICE_CACHE", str(tmp_path / "cache"))
-    table = tmp_path / "buckets.json"
-    table.write_text(json.dumps({"devices": {torch.cuda.get_device_name(): {"buckets": {
-        "int8": {"1": "gemv", "4": "gemv", "8": "kernel"}}}}}))
-    monkeypatch.setattr(worker, "BUCKETS", table)
     folder = make_tiny_model(tmp_path / "m", "qwen2", seed=3, hidden_size=128, intermediate_size=256)
     prompt = list(range(1, 41))
 
-    def run(device):
-        e = LLMEngine(EngineConfig(models={"m": ModelEntry(str(folder), quant="int8", group_size=32)}, device=device,
-                                   dtype="bfloat16" if device == "cuda" else "float32", max_kv_blocks=64,
-                                   block_size=16, max_num_seqs=8), progress=False)
+    def run(way):
+        table = tmp_path / f"{way}.json"
+        table.write_text(json.dumps({"devices": {torch.cuda.get_device_name(): {"buckets": {
+            "int8": {"1": way, "4": way, "8": "kernel"}}}}}))
+        monkeypatch.setattr(worker, "BUCKETS", table)
+        e = LLMEngine(EngineConfig(models={"m": ModelEntry(str(folder), quant="int8", group_size=32)}, device="cuda",
+                                   dtype="bfloat16", max_kv_blocks=64, block_size=16, max_num_seqs=8), progress=False)
         return e, e.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0]
-    (cpu, want), (gpu, got) = run("cpu"), run("cuda")
-    assert gpu.stats()["m"]["gemv_buckets"]["int8"] == [1, 2, 4]
-    assert_same_or_near_tie(cpu, prompt, want, got, tol=0.3)
+    (kernel, want), (gemv, got) = run("kernel"), run("gemv")
+    assert gemv.stats()["m"]["gemv_buckets"]["int8"] == [1, 2, 4]
+    assert kernel.stats()["m"]["gemv_buckets"].get("int8", []) == []
+    assert_same_or_near_tie(kernel, prompt, want, got, tol=0.1)
 
 
 @pytest.mark.parametrize("M", [1, 64])
