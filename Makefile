@@ -93,10 +93,9 @@ soak: $(VENV)/.installed
 # a problem per model and budget.
 EVALS := .cache/evals
 SLUICE := $(VENV)/bin/sluice
-# The weights the report answers on: gguf, the GGUF files' own blocks (docs/engine.md: the CPU
-# default once this report is in; until then the committed report is int8's, in the int8
-# folders below). The router's training runs, the thinking-budget table and early exit were
-# measured on int8 weights and keep their runs.
+# The weights the report answers on: gguf, the GGUF files' own blocks, what the server and
+# `eval run` load on the CPU (engine.default_quant). The router's training runs, the
+# thinking-budget table and early exit were measured on int8 weights and keep their runs.
 REPORT_QUANT := gguf
 EVAL_SET := mixed --mix 2:1 --quant $(REPORT_QUANT) --context-budget 512
 ROUTER_N ?= 1000

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import msgspec
 
-from engine import QUANT_SCHEMES, EngineConfig, LLMEngine, ModelEntry, SpecConfig, ThinkingExit
+from engine import QUANT_SCHEMES, EngineConfig, LLMEngine, ModelEntry, SpecConfig, ThinkingExit, default_quant
 from evals.budgets import write_budget_table
 from evals.datasets import DATASETS, SPLITS, DatasetError, files_for, parse_mix
 from evals.lab.contexts import write_context_curve
@@ -144,8 +144,9 @@ def build_parser(prog: str = "python -m evals") -> argparse.ArgumentParser:
                      help="the small model: a store name, a Hugging Face folder or a GGUF file (default: %(default)s)")
     run.add_argument("--large", default=DEFAULT_MODELS["large"], metavar="MODEL",
                      help="the large model (default: %(default)s)")
-    run.add_argument("--quant", choices=QUANT_SCHEMES, default="none",
-                     help="both models' weights: none (float32), int8 or int4 (default: %(default)s)")
+    run.add_argument("--quant", choices=QUANT_SCHEMES, default=default_quant(),
+                     help="both models' weights: none (float32), int8, int4, gguf (each file's own blocks), ... "
+                          "(default: the server's on this machine, %(default)s)")
     run.add_argument("--out", metavar="DIR", help="run folder (default: .cache/evals/DATASET-nN-seedS in the repo)")
     run.add_argument("--context-budget", type=_count(1), default=DEFAULT_CONTEXT_BUDGET, metavar="TOKENS",
                      help="prompt tokens for instructions, passages and question "

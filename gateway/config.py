@@ -9,7 +9,7 @@ from typing import Annotated, Literal, TypeVar
 
 import msgspec
 
-from engine import EngineConfig, ModelEntry, SpecConfig
+from engine import EngineConfig, ModelEntry, SpecConfig, default_quant
 from gateway.errors import explain
 from pipeline.prices import Price, default_prices
 
@@ -46,11 +46,10 @@ def default_memory_budget_gb() -> float:
 
 def default_engine() -> EngineConfig:
     # The small model drafts for the large one: greedy answers are the large model's own.
-    # int8 weights: within a point of float32 exact match at a third of the memory (the
-    # quantization quality table in the README). Not gguf (the file's own blocks): as good and
-    # smaller, but slower at 8 sequences on both models (docs/engine.md, the GGUF section).
-    return EngineConfig(models={"small": ModelEntry("qwen2.5-coder-0.5b", quant="int8"),
-                                "large": ModelEntry("qwen2.5-coder-1.5b", quant="int8")},
+    # Weights: the device's default (engine.default_quant says why: gguf on the CPU, int8 on a GPU).
+    quant = default_quant()
+    return EngineConfig(models={"small": ModelEntry("qwen2.5-coder-0.5b", quant=quant),
+                                "large": ModelEntry("qwen2.5-coder-1.5b", quant=quant)},
                         memory_budget_gb=default_memory_budget_gb(),
                         speculative=SpecConfig(target="large", draft="small"))
 

@@ -996,3 +996,15 @@ def test_a_smaller_thinking_budget_reuses_answers_that_never_reached_it(tmp_path
     for other in (config_for("gsm8k", gsm8k, thinking_budget=9), config_for("gsm8k", gsm8k, thinking_budget=3, k=2)):
         with pytest.raises(RunError, match="the same settings, a smaller thinking budget"):
             reusable(tmp_path / "t8", other)
+
+
+def test_the_server_and_eval_runs_load_the_same_weights_by_default(monkeypatch):
+    """What evals measure is what is served: gguf on the CPU, int8 on a GPU, in both."""
+    import torch
+
+    from evals.__main__ import build_parser
+    from gateway.config import ServerConfig
+    for cuda, quant in ((False, "gguf"), (True, "int8")):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
+        assert {m.quant for m in ServerConfig().engine.models.values()} == {quant}
+        assert build_parser().parse_args(["run", "squad"]).quant == quant
