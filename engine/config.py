@@ -38,8 +38,10 @@ class ThinkingConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 # Weights: float, quantized from float (int8, int4 weight-only; fp8 weights and activations), the
 # GGUF's own blocks as they ship (gguf), or a 4-bit AWQ or GPTQ checkpoint's own integers on the
-# int4 kernels (awq, gptq; engine/awq_gptq.py).
-QUANT_SCHEMES = ("none", "int8", "int4", "fp8", "gguf", "awq", "gptq")
+# int4 kernels (awq, gptq; engine/awq_gptq.py); "auto": the device's default, chosen where the
+# engine loads (engine/quantize.py's default_quant: gguf on the CPU, int8 on CUDA), so that a
+# config written on one machine (a Ray driver) means the right thing on the replica's device.
+QUANT_SCHEMES = ("auto", "none", "int8", "int4", "fp8", "gguf", "awq", "gptq")
 MAX_GGUF_STEPS = 8      # kernels/gguf_quant.py's MAX_STEPS (config stays free of torch)
 GGUF_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")   # engine/model.py's Linears
 GGUF_STEPS, GGUF_STEPS_ON = 1, ("gate_up_proj",)      # ModelEntry's defaults (why: its comment)
@@ -52,7 +54,8 @@ class ModelEntry(msgspec.Struct, forbid_unknown_fields=True):
     source: str
     # Share of the KV memory this model gets, relative to the other models' shares.
     kv_share: float = 1.0
-    # weight-only: "none" | "int8" | "int4" | "gguf" (a GGUF's own blocks) | "awq" | "gptq" (the
+    # "auto": the device's default (QUANT_SCHEMES' comment); weight-only:
+    # "none" | "int8" | "int4" | "gguf" (a GGUF's own blocks) | "awq" | "gptq" (the
     # checkpoint's own int4 weights, in its own group size); "fp8": float8 e4m3 weights (per output
     # channel) and activations (per token), on torch._scaled_mm on CUDA devices of compute
     # capability 8.9 and up, elsewhere an exact float32 emulation (slow: a quality check)

@@ -16,7 +16,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import Detokenizer
 from engine.early_exit import Prober
 from engine.prompter import Prompter
-from engine.quantize import dot_vnni
+from engine.quantize import dot_vnni, resolve_quant
 from engine.sampling_params import SamplingParams
 from engine.sequence import KVWindow, Probe, Sequence, SpecState, isolated
 from engine.speculative import Speculator
@@ -77,6 +77,7 @@ class LLMEngine:
         """Loads every model named in the config through the model store."""
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        config = resolve_quant(config)
         self.config = config
         self.workers = load_workers(config, progress)
         self.requests: dict[str, tuple[Worker, Sequence]] = {}

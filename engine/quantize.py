@@ -28,10 +28,12 @@ import json
 import logging
 from pathlib import Path
 
+import msgspec
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from engine.config import EngineConfig
 from engine.model import CausalLM, Linear, Module, linear_sources
 from kernels import (
     gemv_linear,
@@ -249,13 +251,22 @@ def row_block() -> int:
 DEQUANT_ROWS = {"cpu": 64, "cuda": 512}
 
 
-def default_quant() -> str:
-    """The weights the server and evals load when none are named. On the CPU, gguf (each GGUF
-    file's own blocks, docs/engine.md's GGUF section): float32's exact match within a point and
-    perplexity within 0.5%, the fewest bytes, faster than int8 at batch 1 and on prompts and as
-    fast at batch 8. On a GPU, int8: the GGUF Triton kernel measured 0.3-0.8x bf16 a layer on an
-    H200, where int8 measured 0.93-1.35x bf16 a step. The device is the engine's "auto" rule."""
-    return "int8" if torch.cuda.is_available() else "gguf"
+def default_quant(device: str = "auto") -> str:
+    """The weights `quant = "auto"` loads on `device` (EngineConfig.device), what the server
+    and evals load when none are named. On the CPU, gguf (each GGUF file's own blocks,
+    docs/engine.md's GGUF section): float32's exact match within a point and perplexity within
+    0.5%, the fewest bytes, faster than int8 at batch 1 and on prompts and as fast at batch 8. On
+    CUDA, int8: the GGUF Triton kernel measured 0.3-0.8x bf16 a layer on an H200, where int8
+    measured 0.93-1.35x bf16 a step."""
+    cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    return "int8" if cuda else "gguf"
+
+
+def resolve_quant(config: EngineConfig) -> EngineConfig:
+    """The config with each model's "auto" weights replaced by the device's default."""
+    models = {name: msgspec.structs.replace(entry, quant=default_quant(config.device)) if entry.quant == "auto"
+              else entry for name, entry in config.models.items()}
+    return msgspec.structs.replace(config, models=models)
 
 
 def dequant_rows_default(device: str, mode: str, group: int, dot_rows: int) -> int:

@@ -144,9 +144,10 @@ def build_parser(prog: str = "python -m evals") -> argparse.ArgumentParser:
                      help="the small model: a store name, a Hugging Face folder or a GGUF file (default: %(default)s)")
     run.add_argument("--large", default=DEFAULT_MODELS["large"], metavar="MODEL",
                      help="the large model (default: %(default)s)")
-    run.add_argument("--quant", choices=QUANT_SCHEMES, default=default_quant(),
-                     help="both models' weights: none (float32), int8, int4, gguf (each file's own blocks), ... "
-                          "(default: the server's on this machine, %(default)s)")
+    run.add_argument("--quant", choices=QUANT_SCHEMES, default="auto",
+                     help="both models' weights: none (float32), int8, int4, gguf (each file's own blocks), ...; "
+                          "auto: the server's default on this machine, gguf on the CPU and int8 on a GPU "
+                          "(default: %(default)s)")
     run.add_argument("--out", metavar="DIR", help="run folder (default: .cache/evals/DATASET-nN-seedS in the repo)")
     run.add_argument("--context-budget", type=_count(1), default=DEFAULT_CONTEXT_BUDGET, metavar="TOKENS",
                      help="prompt tokens for instructions, passages and question "
@@ -265,7 +266,8 @@ def cmd_run(args) -> int:
         prices[model] = price
     config = RunConfig(args.dataset, [str(f.resolve()) for f in files], args.sample, args.seed,
                        {"small": args.small, "large": args.large}, prices, args.context_budget, args.k,
-                       args.max_tokens, args.thinking_budget, args.quant, args.split,
+                       args.max_tokens, args.thinking_budget,
+                       default_quant() if args.quant == "auto" else args.quant, args.split,
                        parse_mix(args.mix) if args.dataset == "mixed" else (1, 1), args.selection, args.early_exit)
     folder = Path(args.out) if args.out else (
         REPO / ".cache" / "evals" / f"{args.dataset}-n{args.sample or 'all'}-seed{args.seed}")

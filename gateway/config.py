@@ -9,7 +9,7 @@ from typing import Annotated, Literal, TypeVar
 
 import msgspec
 
-from engine import EngineConfig, ModelEntry, SpecConfig, default_quant
+from engine import EngineConfig, ModelEntry, SpecConfig
 from gateway.errors import explain
 from pipeline.prices import Price, default_prices
 
@@ -46,10 +46,10 @@ def default_memory_budget_gb() -> float:
 
 def default_engine() -> EngineConfig:
     # The small model drafts for the large one: greedy answers are the large model's own.
-    # Weights: the device's default (engine.default_quant says why: gguf on the CPU, int8 on a GPU).
-    quant = default_quant()
-    return EngineConfig(models={"small": ModelEntry("qwen2.5-coder-0.5b", quant=quant),
-                                "large": ModelEntry("qwen2.5-coder-1.5b", quant=quant)},
+    # Weights: the device's default, chosen where the engine loads (engine.default_quant says why:
+    # gguf on the CPU, int8 on a GPU).
+    return EngineConfig(models={"small": ModelEntry("qwen2.5-coder-0.5b", quant="auto"),
+                                "large": ModelEntry("qwen2.5-coder-1.5b", quant="auto")},
                         memory_budget_gb=default_memory_budget_gb(),
                         speculative=SpecConfig(target="large", draft="small"))
 

@@ -998,13 +998,28 @@ def test_a_smaller_thinking_budget_reuses_answers_that_never_reached_it(tmp_path
             reusable(tmp_path / "t8", other)
 
 
-def test_the_server_and_eval_runs_load_the_same_weights_by_default(monkeypatch):
-    """What evals measure is what is served: gguf on the CPU, int8 on a GPU, in both."""
+def test_the_server_and_eval_runs_load_the_same_weights_by_default(monkeypatch, tmp_path, data, capsys):
+    """What evals measure is what is served: "auto" weights, gguf on the CPU and int8 on CUDA, chosen
+    where the engine loads (a Ray replica's device, not its driver's) and recorded by an eval run."""
     import torch
 
-    from evals.__main__ import build_parser
+    from engine.quantize import resolve_quant
     from gateway.config import ServerConfig
+    engine = ServerConfig().engine
+    assert {m.quant for m in engine.models.values()} == {"auto"}
+    files = files_for("gsm8k", None, str(data))
     for cuda, quant in ((False, "gguf"), (True, "int8")):
         monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
-        assert {m.quant for m in ServerConfig().engine.models.values()} == {quant}
-        assert build_parser().parse_args(["run", "squad"]).quant == quant
+        assert {m.quant for m in resolve_quant(engine).models.values()} == {quant}
+        # An explicit device decides, whatever the host has; named weights stand.
+        assert resolve_quant(msgspec.structs.replace(engine, device="cpu")).models["small"].quant == "gguf"
+        assert resolve_quant(msgspec.structs.replace(engine, device="cuda:1")).models["small"].quant == "int8"
+        named = msgspec.structs.replace(engine, models={**engine.models, "large": ModelEntry("x", quant="int4")})
+        assert {n: m.quant for n, m in resolve_quant(named).models.items()} == {"small": quant, "large": "int4"}
+        # An eval run resolves "auto" as the engine would and records it: a folder made on float32
+        # names the difference before any model loads.
+        open_run(tmp_path / quant, RunConfig("gsm8k", [str(f.resolve()) for f in files], 1, 0,
+                                             {"small": "qwen2.5-coder-0.5b", "large": "qwen2.5-coder-1.5b"},
+                                             default_prices()))
+        assert evals_main(["run", "gsm8k", "--data", str(data), "-n", "1", "--out", str(tmp_path / quant)]) == 2
+        assert f"quant: 'none' there, '{quant}' now" in capsys.readouterr().err
