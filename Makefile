@@ -185,7 +185,7 @@ context-curve: $(VENV)/.installed
 # (docs/router/heldout-gsm8k-56.json). The best single arm on the
 # GSM8K part (large with 1,024 thinking tokens) beside it; eval budgets compares the arms, the
 # router and the oracle on those problems. The checked-in report answered the first
-# REPORT_LIMIT=210 of the 300 drawn (140 SQuAD, 70 GSM8K), about 3 hours on 2 AVX2 cores;
+# REPORT_LIMIT=210 of the 300 drawn (140 SQuAD, 70 GSM8K), over 2 hours on 2 AVX2 cores;
 # REPORT_LIMIT=300 goes on with the other 90 from the packed runs of the 210. Each report
 # compares its modes on the questions all of them answered.
 REPORT_RUN := $(EVALS)/report-mixed-test-$(REPORT_QUANT)

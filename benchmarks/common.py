@@ -55,9 +55,22 @@ def resident_mb(pid: int) -> float:
 
 
 def machine() -> dict:
-    # The vector ISA torch dispatches to: quantized ops' speed, and which path wins, differ by it.
-    return {"cpu": platform.processor() or platform.machine(), "isa": torch.backends.cpu.get_cpu_capability(),
-            "threads": torch.get_num_threads(), "torch": torch.__version__}
+    # The vector ISA torch dispatches to: quantized ops' speed, and which path wins, differ by it;
+    # and the core (family and model), as cores of one ISA differ too: Zen 1 runs AVX2 on 128-bit
+    # units, Zen 3 on 256-bit ones, which turns which precision is faster (docs/engine.md).
+    return {"cpu": platform.processor() or platform.machine(), "core": core(),
+            "isa": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
+            "torch": torch.__version__}
+
+
+def core() -> str:
+    """The CPU's model name, family and model from /proc/cpuinfo ("" where there is none)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    field = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in info.split("\n\n")[0].splitlines())}
+    return f"{field.get('model name', '')} (family {field.get('cpu family', '?')}, model {field.get('model', '?')})"
 
 
 @dataclass(frozen=True)

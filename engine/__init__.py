@@ -6,9 +6,9 @@ from .config import QUANT_SCHEMES, EngineConfig, ModelEntry, SpecConfig, Thinkin
 from .early_exit import settled
 from .llm_engine import Completion, LLMEngine, StepOutput
 from .prompter import Prompter, Prompters
-from .quantize import default_quant
 from .sampling_params import MIN_SEED, MIN_TEMPERATURE, MIN_TOP_P, SamplingParams, ThinkingExit
 from .sequence import KVWindow, Probe
+from .worker import default_quant
 
 __all__ = ["AsyncEngine", "Completion", "EngineConfig", "EngineFailure", "KVWindow", "LLMEngine", "MIN_SEED",
            "MIN_TEMPERATURE", "MIN_TOP_P", "ModelEntry", "Probe", "Prompter", "Prompters", "QUANT_SCHEMES",

@@ -39,7 +39,7 @@ class ThinkingConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 # Weights: float, quantized from float (int8, int4 weight-only; fp8 weights and activations), the
 # GGUF's own blocks as they ship (gguf), or a 4-bit AWQ or GPTQ checkpoint's own integers on the
 # int4 kernels (awq, gptq; engine/awq_gptq.py); "auto": the device's default, chosen where the
-# engine loads (engine/quantize.py's default_quant: gguf on the CPU, int8 on CUDA), so that a
+# engine loads (engine/worker.py's default_quant: gguf on the CPU, int8 on CUDA), so that a
 # config written on one machine (a Ray driver) means the right thing on the replica's device.
 QUANT_SCHEMES = ("auto", "none", "int8", "int4", "fp8", "gguf", "awq", "gptq")
 MAX_GGUF_STEPS = 8      # kernels/gguf_quant.py's MAX_STEPS (config stays free of torch)

@@ -16,12 +16,12 @@ from engine.config import EngineConfig
 from engine.detokenizer import Detokenizer
 from engine.early_exit import Prober
 from engine.prompter import Prompter
-from engine.quantize import dot_vnni, resolve_quant
+from engine.quantize import dot_vnni
 from engine.sampling_params import SamplingParams
 from engine.sequence import KVWindow, Probe, Sequence, SpecState, isolated
 from engine.speculative import Speculator
 from engine.step import RunnerOutput, ScheduledSeq, SchedulerOutput
-from engine.worker import Worker, load_workers, weight_bytes
+from engine.worker import Worker, load_workers, resolve_quant, weight_bytes
 
 
 @dataclass

@@ -42,12 +42,16 @@ class Device:
     cuda_graphs: bool = False
     cpu_step: bool = False
 
+    @staticmethod
+    def named(device: str) -> torch.device:
+        """EngineConfig.device as a torch device: "auto" is CUDA when torch sees a GPU, else the CPU."""
+        return torch.device(device if device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
+
     @classmethod
     def resolve(cls, config: EngineConfig) -> Device:
-        """"auto" is CUDA when torch sees a GPU, else the CPU; the compute dtype "auto" is
-        bfloat16 on CUDA and float32 on the CPU."""
-        name = config.device if config.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
-        device = torch.device(name)
+        """The configured device (`named`); the compute dtype "auto" is bfloat16 on CUDA and
+        float32 on the CPU."""
+        device = cls.named(config.device)
         if device.type == "cuda":
             if not torch.cuda.is_available():
                 raise ValueError(f"engine config: device {config.device!r} but torch sees no CUDA device "

@@ -28,12 +28,10 @@ import json
 import logging
 from pathlib import Path
 
-import msgspec
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from engine.config import EngineConfig
 from engine.model import CausalLM, Linear, Module, linear_sources
 from kernels import (
     gemv_linear,
@@ -249,25 +247,6 @@ def row_block() -> int:
 # Triton tiles were faster on every one (1.2-1.8x), at 1,024 cuBLAS was on all but the q|k|v
 # projection (1.1-1.9x). 0 turns it off.
 DEQUANT_ROWS = {"cpu": 64, "cuda": 512}
-
-
-def default_quant(device: str = "auto") -> str:
-    """The weights `quant = "auto"` loads on `device` (EngineConfig.device), what the server
-    and evals load when none are named. On the CPU, gguf (each GGUF file's own blocks,
-    docs/engine.md's GGUF section): float32's exact match within a point and perplexity within
-    0.5%, the fewest bytes, faster than int8 at batch 1 and on prompts and as fast at batch 8 on
-    Zen 3 cores (on Zen 1's 128-bit AVX2 units 0.82-0.91x at batch 1, faster at 16). On
-    CUDA, int8: the GGUF Triton kernel measured 0.3-0.8x bf16 a layer on an H200, where int8
-    measured 0.93-1.35x bf16 a step."""
-    cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
-    return "int8" if cuda else "gguf"
-
-
-def resolve_quant(config: EngineConfig) -> EngineConfig:
-    """The config with each model's "auto" weights replaced by the device's default."""
-    models = {name: msgspec.structs.replace(entry, quant=default_quant(config.device)) if entry.quant == "auto"
-              else entry for name, entry in config.models.items()}
-    return msgspec.structs.replace(config, models=models)
 
 
 def dequant_rows_default(device: str, mode: str, group: int, dot_rows: int) -> int:

@@ -1003,7 +1003,7 @@ def test_the_server_and_eval_runs_load_the_same_weights_by_default(monkeypatch, 
     where the engine loads (a Ray replica's device, not its driver's) and recorded by an eval run."""
     import torch
 
-    from engine.quantize import resolve_quant
+    from engine.worker import resolve_quant
     from gateway.config import ServerConfig
     engine = ServerConfig().engine
     assert {m.quant for m in engine.models.values()} == {"auto"}
