@@ -21,7 +21,7 @@ values in the same bytes (so they dequantize to the same bits) in an order that 
 in fewer instructions: Q5_0x4 and Q8_0x4 (`group_q5_0`, `group_q8_0`), four
 consecutive blocks of a row in their 88 and 136 bytes, interleaved so that each 4-byte lane of a
 32-byte vector holds one block's weights, and Q4_Kx (`repack_q4_k`), Q4_K with its 6-bit scales
-and mins packed anew.
+and mins a byte each (148 bytes a block: no unpacking) and its weights in pairs of units.
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ TYPES = {t.name: t for t in (
     BlockType("Q4_K", 3, 256, 144, (0, 2), 32, 256),
     BlockType("Q6_K", 4, 256, 210, (208,), 16, 256),
     BlockType("Q5_0x4", 5, 128, 88, (0, 2, 4, 6), 32, 32),
-    BlockType("Q4_Kx", 6, 256, 144, (0, 2), 32, 256),
+    BlockType("Q4_Kx", 6, 256, 148, (0, 2), 32, 256),
     BlockType("Q8_0x4", 7, 128, 136, (0, 2, 4, 6), 32, 32),
 )}
 LAYOUTS = {"Q5_0": "Q5_0x4", "Q8_0": "Q8_0x4", "Q4_K": "Q4_Kx"}    # a file's type -> the CPU kernel's layout of it
@@ -111,12 +111,6 @@ def _nibbles(qs: torch.Tensor) -> torch.Tensor:
     return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
 
 
-# Q4_Kx's top bit pairs of its 16 scales and mins (j < 8: scale j; else min j - 8) in one uint32:
-# value j's pair at bits p, p + 1 for p = 8 (j % 4) + 6 - 2 (j // 4), so that a shift of lane L
-# by 2L bits moves it to bits 6 and 7 of byte j.
-_KX_BIT = [8 * (j % 4) + 6 - 2 * (j // 4) for j in range(16)]
-
-
 def _q4_k_scales(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q4_K blocks [n, 144] -> their 6-bit scales and mins, uint8 [n, 8] each (GGML's packing)."""
     s = blocks[:, 4:16].reshape(-1, 3, 4)
@@ -126,24 +120,24 @@ def _q4_k_scales(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def repack_q4_k(w: torch.Tensor) -> torch.Tensor:
-    """Q4_K rows uint8 [rows, row_bytes] -> the same rows as Q4_Kx: per block d and dmin, eight
-    bytes of the scales' low nibbles (min j's above scale j's), the top bit pairs (_KX_BIT),
-    then the same 128 bytes of weights."""
+    """Q4_K rows uint8 [rows, row_bytes] -> the same values as Q4_Kx rows: per block d and dmin,
+    the eight 6-bit scales and eight mins a byte each, then the 128 bytes of weights with each
+    run of 32 holding a pair of units, 2 i and 2 i + 1 (`_pairs`): weight j of the first in the
+    low nibble of byte j (j < 16) or the high nibble of byte j - 16, the second's in bytes 16 on.
+    A vector's low nibbles are then the first 16 weights of both units, its high ones the last 16,
+    and the kernel sums two vectors in int16 before their units' scales multiply."""
     blocks = w.reshape(-1, 144)
     sc, mn = _q4_k_scales(blocks)
-    top = torch.cat([sc, mn], -1).to(torch.int32) >> 4                 # [n, 16], 2 bits each
-    packed = torch.zeros(len(blocks), 1, dtype=torch.int32)
-    for j, bit in enumerate(_KX_BIT):
-        packed |= top[:, j:j + 1] << bit
-    return torch.cat([blocks[:, :4], (sc & 0x0F) | ((mn & 0x0F) << 4), packed.view(torch.uint8), blocks[:, 16:]],
-                     -1).reshape(w.shape)
+    units = _nibbles(blocks[:, 16:].reshape(-1, 4, 32)).reshape(-1, 4, 2, 2, 16)    # [n, pair, unit, half, 16]
+    paired = (units[..., 0, :] | (units[..., 1, :] << 4)).reshape(-1, 128)
+    return torch.cat([blocks[:, :4], sc, mn, paired], -1).reshape(w.shape[0], -1)
 
 
 def repack(qtype: str, w: torch.Tensor) -> tuple[str, torch.Tensor]:
     """A tensor of a file's type in the CPU kernel's layout for it (LAYOUTS), where its rows hold
     whole blocks of that layout; any other as it is."""
     layout = LAYOUTS.get(qtype)
-    if layout is None or w.shape[1] % TYPES[layout].nbytes:
+    if layout is None or w.shape[1] // TYPES[qtype].nbytes % (TYPES[layout].block // TYPES[qtype].block):
         return qtype, w
     return layout, {"Q5_0": group_q5_0, "Q8_0": group_q8_0, "Q4_K": repack_q4_k}[qtype](w)
 
@@ -179,12 +173,11 @@ def unpack(blocks: torch.Tensor, qtype: str) -> tuple[torch.Tensor, torch.Tensor
         d, dmin = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
         if qtype == "Q4_K":
             sc, mn = _q4_k_scales(blocks)
+            # Four runs of 32 bytes: each gives a unit in its low nibbles, the next unit in its high ones.
+            q = _nibbles(blocks[:, 16:].reshape(n, 4, 32)).reshape(n, 8, 32).to(torch.int8)
         else:
-            nib, packed = blocks[:, 4:12], blocks[:, 12:16].contiguous().view(torch.int32)
-            top = torch.cat([(packed >> bit) & 3 for bit in _KX_BIT], -1).to(torch.uint8) << 4
-            sc, mn = (nib & 0x0F) | top[:, :8], (nib >> 4) | top[:, 8:]
-        # Four runs of 32 bytes: each gives a unit in its low nibbles, the next unit in its high ones.
-        q = _nibbles(blocks[:, 16:].reshape(n, 4, 32)).reshape(n, 8, 32).to(torch.int8)
+            sc, mn, paired = blocks[:, 4:12], blocks[:, 12:20], blocks[:, 20:].reshape(n, 4, 2, 16)
+            q = torch.stack([paired & 0x0F, paired >> 4], 3).reshape(n, 8, 32).to(torch.int8)
         return q, d * sc.to(torch.float32), -(dmin * mn.to(torch.float32))
     if qtype == "Q6_K":
         ql, qh, sc, d = blocks[:, :128], blocks[:, 128:192], blocks[:, 192:208], _f16(blocks[:, 208:210])
@@ -272,6 +265,9 @@ def random_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> torch.Tens
     """Valid blocks of `qtype` with every integer field random and small finite float16 scales
     (random bytes there could be NaN): uint8 [rows, row_bytes], for tests and for benchmarks at
     a model's shapes."""
+    if qtype in LAYOUTS.values():             # a layout's valid blocks are a file type's, repacked
+        file_type = next(f for f, layout in LAYOUTS.items() if layout == qtype)
+        return repack(file_type, random_blocks(file_type, rows, cols, seed))[1]
     t = TYPES[qtype]
     g = torch.Generator().manual_seed(seed)
     raw = torch.randint(0, 256, (rows * cols // t.block, t.nbytes), dtype=torch.uint8, generator=g)

@@ -41,16 +41,18 @@
 namespace {
 
 // Repacked at load (kernels/gguf_quant.py): Q5_0x4 and Q8_0x4, four blocks interleaved (`group_q5_0`,
-// `group_q8_0`); Q4_Kx, Q4_K with its scales and mins in a packing vectors unpack (`repack_q4_k`).
+// `group_q8_0`); Q4_Kx, Q4_K with its scales and mins a byte each and its units paired (`repack_q4_k`).
 enum Type : int64_t { Q8_0 = 0, Q5_0 = 1, Q4_1 = 2, Q4_K = 3, Q6_K = 4, Q5_0x4 = 5, Q4_Kx = 6, Q8_0x4 = 7 };
 
-// Weights and bytes per block, activations per int8 scale, per unit sum of x, and whether x is
-// read in the x4 layouts' interleaved order.
-struct Traits { int64_t block, bytes, act, unit; bool x4 = false; };
+// The order x is quantized in: as it comes, the x4 layouts' interleaved one, or Q4_Kx's pairs.
+enum Order : int { NATURAL, X4, PAIRS };
+// Weights and bytes per block, activations per int8 scale, per unit sum of x, and x's order.
+struct Traits { int64_t block, bytes, act, unit; Order order = NATURAL; };
 constexpr Traits traits(int64_t t) {
     return t == Q8_0 ? Traits{32, 34, 32, 32} : t == Q5_0 ? Traits{32, 22, 32, 32} : t == Q4_1 ? Traits{32, 20, 32, 32}
-         : t == Q4_K || t == Q4_Kx ? Traits{256, 144, 256, 32} : t == Q6_K ? Traits{256, 210, 256, 16}
-         : t == Q5_0x4 ? Traits{128, 88, 32, 32, true} : Traits{128, 136, 32, 32, true};
+         : t == Q4_K ? Traits{256, 144, 256, 32} : t == Q4_Kx ? Traits{256, 148, 256, 32, PAIRS}
+         : t == Q6_K ? Traits{256, 210, 256, 16}
+         : t == Q5_0x4 ? Traits{128, 88, 32, 32, X4} : Traits{128, 136, 32, 32, X4};
 }
 
 constexpr int TILE = 32;        // rows of x per tile: a block's share of them is 8 KiB (K-quants)
@@ -116,6 +118,18 @@ static inline __m256i dot(__m256i q, const int8_t* x, __m256i scale) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(q, load(x)), scale);
 }
 
+// Q4_Kx's half block, two pairs of units: vector 2 i + j holds weights 16 j .. 16 j + 15 of
+// both units of pair i (the first's in its low 128 bits), x in the same order (Order PAIRS).
+// The two vectors of a pair add up in int16 (at most 2 * 2 * 15 * 127 = 7620) before their
+// pair's scales (s01, s23: the first unit's in the low half) multiply: a multiply per 64
+// weights fewer than `dot4`.
+static inline __m256i dot_pairs(__m256i q0, __m256i q1, __m256i q2, __m256i q3, const int8_t* x, __m256i s01,
+                                __m256i s23) {
+    const __m256i a = _mm256_add_epi16(_mm256_maddubs_epi16(q0, load(x)), _mm256_maddubs_epi16(q1, load(x + 32)));
+    const __m256i b = _mm256_add_epi16(_mm256_maddubs_epi16(q2, load(x + 64)), _mm256_maddubs_epi16(q3, load(x + 96)));
+    return _mm256_add_epi32(_mm256_madd_epi16(a, s01), _mm256_madd_epi16(b, s23));
+}
+
 // A K-quant's half block, four units of 32 with a scale each, against x's 128 values there.
 static inline __m256i dot4(__m256i q0, __m256i q1, __m256i q2, __m256i q3, const int8_t* x,
                            __m256i s0, __m256i s1, __m256i s2, __m256i s3) {
@@ -124,7 +138,7 @@ static inline __m256i dot4(__m256i q0, __m256i q1, __m256i q2, __m256i q3, const
 }
 
 // The K-quants' outputs are per row, not per lane: a block's integer sums settle, then one float
-// step serves 8 rows, row 8 g + j in lane j of acc[g] (`settle`).
+// step serves 8 rows, row 8 g + j in lane j of acc[g] (`settle_rows`).
 constexpr bool rows_in_lanes(int64_t t) { return t == Q4_K || t == Q4_Kx || t == Q6_K; }
 
 // Four rows of four int32 lanes (0 beyond n) -> each row's sum in lane j: exact.
@@ -134,10 +148,10 @@ static inline __m128i row_sums4(const __m128i* v, int n) {
     return _mm_hadd_epi32(_mm_hadd_epi32(at(0), at(1)), _mm_hadd_epi32(at(2), at(3)));
 }
 
-// Eight rows of four int32 lanes (0 beyond n; at least 4 rows): row j's sum in lane j.
+// Eight rows of four int32 lanes (0 beyond n): row j's sum in lane j.
 static inline __m256i row_sums8(const __m128i* v, int n) {
     const __m128i zero = _mm_setzero_si128();
-    const auto pair = [&](int j) { return _mm256_set_m128i(j + 4 < n ? v[j + 4] : zero, v[j]); };
+    const auto pair = [&](int j) { return _mm256_set_m128i(j + 4 < n ? v[j + 4] : zero, j < n ? v[j] : zero); };
     return _mm256_hadd_epi32(_mm256_hadd_epi32(pair(0), pair(1)), _mm256_hadd_epi32(pair(2), pair(3)));
 }
 
@@ -165,11 +179,16 @@ alignas(32) constexpr int8_t WORD[8][32] = {
     W(0), W(1), W(2), W(3), W(4), W(5), W(6), W(7)
 #undef W
 };
-// Q6_K: a 32-bit lane holding two int16 unit scales -> the first in the low 128 bits' eight
-// int16s, the second in the high ones' (a sub-block of 32's two units).
-alignas(32) constexpr int8_t PAIR[32] = {0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
-                                         2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3};
-
+// The scales of units 2 i and 2 i + 1 (Q4_Kx's pair i; Q6_K's sub-block i of a half block) from
+// eight int16 scales in both halves of a vector: the first in the low half's lanes, the second
+// in the high half's.
+alignas(32) constexpr int8_t PAIRED[4][32] = {
+#define P(i) {4 * i, 4 * i + 1, 4 * i, 4 * i + 1, 4 * i, 4 * i + 1, 4 * i, 4 * i + 1, 4 * i, 4 * i + 1, 4 * i, 4 * i + 1, \
+               4 * i, 4 * i + 1, 4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3, 4 * i + 2, 4 * i + 3, 4 * i + 2, 4 * i + 3,     \
+               4 * i + 2, 4 * i + 3, 4 * i + 2, 4 * i + 3, 4 * i + 2, 4 * i + 3, 4 * i + 2, 4 * i + 3, 4 * i + 2, 4 * i + 3}
+    P(0), P(1), P(2), P(3)
+#undef P
+};
 // Q4_K's twelve bytes of 6-bit scales and mins (GGML's packing) -> sub-block j's scale in
 // bytes j, its min in bytes 8 + j.
 static inline __m128i scales_mins(const uint8_t* s) {
@@ -180,19 +199,6 @@ static inline __m128i scales_mins(const uint8_t* s) {
     const uint32_t six = 0x3F3F3F3F, four = 0x0F0F0F0F, two = 0x03030303;
     return _mm_setr_epi32(a & six, (c & four) | ((a >> 6) & two) << 4,
                           b & six, ((c >> 4) & four) | ((b >> 6) & two) << 4);
-}
-
-// The same from Q4_Kx's packing: eight bytes of low nibbles (scale j's, then min j's above it),
-// then the sixteen top bit pairs in a uint32 where one shift per lane (lane L by 2L bits) brings
-// byte j's pair to its bits 6 and 7.
-static inline __m128i scales_mins_x(const uint8_t* s) {
-    const __m128i v = _mm_loadl_epi64((const __m128i*)s), low = _mm_set1_epi8(0x0F);
-    const __m128i nibbles = _mm_unpacklo_epi64(_mm_and_si128(v, low), _mm_and_si128(_mm_srli_epi16(v, 4), low));
-    uint32_t h;
-    std::memcpy(&h, s + 8, 4);
-    const __m128i top = _mm_and_si128(_mm_sllv_epi32(_mm_set1_epi32((int)h), _mm_setr_epi32(0, 2, 4, 6)),
-                                      _mm_set1_epi8((char)0xC0));
-    return _mm_or_si128(nibbles, _mm_srli_epi16(top, 2));
 }
 
 // Q5_0x4's vector j of 32 weights (q - 16, signed bytes): two vectors' low four bits in each 32-byte
@@ -221,10 +227,159 @@ static inline __m256i unit(const uint8_t* blk, float& d) {
     return nibbles16(blk + 4);
 }
 
+// A K-quant block's integer sums for rows [0, R) of the tile at x: the lanes of part[r] add up
+// to row r's sum of unit scale times q times x (Q6_K's -32 times x's unit sums settled in them),
+// those of mins[r] to its mins times x's unit sums (Q4_K; Q6_K has none). Returns the block's
+// float scales d and dmin. A half block (128 weights) at a time: each row's four unit dot
+// products, the halves adding up in part[r].
+template <int64_t T, int ROWS = 0>
+static inline std::pair<float, float> kquant(const uint8_t* blk, const Act& x, int64_t b, int rows, __m256i* part,
+                                             __m128i* mins) {
+    const int R = ROWS ? ROWS : rows;
+    const int64_t K = x.K, k0 = b * 256, sums_per_row = K / traits(T).unit, mults_per_row = K / 32;
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    // `scales(r, s)`: row r's four unit scales there (Q4_Kx: two pairs'), the weights' times x's
+    // step multiples.
+    const auto half = [&](int h, __m256i q0, __m256i q1, __m256i q2, __m256i q3, auto&& scales, auto&& finish) {
+        for (int r = 0; r < R; ++r) {
+            __m256i s[4];
+            scales(r, s);
+            const int8_t* xr = x.q + r * K + k0 + 128 * h;
+            const __m256i sum = T == Q4_Kx ? dot_pairs(q0, q1, q2, q3, xr, s[0], s[1])
+                                           : dot4(q0, q1, q2, q3, xr, s[0], s[1], s[2], s[3]);
+            if (h == 0) part[r] = sum;
+            else part[r] = finish(r, _mm256_add_epi32(part[r], sum));
+        }
+    };
+    if constexpr (T == Q4_K || T == Q4_Kx) {
+        // d and dmin, then the scales and mins: a byte each (Q4_Kx) or GGML's twelve bytes of them.
+        int32_t both;
+        std::memcpy(&both, blk, 4);
+        const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128(both));
+        const float d = _mm_cvtss_f32(dd), dmin = _mm_cvtss_f32(_mm_movehdup_ps(dd));
+        const __m128i sm = T == Q4_K ? scales_mins(blk + 4) : _mm_loadu_si128((const __m128i*)(blk + 4));
+        const uint8_t* qs = blk + (T == Q4_K ? 16 : 20);
+        constexpr int NS = T == Q4_K ? 4 : 2;          // scale vectors per half block
+        const auto control = [](int h, int i) { return load(T == Q4_K ? WORD[4 * h + i] : PAIRED[2 * h + i]); };
+        // The eight scales as int16 in both halves (each half's shuffles pick from its own), the mins in one.
+        const __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
+        const __m128i m = _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8));
+        for (int r = 0; r < R; ++r)
+            mins[r] = _mm_madd_epi16(m, _mm_loadu_si128((const __m128i*)(x.sum + r * sums_per_row + k0 / 32)));
+        // With steps, each row's sub-block scales times x's step multiples there (at most 63 * 8),
+        // once a block; the unit scales then take their shuffles per row, not once for the tile.
+        __m256i row[ROWS ? ROWS : TILE];
+        if (x.mult)
+            for (int r = 0; r < R; ++r)
+                row[r] = _mm256_mullo_epi16(scales, _mm256_broadcastsi128_si256(_mm_loadu_si128(
+                                                (const __m128i*)(x.mult + r * mults_per_row + k0 / 32))));
+        for (int h = 0; h < 2; ++h) {
+            const __m256i p0 = load(qs + 64 * h), p1 = load(qs + 32 + 64 * h);
+            const __m256i q0 = _mm256_and_si256(p0, low), q1 = _mm256_and_si256(_mm256_srli_epi16(p0, 4), low);
+            const __m256i q2 = _mm256_and_si256(p1, low), q3 = _mm256_and_si256(_mm256_srli_epi16(p1, 4), low);
+            const auto finish = [](int, __m256i total) { return total; };
+            if (x.mult) {
+                half(h, q0, q1, q2, q3, [&](int r, __m256i* s) {
+                    for (int i = 0; i < NS; ++i) s[i] = _mm256_shuffle_epi8(row[r], control(h, i));
+                }, finish);
+            } else {
+                __m256i shared[NS];
+                for (int i = 0; i < NS; ++i) shared[i] = _mm256_shuffle_epi8(scales, control(h, i));
+                half(h, q0, q1, q2, q3, [&](int, __m256i* s) { std::copy(shared, shared + NS, s); }, finish);
+            }
+        }
+        return {d, dmin};
+    } else {                                        // Q6_K: q - 32 as q 0..63, and -32 times x's unit sums
+        const uint8_t *ql = blk, *qh = blk + 128;
+        const uint8_t* sc = blk + 192;
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)sc));
+        const __m256i three = _mm256_set1_epi8(3);
+        // Half block h's eight unit scales as int16 in both halves of a vector: sub-block i's two
+        // are then one in-lane shuffle away (PAIRED[i]), not a lane-crossing permute and a shuffle.
+        const auto eight = [&](int h) {
+            return _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i*)(sc + 8 * h))));
+        };
+        // With steps, each row's unit scales times x's step multiples there (at most 128 * 8), once
+        // a block: a multiple per 32 values, for both its units.
+        __m256i row[2][ROWS ? ROWS : TILE];
+        if (x.mult)
+            for (int h = 0; h < 2; ++h) {
+                const __m256i units = eight(h);
+                for (int r = 0; r < R; ++r) {
+                    const __m128i m = _mm_loadl_epi64((const __m128i*)(x.mult + r * mults_per_row + k0 / 32 + 4 * h));
+                    row[h][r] = _mm256_mullo_epi16(units, _mm256_broadcastsi128_si256(_mm_unpacklo_epi16(m, m)));
+                }
+            }
+        for (int h = 0; h < 2; ++h) {
+            const __m256i l0 = load(ql + 64 * h), l1 = load(ql + 64 * h + 32), hb = load(qh + 32 * h);
+            const __m256i q0 = _mm256_or_si256(_mm256_and_si256(l0, low), _mm256_slli_epi16(_mm256_and_si256(hb, three), 4));
+            const __m256i q1 = _mm256_or_si256(_mm256_and_si256(l1, low),
+                                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), three), 4));
+            const __m256i q2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
+                                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), three), 4));
+            const __m256i q3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low),
+                                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), three), 4));
+            const auto finish = [&](int r, __m256i total) {
+                const __m256i xs = load(x.sum + r * sums_per_row + k0 / 16);
+                return _mm256_sub_epi32(total, _mm256_slli_epi32(_mm256_madd_epi16(xs, sc16), 5));
+            };
+            if (x.mult) {
+                half(h, q0, q1, q2, q3, [&](int r, __m256i* s) {
+                    for (int i = 0; i < 4; ++i) s[i] = _mm256_shuffle_epi8(row[h][r], load(PAIRED[i]));
+                }, finish);
+            } else {
+                const __m256i units = eight(h);
+                __m256i shared[4];
+                for (int i = 0; i < 4; ++i) shared[i] = _mm256_shuffle_epi8(units, load(PAIRED[i]));
+                half(h, q0, q1, q2, q3, [&](int, __m256i* s) { std::copy(shared, shared + 4, s); }, finish);
+            }
+        }
+        return {f16(blk + 208), 0.f};
+    }
+}
+
+// The float step of one block for rows [0, R): each row's whole integer sum (part[r]'s lanes
+// added, exactly) times d, less its mins' sum (mins[r]'s lanes) times dmin, times x's scale sx
+// (row r's at sx[r * stride]), onto row 8 g + j's lane j of acc[g]: the same float operations
+// for a row in any lane of either width, so the same bits whatever the rows beside it.
+template <int64_t T>
+static inline void settle_rows(float d, float dmin, const float* sx, int64_t stride, int R, const __m256i* part,
+                               const __m128i* mins, __m256* acc) {
+    const auto half_sum = [](__m256i p) { return _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1)); };
+    for (int g = 0; 8 * g < R; ++g) {
+        const int n = std::min(8, R - 8 * g);
+        const __m256i* p = part + 8 * g;
+        const __m128i* m = mins + 8 * g;
+        const float* s = sx + 8 * g * stride;
+        if (n == 1) {                    // one row (a decode of one sequence): in lane 0
+            const auto sum4 = [](__m128i t) {
+                t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+                return _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+            };
+            __m128 v = _mm_mul_ss(_mm_cvtepi32_ps(sum4(half_sum(p[0]))), _mm_set_ss(d));
+            if constexpr (T != Q6_K) v = _mm_fnmadd_ss(_mm_cvtepi32_ps(sum4(m[0])), _mm_set_ss(dmin), v);
+            acc[g] = _mm256_castps128_ps256(_mm_fmadd_ss(v, _mm_load_ss(s), _mm256_castps256_ps128(acc[g])));
+        } else if (n <= 4) {             // lanes 0 .. n of the low half
+            __m128i t[4];
+            alignas(16) float s4[4] = {};
+            for (int j = 0; j < n; ++j) t[j] = half_sum(p[j]), s4[j] = s[j * stride];
+            __m128 v = _mm_mul_ps(_mm_cvtepi32_ps(row_sums4(t, n)), _mm_set1_ps(d));
+            if constexpr (T != Q6_K) v = _mm_fnmadd_ps(_mm_cvtepi32_ps(row_sums4(m, n)), _mm_set1_ps(dmin), v);
+            acc[g] = _mm256_castps128_ps256(_mm_fmadd_ps(v, _mm_load_ps(s4), _mm256_castps256_ps128(acc[g])));
+        } else {
+            alignas(32) float s8[8] = {};
+            for (int j = 0; j < n; ++j) s8[j] = s[j * stride];
+            __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(row_sums8(p, n)), _mm256_set1_ps(d));
+            if constexpr (T != Q6_K) v = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(row_sums8(m, n)), _mm256_set1_ps(dmin), v);
+            acc[g] = _mm256_fmadd_ps(v, _mm256_load_ps(s8), acc[g]);
+        }
+    }
+}
+
 // One output's weight block `blk` (the b-th of its row) against rows [0, R) of the tile at x
 // (x.q, x.scale and x.sum already at the tile's first row): acc[r] += the block's share of
 // row r's output (lane-wise; off[r] a scalar share where the type has one). `part` holds a
-// K-quant's first half-block sums per row. ROWS: R known when compiled (a decode's few rows,
+// K-quant's integer sums per row. ROWS: R known when compiled (a decode's few rows,
 // whose sums then stay in registers), or 0.
 template <int64_t T, int ROWS = 0>
 static inline void block(const uint8_t* blk, const Act& x, int64_t b, int rows, __m256* acc, float* off,
@@ -232,9 +387,8 @@ static inline void block(const uint8_t* blk, const Act& x, int64_t b, int rows, 
     constexpr Traits tr = traits(T);
     const int R = ROWS ? ROWS : rows;
     const int64_t K = x.K, k0 = b * tr.block;
-    const int64_t scales_per_row = K / tr.act, sums_per_row = K / tr.unit, mults_per_row = K / 32;
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    if constexpr (tr.x4) {
+    const int64_t scales_per_row = K / tr.act, sums_per_row = K / tr.unit;
+    if constexpr (tr.order == X4) {
         // Four blocks interleaved, x in the same order (kernels/gguf_quant.py's _X4_ORDER): every
         // 4-byte lane of a vector holds weights of one block, lane L of block L % 4 in each half.
         // A row's products then sum into int32 lanes of one block each and take one float step,
@@ -271,137 +425,10 @@ static inline void block(const uint8_t* blk, const Act& x, int64_t b, int rows, 
             acc[r] = scaled(acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), ones), d * sx);
             if constexpr (T == Q4_1) off[r] += f16(blk + 2) * sx * (float)x.sum[r * sums_per_row + b];
         }
-    } else {
-        // A K-quant half block (128 weights): each row's four unit dot products; the halves add up
-        // in part[r], which `finish` settles in int32 (Q6_K's -32), and then the block's float
-        // scales apply once per 8 rows (`settle`).
-        // `scales(r, s)`: row r's four unit scales there (the weights' times x's step multiples).
-        const auto half = [&](int h, __m256i q0, __m256i q1, __m256i q2, __m256i q3, auto&& scales, auto&& finish) {
-            for (int r = 0; r < R; ++r) {
-                __m256i s[4];
-                scales(r, s);
-                const __m256i sum = dot4(q0, q1, q2, q3, x.q + r * K + k0 + 128 * h, s[0], s[1], s[2], s[3]);
-                if (h == 0) part[r] = sum;
-                else part[r] = finish(r, _mm256_add_epi32(part[r], sum));
-            }
-        };
-        // Each row's whole integer sum (part[r]'s lanes added, exactly) times d, less its mins'
-        // sum (`mins(r)`'s lanes) times dmin, times x's scale: the same float operations for a row
-        // in any lane of either width, so the same bits whatever the rows beside it.
-        const auto settle = [&](float d, float dmin, auto&& mins) {
-            for (int g = 0; 8 * g < R; ++g) {
-                const int n = std::min(8, R - 8 * g);
-                const float* sx = x.scale + 8 * g * scales_per_row + b;      // row 8 g's; the next rows' a row on
-                const auto half_sum = [&](int j) {
-                    const __m256i p = part[8 * g + j];
-                    return _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
-                };
-                if (n == 1) {                    // one row (a decode of one sequence): in lane 0
-                    const auto sum4 = [](__m128i t) {
-                        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
-                        return _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
-                    };
-                    __m128 v = _mm_mul_ss(_mm_cvtepi32_ps(sum4(half_sum(0))), _mm_set_ss(d));
-                    if constexpr (T != Q6_K)
-                        v = _mm_fnmadd_ss(_mm_cvtepi32_ps(sum4(mins(8 * g))), _mm_set_ss(dmin), v);
-                    acc[g] = _mm256_castps128_ps256(_mm_fmadd_ss(v, _mm_load_ss(sx), _mm256_castps256_ps128(acc[g])));
-                } else if (n <= 4) {             // lanes 0 .. n of the low half
-                    __m128i t[4], m[4];
-                    alignas(16) float s4[4] = {};
-                    for (int j = 0; j < n; ++j) {
-                        t[j] = half_sum(j), s4[j] = sx[j * scales_per_row];
-                        if constexpr (T != Q6_K) m[j] = mins(8 * g + j);
-                    }
-                    __m128 v = _mm_mul_ps(_mm_cvtepi32_ps(row_sums4(t, n)), _mm_set1_ps(d));
-                    if constexpr (T != Q6_K) v = _mm_fnmadd_ps(_mm_cvtepi32_ps(row_sums4(m, n)), _mm_set1_ps(dmin), v);
-                    acc[g] = _mm256_castps128_ps256(_mm_fmadd_ps(v, _mm_load_ps(s4), _mm256_castps256_ps128(acc[g])));
-                } else {
-                    __m128i m[8];
-                    alignas(32) float s8[8] = {};
-                    for (int j = 0; j < n; ++j) {
-                        s8[j] = sx[j * scales_per_row];
-                        if constexpr (T != Q6_K) m[j] = mins(8 * g + j);
-                    }
-                    __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(row_sums8(part + 8 * g, n)), _mm256_set1_ps(d));
-                    if constexpr (T != Q6_K)
-                        v = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(row_sums8(m, n)), _mm256_set1_ps(dmin), v);
-                    acc[g] = _mm256_fmadd_ps(v, _mm256_load_ps(s8), acc[g]);
-                }
-            }
-        };
-        if constexpr (T == Q4_K || T == Q4_Kx) {
-            const float d = f16(blk), dmin = f16(blk + 2);
-            const __m256i sm = _mm256_cvtepu8_epi16(T == Q4_K ? scales_mins(blk + 4) : scales_mins_x(blk + 4));
-            const __m256i scales = _mm256_permute2x128_si256(sm, sm, 0x00);
-            const __m128i mins = _mm256_extracti128_si256(sm, 1);
-            // With steps, each row's sub-block scales times x's step multiples there (at most 63 * 8),
-            // once a block; the unit scales then take their shuffles per row, not once for the tile.
-            __m256i row[ROWS ? ROWS : TILE];
-            if (x.mult)
-                for (int r = 0; r < R; ++r)
-                    row[r] = _mm256_mullo_epi16(scales, _mm256_broadcastsi128_si256(_mm_loadu_si128(
-                                                    (const __m128i*)(x.mult + r * mults_per_row + k0 / 32))));
-            for (int h = 0; h < 2; ++h) {
-                const __m256i p0 = load(blk + 16 + 64 * h), p1 = load(blk + 48 + 64 * h);
-                const __m256i q0 = _mm256_and_si256(p0, low), q1 = _mm256_and_si256(_mm256_srli_epi16(p0, 4), low);
-                const __m256i q2 = _mm256_and_si256(p1, low), q3 = _mm256_and_si256(_mm256_srli_epi16(p1, 4), low);
-                const auto finish = [](int, __m256i total) { return total; };
-                if (x.mult) {
-                    half(h, q0, q1, q2, q3, [&](int r, __m256i* s) {
-                        for (int i = 0; i < 4; ++i) s[i] = _mm256_shuffle_epi8(row[r], load(WORD[4 * h + i]));
-                    }, finish);
-                } else {
-                    __m256i shared[4];
-                    for (int i = 0; i < 4; ++i) shared[i] = _mm256_shuffle_epi8(scales, load(WORD[4 * h + i]));
-                    half(h, q0, q1, q2, q3, [&](int, __m256i* s) { std::copy(shared, shared + 4, s); }, finish);
-                }
-            }
-            settle(d, dmin, [&](int r) {
-                return _mm_madd_epi16(mins, _mm_loadu_si128((const __m128i*)(x.sum + r * sums_per_row + k0 / 32)));
-            });
-        } else {                                    // Q6_K: q - 32 as q 0..63, and -32 times x's unit sums
-            const uint8_t *ql = blk, *qh = blk + 128;
-            const float d = f16(blk + 208);
-            const __m128i sc = _mm_loadu_si128((const __m128i*)(blk + 192));
-            const __m256i sc16 = _mm256_cvtepi8_epi16(sc);
-            const __m256i three = _mm256_set1_epi8(3);
-            // With steps, each row's 16 unit scales times x's step multiples there (at most 128 * 8),
-            // once a block: a multiple per 32 values, widened to both its units.
-            __m256i row[ROWS ? ROWS : TILE];
-            if (x.mult)
-                for (int r = 0; r < R; ++r) {
-                    const __m256i m = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(x.mult + r * mults_per_row + k0 / 32)));
-                    row[r] = _mm256_mullo_epi16(sc16, _mm256_or_si256(m, _mm256_slli_epi32(m, 16)));
-                }
-            // Sub-block j's two unit scales: 32-bit lane j of a row's 16, in both halves of a vector.
-            const auto pair = [&](__m256i units, int j) {
-                return _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(units, _mm256_set1_epi32(j)), load(PAIR));
-            };
-            for (int h = 0; h < 2; ++h) {
-                const __m256i l0 = load(ql + 64 * h), l1 = load(ql + 64 * h + 32), hb = load(qh + 32 * h);
-                const __m256i q0 = _mm256_or_si256(_mm256_and_si256(l0, low), _mm256_slli_epi16(_mm256_and_si256(hb, three), 4));
-                const __m256i q1 = _mm256_or_si256(_mm256_and_si256(l1, low),
-                                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), three), 4));
-                const __m256i q2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
-                                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), three), 4));
-                const __m256i q3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low),
-                                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), three), 4));
-                const auto finish = [&](int r, __m256i total) {
-                    const __m256i xs = load(x.sum + r * sums_per_row + k0 / 16);
-                    return _mm256_sub_epi32(total, _mm256_slli_epi32(_mm256_madd_epi16(xs, sc16), 5));
-                };
-                if (x.mult) {
-                    half(h, q0, q1, q2, q3, [&](int r, __m256i* s) {
-                        for (int i = 0; i < 4; ++i) s[i] = pair(row[r], 4 * h + i);
-                    }, finish);
-                } else {
-                    __m256i shared[4];
-                    for (int i = 0; i < 4; ++i) shared[i] = pair(sc16, 4 * h + i);
-                    half(h, q0, q1, q2, q3, [&](int, __m256i* s) { std::copy(shared, shared + 4, s); }, finish);
-                }
-            }
-            settle(d, 0.f, [](int) { return _mm_setzero_si128(); });
-        }
+    } else {                                        // a K-quant: its integer sums, then one float step
+        __m128i mins[ROWS ? ROWS : TILE];
+        const auto [d, dmin] = kquant<T, ROWS>(blk, x, b, R, part, mins);
+        settle_rows<T>(d, dmin, x.scale + b, scales_per_row, R, part, mins, acc);
     }
 }
 
@@ -487,12 +514,12 @@ static void linear(const Act& x, const uint8_t* W, const Out& O, int64_t M, int6
     });
 }
 
-// x per block of B values as int8 (x4: in the x4 layouts' order), and the integer sum of every U
+// x per block of B values as int8 (in `x_order`), and the integer sum of every U
 // values. One scale per block (`mult` null: max(|x|max, 1e-8) / 127, x / scale rounded half to
 // even: kernels/quant_matmul.py's quantize_rows), or a step per 32 values, a multiple m
 // (1..steps) of the block's scale d = max(|x|max, 1e-8) / (127 steps), and sums in those steps
 // (kernels/gguf_quant.py's quantize_steps, to the bit: the same float operations in the same order).
-static void quantize(const float* x, int64_t M, int64_t K, int64_t B, int64_t U, bool x4, int8_t* q, float* xs,
+static void quantize(const float* x, int64_t M, int64_t K, int64_t B, int64_t U, Order x_order, int8_t* q, float* xs,
                      int16_t* xi, int16_t* mult, int steps) {
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -526,12 +553,20 @@ static void quantize(const float* x, int64_t M, int64_t K, int64_t B, int64_t U,
             }
         }
         // The x4 layouts' order: byte 16 h + 4 b + i of vector k is x[32 b + 8 k + 4 h + i], per 128 values.
-        if (x4)
+        if (x_order == X4)
             for (int64_t i = m0 * K; i < m1 * K; i += 128) {
                 int8_t in_order[128];
                 std::memcpy(in_order, q + i, 128);
                 for (int p = 0; p < 128; p += 4)
                     std::memcpy(q + i + p, in_order + 32 * (p % 16 / 4) + 8 * (p / 32) + 4 * (p % 32 / 16), 4);
+            }
+        // Q4_Kx's pairs: per 64 values (two units), the first 16 of each unit, then the last 16 of each.
+        if (x_order == PAIRS)
+            for (int64_t i = m0 * K; i < m1 * K; i += 64) {
+                int8_t second[16];
+                std::memcpy(second, q + i + 16, 16);
+                std::memcpy(q + i + 16, q + i + 32, 16);
+                std::memcpy(q + i + 32, second, 16);
             }
     });
 }
@@ -568,18 +603,18 @@ torch::Tensor gguf_linear(const torch::Tensor& x_, at::TensorList parts, at::Int
     }
     auto out = torch::empty({M, N}, x.options());
     struct Quantized { std::vector<int8_t> q; std::vector<float> scale; std::vector<int16_t> sum, mult; };
-    thread_local std::map<std::tuple<int64_t, int64_t, bool>, Quantized> scratch;     // by (act, unit, x4)
+    thread_local std::map<std::tuple<int64_t, int64_t, int>, Quantized> scratch;     // by (act, unit, order)
     int64_t n0 = 0;
     for (size_t i = 0; i < parts.size(); ++i) {
         const Traits tr = traits(types[i]);
         const bool stepped = tr.act > 32 && steps > 1;
-        Quantized& a = scratch[{tr.act, tr.unit, tr.x4}];
+        Quantized& a = scratch[{tr.act, tr.unit, tr.order}];
         const bool first = std::none_of(types.begin(), types.begin() + i, [&](int64_t t) {
-            return traits(t).act == tr.act && traits(t).unit == tr.unit && traits(t).x4 == tr.x4; });
+            return traits(t).act == tr.act && traits(t).unit == tr.unit && traits(t).order == tr.order; });
         if (first) {                // no earlier part quantized x this way
             a.q.resize(M * K), a.scale.resize(M * K / tr.act), a.sum.resize(M * K / tr.unit);
             a.mult.resize(M * K / 32);
-            quantize(x.data_ptr<float>(), M, K, tr.act, tr.unit, tr.x4, a.q.data(), a.scale.data(), a.sum.data(),
+            quantize(x.data_ptr<float>(), M, K, tr.act, tr.unit, tr.order, a.q.data(), a.scale.data(), a.sum.data(),
                      stepped ? a.mult.data() : nullptr, (int)steps);
         }
         const Act act{a.q.data(), a.scale.data(), a.sum.data(), stepped ? a.mult.data() : nullptr, K};
