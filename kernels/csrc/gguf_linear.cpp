@@ -201,18 +201,16 @@ static inline __m128i scales_mins(const uint8_t* s) {
                           b & six, ((c >> 4) & four) | ((b >> 6) & two) << 4);
 }
 
-// Q5_0x4's vector j of 32 weights (q - 16, signed bytes): two vectors' low four bits in each 32-byte
-// run, and each vector's fifth bits moved to bit 4 of their bytes by one shift per lane (their
-// order in the layout is made for it).
+// Q5_0x4's vector j of 32 weights as stored, q 0..31 (the weight is q - 16): two vectors' low
+// four bits in each 32-byte run, and each vector's fifth bits moved to bit 4 of their bytes by
+// one shift per lane (their order in the layout is made for it).
 static inline __m256i x4_vector(const uint8_t* blk, int j) {
-    const __m256i sixteen = _mm256_set1_epi8(16);
     uint32_t h;
     std::memcpy(&h, blk + 8 + 4 * j, 4);
     const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), v = load(blk + 24 + 32 * (j / 2));
     const __m256i fifth = _mm256_and_si256(_mm256_srli_epi16(_mm256_sllv_epi32(_mm256_set1_epi32((int)h), lanes), 3),
-                                           sixteen);
-    return _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(j % 2 ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0x0F)),
-                                           fifth), sixteen);
+                                           _mm256_set1_epi8(16));
+    return _mm256_or_si256(_mm256_and_si256(j % 2 ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0x0F)), fifth);
 }
 
 // A block of a type with units of 32: its 32 integers, as signed bytes (Q8_0, Q5_0: multiplied as
@@ -392,23 +390,30 @@ static inline void block(const uint8_t* blk, const Act& x, int64_t b, int rows, 
         // Four blocks interleaved, x in the same order (kernels/gguf_quant.py's _X4_ORDER): every
         // 4-byte lane of a vector holds weights of one block, lane L of block L % 4 in each half.
         // A row's products then sum into int32 lanes of one block each and take one float step,
-        // each lane its block's d times x's scale there: no reduction across lanes. Q5_0's add up
-        // in int16 across the four vectors first (|q| <= 16, |x| <= 127: at most 4 * 2 * 16 * 127
-        // = 16256); Q8_0's pairs fill int16 already.
+        // each lane its block's d times x's scale there: no reduction across lanes. Q5_0's q stay
+        // unsigned (0..31, no sign steps), add up in int16 across the four vectors first (at most
+        // 4 * 2 * 31 * 127 = 31496), and its -16 comes off as 16 times x's sum over each block,
+        // in the block's lane of the low half. Q8_0's pairs fill int16 already.
         const __m256i ones = _mm256_set1_epi16(1);
         const __m128 d4 = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)blk));
         const __m256 d = _mm256_set_m128(d4, d4);
         __m256i q[4], u[4];
         for (int j = 0; j < 4; ++j) {
             q[j] = T == Q5_0x4 ? x4_vector(blk, j) : load(blk + 8 + 32 * j);
-            u[j] = _mm256_sign_epi8(q[j], q[j]);
+            u[j] = T == Q5_0x4 ? q[j] : _mm256_sign_epi8(q[j], q[j]);
         }
         for (int r = 0; r < R; ++r) {
             const int8_t* xr = x.q + r * K + k0;
             __m256i p[4];
-            for (int j = 0; j < 4; ++j) p[j] = _mm256_maddubs_epi16(u[j], _mm256_sign_epi8(load(xr + 32 * j), q[j]));
+            for (int j = 0; j < 4; ++j) {
+                const __m256i xv = load(xr + 32 * j);
+                p[j] = _mm256_maddubs_epi16(u[j], T == Q5_0x4 ? xv : _mm256_sign_epi8(xv, q[j]));
+            }
             const __m256i lanes = T == Q5_0x4
-                ? _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3])), ones)
+                ? _mm256_sub_epi32(
+                      _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3])), ones),
+                      _mm256_zextsi128_si256(_mm_slli_epi32(_mm_cvtepi16_epi32(
+                          _mm_loadl_epi64((const __m128i*)(x.sum + r * sums_per_row + k0 / 32))), 4)))
                 : _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(p[0], ones), _mm256_madd_epi16(p[1], ones)),
                                    _mm256_add_epi32(_mm256_madd_epi16(p[2], ones), _mm256_madd_epi16(p[3], ones)));
             const __m256 scale = _mm256_mul_ps(d, _mm256_broadcast_ps((const __m128*)(x.scale + r * scales_per_row + k0 / 32)));
