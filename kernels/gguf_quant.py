@@ -17,8 +17,8 @@ the order `gguf.quants.dequantize` computes it, so the twin is equal to it to th
     Q6_K   256   210    16    6 bits - 32              d * sc (int8)  -
 
 Three more layouts are repacked at load for the CPU kernel, not a file's, each holding the same
-values in the same bytes (so they dequantize to the same bits) in an order that unpacks and sums
-in fewer instructions: Q5_0x4 and Q8_0x4 (`group_q5_0`, `group_q8_0`), four
+values (so they dequantize to the same bits) in an order that unpacks and sums in fewer
+instructions: Q5_0x4 and Q8_0x4 (`group_q5_0`, `group_q8_0`), four
 consecutive blocks of a row in their 88 and 136 bytes, interleaved so that each 4-byte lane of a
 32-byte vector holds one block's weights, and Q4_Kx (`repack_q4_k`), Q4_K with its 6-bit scales
 and mins a byte each (148 bytes a block: no unpacking) and its weights in pairs of units.
@@ -122,7 +122,7 @@ def _q4_k_scales(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def repack_q4_k(w: torch.Tensor) -> torch.Tensor:
     """Q4_K rows uint8 [rows, row_bytes] -> the same values as Q4_Kx rows: per block d and dmin,
     the eight 6-bit scales and eight mins a byte each, then the 128 bytes of weights with each
-    run of 32 holding a pair of units, 2 i and 2 i + 1 (`_pairs`): weight j of the first in the
+    run of 32 holding a pair of units, 2 i and 2 i + 1: weight j of the first in the
     low nibble of byte j (j < 16) or the high nibble of byte j - 16, the second's in bytes 16 on.
     A vector's low nibbles are then the first 16 weights of both units, its high ones the last 16,
     and the kernel sums two vectors in int16 before their units' scales multiply."""
