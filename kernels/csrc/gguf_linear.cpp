@@ -148,10 +148,10 @@ static inline __m128i row_sums4(const __m128i* v, int n) {
     return _mm_hadd_epi32(_mm_hadd_epi32(at(0), at(1)), _mm_hadd_epi32(at(2), at(3)));
 }
 
-// Eight rows of four int32 lanes (0 beyond n): row j's sum in lane j.
+// Eight rows of four int32 lanes (0 beyond n; at least 4 rows): row j's sum in lane j.
 static inline __m256i row_sums8(const __m128i* v, int n) {
     const __m128i zero = _mm_setzero_si128();
-    const auto pair = [&](int j) { return _mm256_set_m128i(j + 4 < n ? v[j + 4] : zero, j < n ? v[j] : zero); };
+    const auto pair = [&](int j) { return _mm256_set_m128i(j + 4 < n ? v[j + 4] : zero, v[j]); };
     return _mm256_hadd_epi32(_mm256_hadd_epi32(pair(0), pair(1)), _mm256_hadd_epi32(pair(2), pair(3)));
 }
 
