@@ -16,12 +16,13 @@ the order `gguf.quants.dequantize` computes it, so the twin is equal to it to th
     Q4_K   256   144    32    4 bits                   d * sc (6 bit) -dmin * m (6 bit)
     Q6_K   256   210    16    6 bits - 32              d * sc (int8)  -
 
-Three more layouts are repacked at load for the CPU kernel, not a file's, each holding the same
+Four more layouts are repacked at load for the CPU kernel, not a file's, each holding the same
 values (so they dequantize to the same bits) in an order that unpacks and sums in fewer
 instructions: Q5_0x4 and Q8_0x4 (`group_q5_0`, `group_q8_0`), four
 consecutive blocks of a row in their 88 and 136 bytes, interleaved so that each 4-byte lane of a
-32-byte vector holds one block's weights, and Q4_Kx (`repack_q4_k`), Q4_K with its 6-bit scales
-and mins a byte each (148 bytes a block: no unpacking) and its weights in pairs of units.
+32-byte vector holds one block's weights; Q4_Kx (`repack_q4_k`), Q4_K with its 6-bit scales
+and mins a byte each (148 bytes a block: no unpacking) and its weights in pairs of units; and
+Q6_Kx (`repack_q6_k`), Q6_K's bits in its 210 bytes with its units of 16 in quads.
 """
 from __future__ import annotations
 
@@ -52,8 +53,9 @@ TYPES = {t.name: t for t in (
     BlockType("Q5_0x4", 5, 128, 88, (0, 2, 4, 6), 32, 32),
     BlockType("Q4_Kx", 6, 256, 148, (0, 2), 32, 256),
     BlockType("Q8_0x4", 7, 128, 136, (0, 2, 4, 6), 32, 32),
+    BlockType("Q6_Kx", 8, 256, 210, (208,), 16, 256),
 )}
-LAYOUTS = {"Q5_0": "Q5_0x4", "Q8_0": "Q8_0x4", "Q4_K": "Q4_Kx"}    # a file's type -> the CPU kernel's layout of it
+LAYOUTS = {"Q5_0": "Q5_0x4", "Q8_0": "Q8_0x4", "Q4_K": "Q4_Kx", "Q6_K": "Q6_Kx"}    # a file's type -> the CPU kernel's layout of it
 FILE_TYPES = tuple(t for t in TYPES if t not in LAYOUTS.values())   # the GGUF types read as stored
 
 # Q5_0x4 and Q8_0x4 interleave four blocks: each of their four vectors of 32 weights holds, in every
@@ -133,13 +135,42 @@ def repack_q4_k(w: torch.Tensor) -> torch.Tensor:
     return torch.cat([blocks[:, :4], sc, mn, paired], -1).reshape(w.shape[0], -1)
 
 
+# Q6_Kx's order of a block's weights: per 64 (four units of 16), the first 8 of each unit, then
+# the last 8 of each; its vector 2 i + j is then weights 8 j .. 8 j + 7 of each unit of quad i.
+_QUADS = torch.tensor([64 * (p // 64) + 8 * (2 * (p % 64 // 8 % 4) + p % 64 // 32) + p % 8 for p in range(256)])
+
+
+def _q6_k_ints(blocks: torch.Tensor) -> torch.Tensor:
+    """Q6_K's (or Q6_Kx's) bits [n, 210] -> each block's q 0..63 [n, 256] in the order they are
+    stored: each half block's four vectors of 32, vector j the low nibbles of run j % 2 (j < 2)
+    or its high ones, and bits 2 j, 2 j + 1 of the half's 32 bytes of high bits."""
+    n = blocks.shape[0]
+    low = _nibbles(blocks[:, :128].reshape(n, 2, 64)).reshape(n, 8, 32)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=blocks.device).view(1, 1, 4, 1)
+    high = ((blocks[:, 128:192].reshape(n, 2, 1, 32) >> shifts) & 3).reshape(n, 8, 32)
+    return (low | (high << 4)).reshape(n, 256)
+
+
+def repack_q6_k(w: torch.Tensor) -> torch.Tensor:
+    """Q6_K rows uint8 [rows, row_bytes] -> the same values as Q6_Kx rows: the same bytes but for
+    the order of each block's weights (_QUADS), so that the kernel sums two vectors in int16
+    before one multiply by four units' scales."""
+    blocks = w.reshape(-1, 210)
+    q = _q6_k_ints(blocks)[:, _QUADS].reshape(-1, 2, 4, 32)                 # [n, half, vector, 32]
+    low = q & 0x0F
+    runs = (low[:, :, :2] | (low[:, :, 2:] << 4)).reshape(-1, 128)
+    high = (q >> 4) << torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
+    bits = (high[:, :, 0] | high[:, :, 1] | high[:, :, 2] | high[:, :, 3]).reshape(-1, 64)
+    return torch.cat([runs, bits, blocks[:, 192:]], -1).reshape(w.shape[0], -1)
+
+
 def repack(qtype: str, w: torch.Tensor) -> tuple[str, torch.Tensor]:
     """A tensor of a file's type in the CPU kernel's layout for it (LAYOUTS), where its rows hold
     whole blocks of that layout; any other as it is."""
     layout = LAYOUTS.get(qtype)
     if layout is None or w.shape[1] // TYPES[qtype].nbytes % (TYPES[layout].block // TYPES[qtype].block):
         return qtype, w
-    return layout, {"Q5_0": group_q5_0, "Q8_0": group_q8_0, "Q4_K": repack_q4_k}[qtype](w)
+    return layout, {"Q5_0": group_q5_0, "Q8_0": group_q8_0, "Q4_K": repack_q4_k, "Q6_K": repack_q6_k}[qtype](w)
 
 
 def _in_order(vectors: torch.Tensor) -> torch.Tensor:
@@ -179,13 +210,12 @@ def unpack(blocks: torch.Tensor, qtype: str) -> tuple[torch.Tensor, torch.Tensor
             sc, mn, paired = blocks[:, 4:12], blocks[:, 12:20], blocks[:, 20:].reshape(n, 4, 2, 16)
             q = torch.stack([paired & 0x0F, paired >> 4], 3).reshape(n, 8, 32).to(torch.int8)
         return q, d * sc.to(torch.float32), -(dmin * mn.to(torch.float32))
-    if qtype == "Q6_K":
-        ql, qh, sc, d = blocks[:, :128], blocks[:, 128:192], blocks[:, 192:208], _f16(blocks[:, 208:210])
-        low = _nibbles(ql.reshape(n, 2, 64)).reshape(n, 8, 32)                  # halves of 128 weights
-        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=blocks.device).view(1, 1, 4, 1)
-        high = ((qh.reshape(n, 2, 1, 32) >> shifts) & 3).reshape(n, 8, 32)
-        q = (low | (high << 4)).to(torch.int8) - 32
-        return q.view(n, 16, 16), d * sc.contiguous().view(torch.int8).to(torch.float32), None
+    if qtype in ("Q6_K", "Q6_Kx"):
+        sc, d = blocks[:, 192:208], _f16(blocks[:, 208:210])
+        q = _q6_k_ints(blocks)
+        if qtype == "Q6_Kx":
+            q = torch.empty_like(q).index_copy_(1, _QUADS.to(blocks.device), q)
+        return (q.to(torch.int8) - 32).view(n, 16, 16), d * sc.contiguous().view(torch.int8).to(torch.float32), None
     raise ValueError(f"no kernel reads GGUF type {qtype!r}; known: {', '.join(TYPES)}")
 
 

@@ -41,17 +41,18 @@
 namespace {
 
 // Repacked at load (kernels/gguf_quant.py): Q5_0x4 and Q8_0x4, four blocks interleaved (`group_q5_0`,
-// `group_q8_0`); Q4_Kx, Q4_K with its scales and mins a byte each and its units paired (`repack_q4_k`).
-enum Type : int64_t { Q8_0 = 0, Q5_0 = 1, Q4_1 = 2, Q4_K = 3, Q6_K = 4, Q5_0x4 = 5, Q4_Kx = 6, Q8_0x4 = 7 };
+// `group_q8_0`); Q4_Kx, Q4_K with its scales and mins a byte each and its units paired (`repack_q4_k`);
+// Q6_Kx, Q6_K with its units of 16 in quads (`repack_q6_k`).
+enum Type : int64_t { Q8_0 = 0, Q5_0 = 1, Q4_1 = 2, Q4_K = 3, Q6_K = 4, Q5_0x4 = 5, Q4_Kx = 6, Q8_0x4 = 7, Q6_Kx = 8 };
 
-// The order x is quantized in: as it comes, the x4 layouts' interleaved one, or Q4_Kx's pairs.
-enum Order : int { NATURAL, X4, PAIRS };
+// The order x is quantized in: as it comes, the x4 layouts' interleaved one, Q4_Kx's pairs or Q6_Kx's quads.
+enum Order : int { NATURAL, X4, PAIRS, QUADS };
 // Weights and bytes per block, activations per int8 scale, per unit sum of x, and x's order.
 struct Traits { int64_t block, bytes, act, unit; Order order = NATURAL; };
 constexpr Traits traits(int64_t t) {
     return t == Q8_0 ? Traits{32, 34, 32, 32} : t == Q5_0 ? Traits{32, 22, 32, 32} : t == Q4_1 ? Traits{32, 20, 32, 32}
          : t == Q4_K ? Traits{256, 144, 256, 32} : t == Q4_Kx ? Traits{256, 148, 256, 32, PAIRS}
-         : t == Q6_K ? Traits{256, 210, 256, 16}
+         : t == Q6_K ? Traits{256, 210, 256, 16} : t == Q6_Kx ? Traits{256, 210, 256, 16, QUADS}
          : t == Q5_0x4 ? Traits{128, 88, 32, 32, X4} : Traits{128, 136, 32, 32, X4};
 }
 
@@ -122,7 +123,9 @@ static inline __m256i dot(__m256i q, const int8_t* x, __m256i scale) {
 // both units of pair i (the first's in its low 128 bits), x in the same order (Order PAIRS).
 // The two vectors of a pair add up in int16 (at most 2 * 2 * 15 * 127 = 7620) before their
 // pair's scales (s01, s23: the first unit's in the low half) multiply: a multiply per 64
-// weights fewer than `dot4`.
+// weights fewer than `dot4`. Q6_Kx's the same with quads of units of 16 (vector 2 i + j holds
+// weights 8 j .. 8 j + 7 of each unit of quad i; at most 2 * 2 * 63 * 127 = 32004), its
+// scales s01 and s23 the two quads'.
 static inline __m256i dot_pairs(__m256i q0, __m256i q1, __m256i q2, __m256i q3, const int8_t* x, __m256i s01,
                                 __m256i s23) {
     const __m256i a = _mm256_add_epi16(_mm256_maddubs_epi16(q0, load(x)), _mm256_maddubs_epi16(q1, load(x + 32)));
@@ -139,7 +142,8 @@ static inline __m256i dot4(__m256i q0, __m256i q1, __m256i q2, __m256i q3, const
 
 // The K-quants' outputs are per row, not per lane: a block's integer sums settle, then one float
 // step serves 8 rows, row 8 g + j in lane j of acc[g] (`settle_rows`).
-constexpr bool rows_in_lanes(int64_t t) { return t == Q4_K || t == Q4_Kx || t == Q6_K; }
+constexpr bool rows_in_lanes(int64_t t) { return t == Q4_K || t == Q4_Kx || t == Q6_K || t == Q6_Kx; }
+constexpr bool has_mins(int64_t t) { return t == Q4_K || t == Q4_Kx; }
 
 // Four rows of four int32 lanes (0 beyond n) -> each row's sum in lane j: exact.
 static inline __m128i row_sums4(const __m128i* v, int n) {
@@ -188,6 +192,13 @@ alignas(32) constexpr int8_t PAIRED[4][32] = {
                4 * i + 2, 4 * i + 3, 4 * i + 2, 4 * i + 3, 4 * i + 2, 4 * i + 3, 4 * i + 2, 4 * i + 3, 4 * i + 2, 4 * i + 3}
     P(0), P(1), P(2), P(3)
 #undef P
+};
+// Q6_Kx's quad i of a half block from its eight int16 scales in both halves of a vector: units
+// 4 i and 4 i + 1 in the low half's lanes (four each), 4 i + 2 and 4 i + 3 in the high half's.
+alignas(32) constexpr int8_t QUAD[2][32] = {
+#define U(u) 2 * (u), 2 * (u) + 1, 2 * (u), 2 * (u) + 1, 2 * (u), 2 * (u) + 1, 2 * (u), 2 * (u) + 1
+    {U(0), U(1), U(2), U(3)}, {U(4), U(5), U(6), U(7)}
+#undef U
 };
 // Q4_K's twelve bytes of 6-bit scales and mins (GGML's packing) -> sub-block j's scale in
 // bytes j, its min in bytes 8 + j.
@@ -243,7 +254,7 @@ static inline std::pair<float, float> kquant(const uint8_t* blk, const Act& x, i
             __m256i s[4];
             scales(r, s);
             const int8_t* xr = x.q + r * K + k0 + 128 * h;
-            const __m256i sum = T == Q4_Kx ? dot_pairs(q0, q1, q2, q3, xr, s[0], s[1])
+            const __m256i sum = T == Q4_Kx || T == Q6_Kx ? dot_pairs(q0, q1, q2, q3, xr, s[0], s[1])
                                            : dot4(q0, q1, q2, q3, xr, s[0], s[1], s[2], s[3]);
             if (h == 0) part[r] = sum;
             else part[r] = finish(r, _mm256_add_epi32(part[r], sum));
@@ -287,13 +298,15 @@ static inline std::pair<float, float> kquant(const uint8_t* blk, const Act& x, i
             }
         }
         return {d, dmin};
-    } else {                                        // Q6_K: q - 32 as q 0..63, and -32 times x's unit sums
+    } else {                                        // Q6_K(x): q - 32 as q 0..63, and -32 times x's unit sums
         const uint8_t *ql = blk, *qh = blk + 128;
         const uint8_t* sc = blk + 192;
         const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)sc));
-        const __m256i three = _mm256_set1_epi8(3);
         // Half block h's eight unit scales as int16 in both halves of a vector: sub-block i's two
-        // are then one in-lane shuffle away (PAIRED[i]), not a lane-crossing permute and a shuffle.
+        // (Q6_Kx: quad i's four) are then one in-lane shuffle away (PAIRED[i], QUAD[i]), not a
+        // lane-crossing permute and a shuffle. Q6_Kx keeps Q6_K's bits, so both decode alike.
+        constexpr int NS = T == Q6_K ? 4 : 2;       // scale vectors per half block
+        const auto control = [](int i) { return load(T == Q6_K ? PAIRED[i] : QUAD[i]); };
         const auto eight = [&](int h) {
             return _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i*)(sc + 8 * h))));
         };
@@ -310,26 +323,27 @@ static inline std::pair<float, float> kquant(const uint8_t* blk, const Act& x, i
             }
         for (int h = 0; h < 2; ++h) {
             const __m256i l0 = load(ql + 64 * h), l1 = load(ql + 64 * h + 32), hb = load(qh + 32 * h);
-            const __m256i q0 = _mm256_or_si256(_mm256_and_si256(l0, low), _mm256_slli_epi16(_mm256_and_si256(hb, three), 4));
-            const __m256i q1 = _mm256_or_si256(_mm256_and_si256(l1, low),
-                                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), three), 4));
-            const __m256i q2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
-                                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), three), 4));
+            // Vector j's two high bits are bits 2 j and 2 j + 1 of hb's bytes: shifted to bits 4 and 5
+            // (16-bit shifts: what crosses into the next byte falls outside the mask).
+            const __m256i top = _mm256_set1_epi8(0x30);
+            const __m256i q0 = _mm256_or_si256(_mm256_and_si256(l0, low), _mm256_and_si256(_mm256_slli_epi16(hb, 4), top));
+            const __m256i q1 = _mm256_or_si256(_mm256_and_si256(l1, low), _mm256_and_si256(_mm256_slli_epi16(hb, 2), top));
+            const __m256i q2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low), _mm256_and_si256(hb, top));
             const __m256i q3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low),
-                                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), three), 4));
+                                               _mm256_and_si256(_mm256_srli_epi16(hb, 2), top));
             const auto finish = [&](int r, __m256i total) {
                 const __m256i xs = load(x.sum + r * sums_per_row + k0 / 16);
                 return _mm256_sub_epi32(total, _mm256_slli_epi32(_mm256_madd_epi16(xs, sc16), 5));
             };
             if (x.mult) {
                 half(h, q0, q1, q2, q3, [&](int r, __m256i* s) {
-                    for (int i = 0; i < 4; ++i) s[i] = _mm256_shuffle_epi8(row[h][r], load(PAIRED[i]));
+                    for (int i = 0; i < NS; ++i) s[i] = _mm256_shuffle_epi8(row[h][r], control(i));
                 }, finish);
             } else {
                 const __m256i units = eight(h);
-                __m256i shared[4];
-                for (int i = 0; i < 4; ++i) shared[i] = _mm256_shuffle_epi8(units, load(PAIRED[i]));
-                half(h, q0, q1, q2, q3, [&](int, __m256i* s) { std::copy(shared, shared + 4, s); }, finish);
+                __m256i shared[NS];
+                for (int i = 0; i < NS; ++i) shared[i] = _mm256_shuffle_epi8(units, control(i));
+                half(h, q0, q1, q2, q3, [&](int, __m256i* s) { std::copy(shared, shared + NS, s); }, finish);
             }
         }
         return {f16(blk + 208), 0.f};
@@ -355,20 +369,20 @@ static inline void settle_rows(float d, float dmin, const float* sx, int64_t str
                 return _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
             };
             __m128 v = _mm_mul_ss(_mm_cvtepi32_ps(sum4(half_sum(p[0]))), _mm_set_ss(d));
-            if constexpr (T != Q6_K) v = _mm_fnmadd_ss(_mm_cvtepi32_ps(sum4(m[0])), _mm_set_ss(dmin), v);
+            if constexpr (has_mins(T)) v = _mm_fnmadd_ss(_mm_cvtepi32_ps(sum4(m[0])), _mm_set_ss(dmin), v);
             acc[g] = _mm256_castps128_ps256(_mm_fmadd_ss(v, _mm_load_ss(s), _mm256_castps256_ps128(acc[g])));
         } else if (n <= 4) {             // lanes 0 .. n of the low half
             __m128i t[4];
             alignas(16) float s4[4] = {};
             for (int j = 0; j < n; ++j) t[j] = half_sum(p[j]), s4[j] = s[j * stride];
             __m128 v = _mm_mul_ps(_mm_cvtepi32_ps(row_sums4(t, n)), _mm_set1_ps(d));
-            if constexpr (T != Q6_K) v = _mm_fnmadd_ps(_mm_cvtepi32_ps(row_sums4(m, n)), _mm_set1_ps(dmin), v);
+            if constexpr (has_mins(T)) v = _mm_fnmadd_ps(_mm_cvtepi32_ps(row_sums4(m, n)), _mm_set1_ps(dmin), v);
             acc[g] = _mm256_castps128_ps256(_mm_fmadd_ps(v, _mm_load_ps(s4), _mm256_castps256_ps128(acc[g])));
         } else {
             alignas(32) float s8[8] = {};
             for (int j = 0; j < n; ++j) s8[j] = s[j * stride];
             __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(row_sums8(p, n)), _mm256_set1_ps(d));
-            if constexpr (T != Q6_K) v = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(row_sums8(m, n)), _mm256_set1_ps(dmin), v);
+            if constexpr (has_mins(T)) v = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(row_sums8(m, n)), _mm256_set1_ps(dmin), v);
             acc[g] = _mm256_fmadd_ps(v, _mm256_load_ps(s8), acc[g]);
         }
     }
@@ -573,6 +587,13 @@ static void quantize(const float* x, int64_t M, int64_t K, int64_t B, int64_t U,
                 std::memcpy(q + i + 16, q + i + 32, 16);
                 std::memcpy(q + i + 32, second, 16);
             }
+        // Q6_Kx's quads: per 64 values (four units of 16), the first 8 of each unit, then the last 8 of each.
+        if (x_order == QUADS)
+            for (int64_t i = m0 * K; i < m1 * K; i += 64) {
+                int8_t in_order[64];
+                std::memcpy(in_order, q + i, 64);
+                for (int c = 0; c < 8; ++c) std::memcpy(q + i + 8 * c, in_order + 8 * (2 * (c % 4) + c / 4), 8);
+            }
     });
 }
 
@@ -593,7 +614,7 @@ torch::Tensor gguf_linear(const torch::Tensor& x_, at::TensorList parts, at::Int
     for (size_t i = 0; i < parts.size(); ++i) {
         const int64_t type = types[i];
         const torch::Tensor& w = parts[i];
-        TORCH_CHECK(type >= Q8_0 && type <= Q8_0x4, "gguf_linear: unknown type ", type);
+        TORCH_CHECK(type >= Q8_0 && type <= Q6_Kx, "gguf_linear: unknown type ", type);
         const Traits tr = traits(type);
         TORCH_CHECK(K % tr.block == 0, "gguf_linear: K = ", K, " is not a multiple of the type's block ", tr.block);
         TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous() &&
@@ -634,7 +655,8 @@ torch::Tensor gguf_linear(const torch::Tensor& x_, at::TensorList parts, at::Int
             case Q5_0x4: linear<Q5_0x4>(act, W, O, M, n); break;
             case Q4_Kx: linear<Q4_Kx>(act, W, O, M, n); break;
             case Q8_0x4: linear<Q8_0x4>(act, W, O, M, n); break;
-            default: linear<Q6_K>(act, W, O, M, n);
+            case Q6_K: linear<Q6_K>(act, W, O, M, n); break;
+            default: linear<Q6_Kx>(act, W, O, M, n);
         }
         n0 += n;
     }
