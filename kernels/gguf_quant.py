@@ -55,7 +55,8 @@ TYPES = {t.name: t for t in (
     BlockType("Q8_0x4", 7, 128, 136, (0, 2, 4, 6), 32, 32),
     BlockType("Q6_Kx", 8, 256, 210, (208,), 16, 256),
 )}
-LAYOUTS = {"Q5_0": "Q5_0x4", "Q8_0": "Q8_0x4", "Q4_K": "Q4_Kx", "Q6_K": "Q6_Kx"}    # a file's type -> the CPU kernel's layout of it
+# A file's type -> the CPU kernel's layout of it.
+LAYOUTS = {"Q5_0": "Q5_0x4", "Q8_0": "Q8_0x4", "Q4_K": "Q4_Kx", "Q6_K": "Q6_Kx"}
 FILE_TYPES = tuple(t for t in TYPES if t not in LAYOUTS.values())   # the GGUF types read as stored
 
 # Q5_0x4 and Q8_0x4 interleave four blocks: each of their four vectors of 32 weights holds, in every
