@@ -63,9 +63,6 @@ FILE_TYPES = tuple(t for t in TYPES if t not in LAYOUTS.values())   # the GGUF t
 # 4-byte lane L, four weights of block L % 4, so the kernel's products sum per lane within one block
 # (x takes the same order). Vector k's byte 16 h + 4 b + i is block b's weight 8 k + 4 h + i.
 _X4_ORDER = torch.tensor([32 * (p % 16 // 4) + 8 * (p // 32) + 4 * (p % 32 // 16) + p % 4 for p in range(128)])
-# A vector keeps its 32 fifth bits in an order that one shift per 4-byte lane (lane L by L bits)
-# brings byte 4L + k's bit to bit 7 of byte k: byte j's bit is bit 8 (j % 4) + 7 - j // 4.
-_X4_BIT = [8 * (j % 4) + 7 - j // 4 for j in range(32)]
 
 
 def _bits(b: torch.Tensor) -> torch.Tensor:
@@ -77,14 +74,14 @@ def _bits(b: torch.Tensor) -> torch.Tensor:
 def group_q5_0(w: torch.Tensor) -> torch.Tensor:
     """Q5_0 rows uint8 [rows, row_bytes] (blocks a multiple of 4 each) -> the same rows as Q5_0x4:
     per four blocks their float16 scales, then their 128 weights as four vectors in _X4_ORDER: each
-    vector's fifth bits (a uint32 in _X4_BIT's order), then two runs of 32 bytes, each holding two
+    vector's fifth bits (a little-endian uint32, byte j's bit j), then two runs of 32 bytes, each holding two
     vectors: the first's low four bits in the low nibbles, the second's in the high ones."""
     rows = w.shape[0]
     b = w.reshape(-1, 4, 22)
     five = (_nibbles(b[..., 6:]) | (_bits(b[..., 2:6]) << 4)).reshape(-1, 128)[:, _X4_ORDER].view(-1, 4, 32)
     fifth = torch.zeros(five.shape[:2], dtype=torch.int32)
-    for j, bit in enumerate(_X4_BIT):
-        fifth |= (five[..., j] >> 4).to(torch.int32) << bit
+    for j in range(32):
+        fifth |= (five[..., j] >> 4).to(torch.int32) << j
     low = five & 0x0F
     return torch.cat([b[..., :2].reshape(-1, 8), fifth.view(torch.uint8).reshape(-1, 16),
                       (low[:, 0::2] | (low[:, 1::2] << 4)).reshape(-1, 64)], -1).reshape(rows, -1)
@@ -195,7 +192,7 @@ def unpack(blocks: torch.Tensor, qtype: str) -> tuple[torch.Tensor, torch.Tensor
     if qtype == "Q5_0x4":
         d, qh, qs = blocks[:, :8], blocks[:, 8:24].reshape(n, 4, 4), blocks[:, 24:].reshape(n, 2, 32)
         low = torch.stack([qs & 0x0F, qs >> 4], 2).reshape(n, 4, 32)
-        return _in_order((low | (_bits(qh)[..., _X4_BIT] << 4)).to(torch.int8) - 16), _f16(d), None
+        return _in_order((low | (_bits(qh) << 4)).to(torch.int8) - 16), _f16(d), None
     if qtype == "Q8_0x4":
         return _in_order(blocks[:, 8:].contiguous().view(torch.int8)), _f16(blocks[:, :8]), None
     if qtype == "Q4_1":

@@ -94,18 +94,25 @@ static inline __m256i nibbles16(const uint8_t* p) {
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low), _mm_and_si128(b, low));
 }
 
-// Bit j of a little-endian uint32 -> byte j: 0xFF where set, 0 where not.
-static inline __m256i bits32(const uint8_t* p) {
-    uint32_t v;
-    std::memcpy(&v, p, 4);
-    const __m256i which = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                           2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+// Bit j of little-endian uint32 i of `words` (four of them in both halves) -> byte j: 0xFF where
+// set, 0 where not. A shuffle, a mask and a compare: no shifts, which Zen 1 runs on one pipe only
+// (and a variable one at a quarter of its rate).
+static inline __m256i bits32(__m256i words, int i) {
+    const __m256i which = _mm256_add_epi8(_mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                           2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3),
+                                          _mm256_set1_epi8((char)(4 * i)));
     const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
-    const __m256i bytes = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)v), which), bit);
+    const __m256i bytes = _mm256_and_si256(_mm256_shuffle_epi8(words, which), bit);
     return _mm256_cmpeq_epi8(bytes, bit);
 }
 
 static inline __m256i load(const void* p) { return _mm256_loadu_si256((const __m256i*)p); }
+
+static inline int load32(const void* p) {
+    int v;
+    std::memcpy(&v, p, 4);
+    return v;
+}
 
 static inline int hsum_epi32(__m256i v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -213,15 +220,12 @@ static inline __m128i scales_mins(const uint8_t* s) {
 }
 
 // Q5_0x4's vector j of 32 weights as stored, q 0..31 (the weight is q - 16): two vectors' low
-// four bits in each 32-byte run, and each vector's fifth bits moved to bit 4 of their bytes by
-// one shift per lane (their order in the layout is made for it).
-static inline __m256i x4_vector(const uint8_t* blk, int j) {
-    uint32_t h;
-    std::memcpy(&h, blk + 8 + 4 * j, 4);
-    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), v = load(blk + 24 + 32 * (j / 2));
-    const __m256i fifth = _mm256_and_si256(_mm256_srli_epi16(_mm256_sllv_epi32(_mm256_set1_epi32((int)h), lanes), 3),
-                                           _mm256_set1_epi8(16));
-    return _mm256_or_si256(_mm256_and_si256(j % 2 ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0x0F)), fifth);
+// four bits in each 32-byte run, and the four vectors' fifth bits a uint32 each (`fifth`: all
+// four in both halves).
+static inline __m256i x4_vector(const uint8_t* blk, __m256i fifth, int j) {
+    const __m256i v = load(blk + 24 + 32 * (j / 2));
+    return _mm256_or_si256(_mm256_and_si256(j % 2 ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0x0F)),
+                           _mm256_and_si256(bits32(fifth, j), _mm256_set1_epi8(16)));
 }
 
 // A block of a type with units of 32: its 32 integers, as signed bytes (Q8_0, Q5_0: multiplied as
@@ -232,7 +236,8 @@ static inline __m256i unit(const uint8_t* blk, float& d) {
     d = f16(blk);
     if constexpr (T == Q8_0) return load(blk + 2);
     if constexpr (T == Q5_0)
-        return _mm256_sub_epi8(_mm256_or_si256(nibbles16(blk + 6), _mm256_and_si256(bits32(blk + 2), sixteen)), sixteen);
+        return _mm256_sub_epi8(_mm256_or_si256(nibbles16(blk + 6), _mm256_and_si256(
+                                   bits32(_mm256_set1_epi32(load32(blk + 2)), 0), sixteen)), sixteen);
     return nibbles16(blk + 4);
 }
 
@@ -412,8 +417,9 @@ static inline void block(const uint8_t* blk, const Act& x, int64_t b, int rows, 
         const __m128 d4 = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)blk));
         const __m256 d = _mm256_set_m128(d4, d4);
         __m256i q[4], u[4];
+        const __m256i fifth = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(blk + 8)));
         for (int j = 0; j < 4; ++j) {
-            q[j] = T == Q5_0x4 ? x4_vector(blk, j) : load(blk + 8 + 32 * j);
+            q[j] = T == Q5_0x4 ? x4_vector(blk, fifth, j) : load(blk + 8 + 32 * j);
             u[j] = T == Q5_0x4 ? q[j] : _mm256_sign_epi8(q[j], q[j]);
         }
         for (int r = 0; r < R; ++r) {
@@ -477,6 +483,9 @@ static void decode(const Act& x, const uint8_t* W, const Out& O, int64_t N) {
     constexpr Traits tr = traits(T);
     const int64_t blocks = x.K / tr.block, row_bytes = blocks * tr.bytes;
     at::parallel_for(0, N, GROUP, [&](int64_t n0, int64_t n1) {
+        // A copy of x's pointers that nothing else can reach: stores through the __m256i sums
+        // (which may alias anything) would otherwise reload them from memory every block.
+        const Act xs = x;
         for (int64_t n = n0; n < n1; ++n) {
             __m256 acc[R];
             float off[R];
@@ -485,7 +494,7 @@ static void decode(const Act& x, const uint8_t* W, const Out& O, int64_t N) {
             for (int64_t b = 0; b < blocks; ++b) {
                 const uint8_t* blk = W + n * row_bytes + b * tr.bytes;
                 prefetch<T>(blk);
-                block<T, R>(blk, x, b, R, acc, off, part);
+                block<T, R>(blk, xs, b, R, acc, off, part);
             }
             put<T>(O, 0, n, R, acc, off);
         }
