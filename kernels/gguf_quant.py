@@ -74,17 +74,30 @@ def _bits(b: torch.Tensor) -> torch.Tensor:
 def group_q5_0(w: torch.Tensor) -> torch.Tensor:
     """Q5_0 rows uint8 [rows, row_bytes] (blocks a multiple of 4 each) -> the same rows as Q5_0x4:
     per four blocks their float16 scales, then their 128 weights as four vectors in _X4_ORDER: each
-    vector's fifth bits (a little-endian uint32, byte j's bit j), then two runs of 32 bytes, each holding two
+    vectors' fifth bits (16 bytes: byte p holds weight p's of vector j in bit 4 + j and weight
+    16 + p's in bit j), then two runs of 32 bytes, each holding two
     vectors: the first's low four bits in the low nibbles, the second's in the high ones."""
     rows = w.shape[0]
     b = w.reshape(-1, 4, 22)
     five = (_nibbles(b[..., 6:]) | (_bits(b[..., 2:6]) << 4)).reshape(-1, 128)[:, _X4_ORDER].view(-1, 4, 32)
-    fifth = torch.zeros(five.shape[:2], dtype=torch.int32)
-    for j in range(32):
-        fifth |= (five[..., j] >> 4).to(torch.int32) << j
     low = five & 0x0F
-    return torch.cat([b[..., :2].reshape(-1, 8), fifth.view(torch.uint8).reshape(-1, 16),
+    return torch.cat([b[..., :2].reshape(-1, 8), _fifth_bytes(five >> 4),
                       (low[:, 0::2] | (low[:, 1::2] << 4)).reshape(-1, 64)], -1).reshape(rows, -1)
+
+
+def _fifth_bytes(bits: torch.Tensor) -> torch.Tensor:
+    """Q5_0x4's fifth bits [n, 4 vectors, 32] (0 or 1) -> their 16 bytes [n, 16] (`group_q5_0`)."""
+    shift = torch.tensor([4, 5, 6, 7], dtype=torch.uint8).view(1, 4, 1)
+    placed = torch.cat([bits[..., :16] << shift, bits[..., 16:] << (shift - 4)], -1)    # [n, 4, 32]
+    both = placed[:, 0] | placed[:, 1] | placed[:, 2] | placed[:, 3]
+    return both[:, :16] | both[:, 16:]
+
+
+def _fifth_bits(f: torch.Tensor) -> torch.Tensor:
+    """`_fifth_bytes`' inverse: [n, 16] -> [n, 4, 32]."""
+    shift = torch.tensor([4, 5, 6, 7], dtype=torch.uint8, device=f.device).view(1, 4, 1)
+    f = f.view(-1, 1, 16)
+    return torch.cat([(f >> shift) & 1, (f >> (shift - 4)) & 1], -1)
 
 
 def group_q8_0(w: torch.Tensor) -> torch.Tensor:
@@ -190,9 +203,9 @@ def unpack(blocks: torch.Tensor, qtype: str) -> tuple[torch.Tensor, torch.Tensor
         q = (_nibbles(qs) | (_bits(qh) << 4)).to(torch.int8) - 16
         return q.view(n, 1, 32), _f16(d), None
     if qtype == "Q5_0x4":
-        d, qh, qs = blocks[:, :8], blocks[:, 8:24].reshape(n, 4, 4), blocks[:, 24:].reshape(n, 2, 32)
+        d, qh, qs = blocks[:, :8], blocks[:, 8:24], blocks[:, 24:].reshape(n, 2, 32)
         low = torch.stack([qs & 0x0F, qs >> 4], 2).reshape(n, 4, 32)
-        return _in_order((low | (_bits(qh) << 4)).to(torch.int8) - 16), _f16(d), None
+        return _in_order((low | (_fifth_bits(qh) << 4)).to(torch.int8) - 16), _f16(d), None
     if qtype == "Q8_0x4":
         return _in_order(blocks[:, 8:].contiguous().view(torch.int8)), _f16(blocks[:, :8]), None
     if qtype == "Q4_1":

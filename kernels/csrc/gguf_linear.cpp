@@ -94,25 +94,19 @@ static inline __m256i nibbles16(const uint8_t* p) {
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low), _mm_and_si128(b, low));
 }
 
-// Bit j of little-endian uint32 i of `words` (four of them in both halves) -> byte j: 0xFF where
-// set, 0 where not. A shuffle, a mask and a compare: no shifts, which Zen 1 runs on one pipe only
-// (and a variable one at a quarter of its rate).
-static inline __m256i bits32(__m256i words, int i) {
-    const __m256i which = _mm256_add_epi8(_mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                                           2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3),
-                                          _mm256_set1_epi8((char)(4 * i)));
+// Bit j of a little-endian uint32 -> byte j: 0xFF where set, 0 where not.
+static inline __m256i bits32(const uint8_t* p) {
+    uint32_t v;
+    std::memcpy(&v, p, 4);
+    const __m256i which = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                           2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
     const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
-    const __m256i bytes = _mm256_and_si256(_mm256_shuffle_epi8(words, which), bit);
+    const __m256i bytes = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)v), which), bit);
     return _mm256_cmpeq_epi8(bytes, bit);
 }
 
 static inline __m256i load(const void* p) { return _mm256_loadu_si256((const __m256i*)p); }
 
-static inline int load32(const void* p) {
-    int v;
-    std::memcpy(&v, p, 4);
-    return v;
-}
 
 static inline int hsum_epi32(__m256i v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -219,13 +213,21 @@ static inline __m128i scales_mins(const uint8_t* s) {
                           b & six, ((c >> 4) & four) | ((b >> 6) & two) << 4);
 }
 
+// Q5_0x4's fifth bits: byte p of its 16 holds those of weight p of its four vectors in bits 4 to 7
+// and of weight 16 + p in bits 0 to 3 (vector j's in bit 4 + j, j). Returned as a vector whose
+// byte p has weight p's bits of all four vectors in bits 4 to 7: vector j's then needs one shift
+// by j. (Zen 1 runs shifts on one pipe, a variable shift at a quarter of that.)
+static inline __m256i x4_fifth(const uint8_t* blk) {
+    const __m128i f = _mm_loadu_si128((const __m128i*)(blk + 8));
+    return _mm256_set_m128i(_mm_slli_epi16(f, 4), f);        // what crosses bytes lands outside bits 4 to 7
+}
+
 // Q5_0x4's vector j of 32 weights as stored, q 0..31 (the weight is q - 16): two vectors' low
-// four bits in each 32-byte run, and the four vectors' fifth bits a uint32 each (`fifth`: all
-// four in both halves).
+// four bits in each 32-byte run, the fifth from `x4_fifth`.
 static inline __m256i x4_vector(const uint8_t* blk, __m256i fifth, int j) {
-    const __m256i v = load(blk + 24 + 32 * (j / 2));
+    const __m256i v = load(blk + 24 + 32 * (j / 2)), sixteen = _mm256_set1_epi8(16);
     return _mm256_or_si256(_mm256_and_si256(j % 2 ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0x0F)),
-                           _mm256_and_si256(bits32(fifth, j), _mm256_set1_epi8(16)));
+                           _mm256_and_si256(j ? _mm256_srli_epi16(fifth, j) : fifth, sixteen));
 }
 
 // A block of a type with units of 32: its 32 integers, as signed bytes (Q8_0, Q5_0: multiplied as
@@ -237,7 +239,7 @@ static inline __m256i unit(const uint8_t* blk, float& d) {
     if constexpr (T == Q8_0) return load(blk + 2);
     if constexpr (T == Q5_0)
         return _mm256_sub_epi8(_mm256_or_si256(nibbles16(blk + 6), _mm256_and_si256(
-                                   bits32(_mm256_set1_epi32(load32(blk + 2)), 0), sixteen)), sixteen);
+                                   bits32(blk + 2), sixteen)), sixteen);
     return nibbles16(blk + 4);
 }
 
@@ -417,7 +419,7 @@ static inline void block(const uint8_t* blk, const Act& x, int64_t b, int rows, 
         const __m128 d4 = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)blk));
         const __m256 d = _mm256_set_m128(d4, d4);
         __m256i q[4], u[4];
-        const __m256i fifth = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(blk + 8)));
+        const __m256i fifth = T == Q5_0x4 ? x4_fifth(blk) : _mm256_setzero_si256();
         for (int j = 0; j < 4; ++j) {
             q[j] = T == Q5_0x4 ? x4_vector(blk, fifth, j) : load(blk + 8 + 32 * j);
             u[j] = T == Q5_0x4 ? q[j] : _mm256_sign_epi8(q[j], q[j]);
