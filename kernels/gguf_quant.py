@@ -22,7 +22,8 @@ instructions: Q5_0x4 and Q8_0x4 (`group_q5_0`, `group_q8_0`), four
 consecutive blocks of a row in their 88 and 136 bytes, interleaved so that each 4-byte lane of a
 32-byte vector holds one block's weights; Q4_Kx (`repack_q4_k`), Q4_K with its 6-bit scales
 and mins a byte each (148 bytes a block: no unpacking) and its weights in pairs of units; and
-Q6_Kx (`repack_q6_k`), Q6_K's bits in its 210 bytes with its units of 16 in quads.
+Q6_Kx (`repack_q6_k`), Q6_K's values in its 210 bytes with its units of 16 in quads and each
+weight's six bits in one byte but for every fourth vector's.
 """
 from __future__ import annotations
 
@@ -152,9 +153,9 @@ _QUADS = torch.tensor([64 * (p // 64) + 8 * (2 * (p % 64 // 8 % 4) + p % 64 // 3
 
 
 def _q6_k_ints(blocks: torch.Tensor) -> torch.Tensor:
-    """Q6_K's (or Q6_Kx's) bits [n, 210] -> each block's q 0..63 [n, 256] in the order they are
-    stored: each half block's four vectors of 32, vector j the low nibbles of run j % 2 (j < 2)
-    or its high ones, and bits 2 j, 2 j + 1 of the half's 32 bytes of high bits."""
+    """Q6_K blocks [n, 210] -> their q 0..63 [n, 256]: each half block's four vectors of 32,
+    vector j the low nibbles of run j % 2 (j < 2) or its high ones, and bits 2 j, 2 j + 1 of the
+    half's 32 bytes of high bits."""
     n = blocks.shape[0]
     low = _nibbles(blocks[:, :128].reshape(n, 2, 64)).reshape(n, 8, 32)
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=blocks.device).view(1, 1, 4, 1)
@@ -163,16 +164,23 @@ def _q6_k_ints(blocks: torch.Tensor) -> torch.Tensor:
 
 
 def repack_q6_k(w: torch.Tensor) -> torch.Tensor:
-    """Q6_K rows uint8 [rows, row_bytes] -> the same values as Q6_Kx rows: the same bytes but for
-    the order of each block's weights (_QUADS), so that the kernel sums two vectors in int16
-    before one multiply by four units' scales."""
+    """Q6_K rows uint8 [rows, row_bytes] -> the same values as Q6_Kx rows: per block, each half's
+    four vectors of 32 q in _QUADS' order (so that the kernel sums two vectors in int16 before one
+    multiply by four units' scales) in three runs of 32 bytes, vector i's six bits in the low bits
+    of run i and vector 3's bits 2 i, 2 i + 1 in its top two; then Q6_K's scales and d."""
     blocks = w.reshape(-1, 210)
     q = _q6_k_ints(blocks)[:, _QUADS].reshape(-1, 2, 4, 32)                 # [n, half, vector, 32]
-    low = q & 0x0F
-    runs = (low[:, :, :2] | (low[:, :, 2:] << 4)).reshape(-1, 128)
-    high = (q >> 4) << torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
-    bits = (high[:, :, 0] | high[:, :, 1] | high[:, :, 2] | high[:, :, 3]).reshape(-1, 64)
-    return torch.cat([runs, bits, blocks[:, 192:]], -1).reshape(w.shape[0], -1)
+    top = ((q[:, :, 3:] >> torch.tensor([0, 2, 4], dtype=torch.uint8).view(1, 1, 3, 1)) & 3) << 6
+    return torch.cat([(q[:, :, :3] | top).reshape(-1, 192), blocks[:, 192:]], -1).reshape(w.shape[0], -1)
+
+
+def _q6_kx_ints(blocks: torch.Tensor) -> torch.Tensor:
+    """`repack_q6_k`'s inverse to q: Q6_Kx blocks [n, 210] -> their q 0..63 [n, 256] in order."""
+    runs = blocks[:, :192].reshape(-1, 2, 3, 32)
+    shifts = torch.tensor([0, 2, 4], dtype=torch.uint8, device=blocks.device).view(1, 1, 3, 1)
+    last = ((runs >> 6) << shifts).sum(2, keepdim=True, dtype=torch.uint8)
+    stored = torch.cat([runs & 0x3F, last], 2).reshape(-1, 256)
+    return torch.empty_like(stored).index_copy_(1, _QUADS.to(blocks.device), stored)
 
 
 def repack(qtype: str, w: torch.Tensor) -> tuple[str, torch.Tensor]:
@@ -223,9 +231,7 @@ def unpack(blocks: torch.Tensor, qtype: str) -> tuple[torch.Tensor, torch.Tensor
         return q, d * sc.to(torch.float32), -(dmin * mn.to(torch.float32))
     if qtype in ("Q6_K", "Q6_Kx"):
         sc, d = blocks[:, 192:208], _f16(blocks[:, 208:210])
-        q = _q6_k_ints(blocks)
-        if qtype == "Q6_Kx":
-            q = torch.empty_like(q).index_copy_(1, _QUADS.to(blocks.device), q)
+        q = _q6_k_ints(blocks) if qtype == "Q6_K" else _q6_kx_ints(blocks)
         return (q.to(torch.int8) - 32).view(n, 16, 16), d * sc.contiguous().view(torch.int8).to(torch.float32), None
     raise ValueError(f"no kernel reads GGUF type {qtype!r}; known: {', '.join(TYPES)}")
 

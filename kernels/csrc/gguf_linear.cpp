@@ -306,12 +306,11 @@ static inline std::pair<float, float> kquant(const uint8_t* blk, const Act& x, i
         }
         return {d, dmin};
     } else {                                        // Q6_K(x): q - 32 as q 0..63, and -32 times x's unit sums
-        const uint8_t *ql = blk, *qh = blk + 128;
         const uint8_t* sc = blk + 192;
         const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)sc));
         // Half block h's eight unit scales as int16 in both halves of a vector: sub-block i's two
         // (Q6_Kx: quad i's four) are then one in-lane shuffle away (PAIRED[i], QUAD[i]), not a
-        // lane-crossing permute and a shuffle. Q6_Kx keeps Q6_K's bits, so both decode alike.
+        // lane-crossing permute and a shuffle.
         constexpr int NS = T == Q6_K ? 4 : 2;       // scale vectors per half block
         const auto control = [](int i) { return load(T == Q6_K ? PAIRED[i] : QUAD[i]); };
         const auto eight = [&](int h) {
@@ -329,15 +328,28 @@ static inline std::pair<float, float> kquant(const uint8_t* blk, const Act& x, i
                 }
             }
         for (int h = 0; h < 2; ++h) {
-            const __m256i l0 = load(ql + 64 * h), l1 = load(ql + 64 * h + 32), hb = load(qh + 32 * h);
-            // Vector j's two high bits are bits 2 j and 2 j + 1 of hb's bytes: shifted to bits 4 and 5
-            // (16-bit shifts: what crosses into the next byte falls outside the mask).
-            const __m256i top = _mm256_set1_epi8(0x30);
-            const __m256i q0 = _mm256_or_si256(_mm256_and_si256(l0, low), _mm256_and_si256(_mm256_slli_epi16(hb, 4), top));
-            const __m256i q1 = _mm256_or_si256(_mm256_and_si256(l1, low), _mm256_and_si256(_mm256_slli_epi16(hb, 2), top));
-            const __m256i q2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low), _mm256_and_si256(hb, top));
-            const __m256i q3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low),
-                                               _mm256_and_si256(_mm256_srli_epi16(hb, 2), top));
+            __m256i q0, q1, q2, q3;
+            if constexpr (T == Q6_K) {
+                // Low nibbles in two runs, vector j's two high bits in bits 2 j and 2 j + 1 of a third,
+                // shifted to bits 4 and 5 (16-bit shifts: what crosses into the next byte falls
+                // outside the mask).
+                const __m256i l0 = load(blk + 64 * h), l1 = load(blk + 64 * h + 32), hb = load(blk + 128 + 32 * h);
+                const __m256i top = _mm256_set1_epi8(0x30);
+                q0 = _mm256_or_si256(_mm256_and_si256(l0, low), _mm256_and_si256(_mm256_slli_epi16(hb, 4), top));
+                q1 = _mm256_or_si256(_mm256_and_si256(l1, low), _mm256_and_si256(_mm256_slli_epi16(hb, 2), top));
+                q2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low), _mm256_and_si256(hb, top));
+                q3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low),
+                                     _mm256_and_si256(_mm256_srli_epi16(hb, 2), top));
+            } else {
+                // Three runs: vector i's six bits in the low bits of run i, vector 3's two at a time
+                // in their top two (fewer shifts, which Zen 1 runs on one pipe).
+                const __m256i r0 = load(blk + 96 * h), r1 = load(blk + 96 * h + 32), r2 = load(blk + 96 * h + 64);
+                const __m256i six = _mm256_set1_epi8(0x3F);
+                q0 = _mm256_and_si256(r0, six), q1 = _mm256_and_si256(r1, six), q2 = _mm256_and_si256(r2, six);
+                q3 = _mm256_or_si256(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(r0, 6), _mm256_set1_epi8(0x03)),
+                                                     _mm256_and_si256(_mm256_srli_epi16(r1, 4), _mm256_set1_epi8(0x0C))),
+                                     _mm256_and_si256(_mm256_srli_epi16(r2, 2), _mm256_set1_epi8(0x30)));
+            }
             const auto finish = [&](int r, __m256i total) {
                 const __m256i xs = load(x.sum + r * sums_per_row + k0 / 16);
                 return _mm256_sub_epi32(total, _mm256_slli_epi32(_mm256_madd_epi16(xs, sc16), 5));
