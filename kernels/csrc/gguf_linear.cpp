@@ -42,7 +42,7 @@ namespace {
 
 // Repacked at load (kernels/gguf_quant.py): Q5_0x4 and Q8_0x4, four blocks interleaved (`group_q5_0`,
 // `group_q8_0`); Q4_Kx, Q4_K with its scales and mins a byte each and its units paired (`repack_q4_k`);
-// Q6_Kx, Q6_K with its units of 16 in quads (`repack_q6_k`).
+// Q6_Kx, Q6_K with its units of 16 in quads and a half block in three runs (`repack_q6_k`).
 enum Type : int64_t { Q8_0 = 0, Q5_0 = 1, Q4_1 = 2, Q4_K = 3, Q6_K = 4, Q5_0x4 = 5, Q4_Kx = 6, Q8_0x4 = 7, Q6_Kx = 8 };
 
 // The order x is quantized in: as it comes, the x4 layouts' interleaved one, Q4_Kx's pairs or Q6_Kx's quads.
