@@ -72,22 +72,10 @@ def _bits(b: torch.Tensor) -> torch.Tensor:
     return (b[..., at // 8] >> (at % 8).to(torch.uint8)) & 1
 
 
-def group_q5_0(w: torch.Tensor) -> torch.Tensor:
-    """Q5_0 rows uint8 [rows, row_bytes] (blocks a multiple of 4 each) -> the same rows as Q5_0x4:
-    per four blocks their float16 scales, then their 128 weights as four vectors in _X4_ORDER: each
-    vectors' fifth bits (16 bytes: byte p holds weight p's of vector j in bit 4 + j and weight
-    16 + p's in bit j), then two runs of 32 bytes, each holding two
-    vectors: the first's low four bits in the low nibbles, the second's in the high ones."""
-    rows = w.shape[0]
-    b = w.reshape(-1, 4, 22)
-    five = (_nibbles(b[..., 6:]) | (_bits(b[..., 2:6]) << 4)).reshape(-1, 128)[:, _X4_ORDER].view(-1, 4, 32)
-    low = five & 0x0F
-    return torch.cat([b[..., :2].reshape(-1, 8), _fifth_bytes(five >> 4),
-                      (low[:, 0::2] | (low[:, 1::2] << 4)).reshape(-1, 64)], -1).reshape(rows, -1)
-
-
 def _fifth_bytes(bits: torch.Tensor) -> torch.Tensor:
-    """Q5_0x4's fifth bits [n, 4 vectors, 32] (0 or 1) -> their 16 bytes [n, 16] (`group_q5_0`)."""
+    """Q5_0x4's fifth bits [n, 4 vectors, 32] (0 or 1) -> their 16 bytes [n, 16]: byte p holds
+    weight p's of vector j in bit 4 + j and weight 16 + p's in bit j, so that the kernel brings a
+    vector's to bit 4 with one shift (csrc/gguf_linear.cpp's x4_fifth)."""
     shift = torch.tensor([4, 5, 6, 7], dtype=torch.uint8).view(1, 4, 1)
     placed = torch.cat([bits[..., :16] << shift, bits[..., 16:] << (shift - 4)], -1)    # [n, 4, 32]
     both = placed[:, 0] | placed[:, 1] | placed[:, 2] | placed[:, 3]
@@ -99,6 +87,19 @@ def _fifth_bits(f: torch.Tensor) -> torch.Tensor:
     shift = torch.tensor([4, 5, 6, 7], dtype=torch.uint8, device=f.device).view(1, 4, 1)
     f = f.view(-1, 1, 16)
     return torch.cat([(f >> shift) & 1, (f >> (shift - 4)) & 1], -1)
+
+
+def group_q5_0(w: torch.Tensor) -> torch.Tensor:
+    """Q5_0 rows uint8 [rows, row_bytes] (blocks a multiple of 4 each) -> the same rows as Q5_0x4:
+    per four blocks their float16 scales, then their 128 weights as four vectors in _X4_ORDER: the
+    vectors' fifth bits (`_fifth_bytes`), then two runs of 32 bytes, each holding two vectors: the
+    first's low four bits in the low nibbles, the second's in the high ones."""
+    rows = w.shape[0]
+    b = w.reshape(-1, 4, 22)
+    five = (_nibbles(b[..., 6:]) | (_bits(b[..., 2:6]) << 4)).reshape(-1, 128)[:, _X4_ORDER].view(-1, 4, 32)
+    low = five & 0x0F
+    return torch.cat([b[..., :2].reshape(-1, 8), _fifth_bytes(five >> 4),
+                      (low[:, 0::2] | (low[:, 1::2] << 4)).reshape(-1, 64)], -1).reshape(rows, -1)
 
 
 def group_q8_0(w: torch.Tensor) -> torch.Tensor:

@@ -107,7 +107,6 @@ static inline __m256i bits32(const uint8_t* p) {
 
 static inline __m256i load(const void* p) { return _mm256_loadu_si256((const __m256i*)p); }
 
-
 static inline int hsum_epi32(__m256i v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
@@ -215,8 +214,9 @@ static inline __m128i scales_mins(const uint8_t* s) {
 
 // Q5_0x4's fifth bits: byte p of its 16 holds those of weight p of its four vectors in bits 4 to 7
 // and of weight 16 + p in bits 0 to 3 (vector j's in bit 4 + j, j). Returned as a vector whose
-// byte p has weight p's bits of all four vectors in bits 4 to 7: vector j's then needs one shift
-// by j. (Zen 1 runs shifts on one pipe, a variable shift at a quarter of that.)
+// byte p holds weight p's bits of all four vectors in bits 4 to 7 (the high half: weight 16 + p's):
+// vector j's then take one shift by j. (Zen 1 runs shifts on one pipe, a variable shift at a
+// quarter of that.)
 static inline __m256i x4_fifth(const uint8_t* blk) {
     const __m128i f = _mm_loadu_si128((const __m128i*)(blk + 8));
     return _mm256_set_m128i(_mm_slli_epi16(f, 4), f);        // what crosses bytes lands outside bits 4 to 7
@@ -238,8 +238,7 @@ static inline __m256i unit(const uint8_t* blk, float& d) {
     d = f16(blk);
     if constexpr (T == Q8_0) return load(blk + 2);
     if constexpr (T == Q5_0)
-        return _mm256_sub_epi8(_mm256_or_si256(nibbles16(blk + 6), _mm256_and_si256(
-                                   bits32(blk + 2), sixteen)), sixteen);
+        return _mm256_sub_epi8(_mm256_or_si256(nibbles16(blk + 6), _mm256_and_si256(bits32(blk + 2), sixteen)), sixteen);
     return nibbles16(blk + 4);
 }
 
