@@ -215,8 +215,7 @@ static inline __m128i scales_mins(const uint8_t* s) {
 // Q5_0x4's fifth bits: byte p of its 16 holds those of weight p of its four vectors in bits 4 to 7
 // and of weight 16 + p in bits 0 to 3 (vector j's in bit 4 + j, j). Returned as a vector whose
 // byte p holds weight p's bits of all four vectors in bits 4 to 7 (the high half: weight 16 + p's):
-// vector j's then take one shift by j. (Zen 1 runs shifts on one pipe, a variable shift at a
-// quarter of that.)
+// vector j's then take one shift by j, not a variable shift per lane.
 static inline __m256i x4_fifth(const uint8_t* blk) {
     const __m128i f = _mm_loadu_si128((const __m128i*)(blk + 8));
     return _mm256_set_m128i(_mm_slli_epi16(f, 4), f);        // what crosses bytes lands outside bits 4 to 7
@@ -253,17 +252,29 @@ static inline std::pair<float, float> kquant(const uint8_t* blk, const Act& x, i
     const int R = ROWS ? ROWS : rows;
     const int64_t K = x.K, k0 = b * 256, sums_per_row = K / traits(T).unit, mults_per_row = K / 32;
     const __m256i low = _mm256_set1_epi8(0x0F);
-    // `scales(r, s)`: row r's four unit scales there (Q4_Kx: two pairs'), the weights' times x's
-    // step multiples.
-    const auto half = [&](int h, __m256i q0, __m256i q1, __m256i q2, __m256i q3, auto&& scales, auto&& finish) {
-        for (int r = 0; r < R; ++r) {
-            __m256i s[4];
-            scales(r, s);
+    constexpr int NS = T == Q4_K || T == Q6_K ? 4 : 2;     // scale vectors per half block (a unit's, a pair's)
+    // Half block h's weights q0..q3 against each row's x there, times their unit scales: shuffled
+    // (`control(i)`, scale vector i) from `base`, the block's int16 scales, once for the tile; or
+    // with steps from row r's `stepped[r]`, those times x's step multiples. The halves add up in
+    // part[r], the second through `finish`.
+    const auto half = [&](int h, __m256i q0, __m256i q1, __m256i q2, __m256i q3, __m256i base, const __m256i* stepped,
+                          auto&& control, auto&& finish) {
+        const auto add = [&](int r, const __m256i* s) {
             const int8_t* xr = x.q + r * K + k0 + 128 * h;
-            const __m256i sum = T == Q4_Kx || T == Q6_Kx ? dot_pairs(q0, q1, q2, q3, xr, s[0], s[1])
-                                           : dot4(q0, q1, q2, q3, xr, s[0], s[1], s[2], s[3]);
-            if (h == 0) part[r] = sum;
-            else part[r] = finish(r, _mm256_add_epi32(part[r], sum));
+            __m256i sum;
+            if constexpr (NS == 2) sum = dot_pairs(q0, q1, q2, q3, xr, s[0], s[1]);
+            else sum = dot4(q0, q1, q2, q3, xr, s[0], s[1], s[2], s[3]);
+            part[r] = h == 0 ? sum : finish(r, _mm256_add_epi32(part[r], sum));
+        };
+        __m256i s[NS];
+        if (x.mult) {
+            for (int r = 0; r < R; ++r) {
+                for (int i = 0; i < NS; ++i) s[i] = _mm256_shuffle_epi8(stepped[r], control(i));
+                add(r, s);
+            }
+        } else {
+            for (int i = 0; i < NS; ++i) s[i] = _mm256_shuffle_epi8(base, control(i));
+            for (int r = 0; r < R; ++r) add(r, s);
         }
     };
     if constexpr (T == Q4_K || T == Q4_Kx) {
@@ -274,8 +285,7 @@ static inline std::pair<float, float> kquant(const uint8_t* blk, const Act& x, i
         const float d = _mm_cvtss_f32(dd), dmin = _mm_cvtss_f32(_mm_movehdup_ps(dd));
         const __m128i sm = T == Q4_K ? scales_mins(blk + 4) : _mm_loadu_si128((const __m128i*)(blk + 4));
         const uint8_t* qs = blk + (T == Q4_K ? 16 : 20);
-        constexpr int NS = T == Q4_K ? 4 : 2;          // scale vectors per half block
-        const auto control = [](int h, int i) { return load(T == Q4_K ? WORD[4 * h + i] : PAIRED[2 * h + i]); };
+
         // The eight scales as int16 in both halves (each half's shuffles pick from its own), the mins in one.
         const __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
         const __m128i m = _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8));
@@ -292,16 +302,9 @@ static inline std::pair<float, float> kquant(const uint8_t* blk, const Act& x, i
             const __m256i p0 = load(qs + 64 * h), p1 = load(qs + 32 + 64 * h);
             const __m256i q0 = _mm256_and_si256(p0, low), q1 = _mm256_and_si256(_mm256_srli_epi16(p0, 4), low);
             const __m256i q2 = _mm256_and_si256(p1, low), q3 = _mm256_and_si256(_mm256_srli_epi16(p1, 4), low);
-            const auto finish = [](int, __m256i total) { return total; };
-            if (x.mult) {
-                half(h, q0, q1, q2, q3, [&](int r, __m256i* s) {
-                    for (int i = 0; i < NS; ++i) s[i] = _mm256_shuffle_epi8(row[r], control(h, i));
-                }, finish);
-            } else {
-                __m256i shared[NS];
-                for (int i = 0; i < NS; ++i) shared[i] = _mm256_shuffle_epi8(scales, control(h, i));
-                half(h, q0, q1, q2, q3, [&](int, __m256i* s) { std::copy(shared, shared + NS, s); }, finish);
-            }
+            half(h, q0, q1, q2, q3, scales, row,
+                 [h](int i) { return load(T == Q4_K ? WORD[4 * h + i] : PAIRED[2 * h + i]); },
+                 [](int, __m256i total) { return total; });
         }
         return {d, dmin};
     } else {                                        // Q6_K(x): q - 32 as q 0..63, and -32 times x's unit sums
@@ -310,8 +313,6 @@ static inline std::pair<float, float> kquant(const uint8_t* blk, const Act& x, i
         // Half block h's eight unit scales as int16 in both halves of a vector: sub-block i's two
         // (Q6_Kx: quad i's four) are then one in-lane shuffle away (PAIRED[i], QUAD[i]), not a
         // lane-crossing permute and a shuffle.
-        constexpr int NS = T == Q6_K ? 4 : 2;       // scale vectors per half block
-        const auto control = [](int i) { return load(T == Q6_K ? PAIRED[i] : QUAD[i]); };
         const auto eight = [&](int h) {
             return _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i*)(sc + 8 * h))));
         };
@@ -341,7 +342,7 @@ static inline std::pair<float, float> kquant(const uint8_t* blk, const Act& x, i
                                      _mm256_and_si256(_mm256_srli_epi16(hb, 2), top));
             } else {
                 // Three runs: vector i's six bits in the low bits of run i, vector 3's two at a time
-                // in their top two (fewer shifts, which Zen 1 runs on one pipe).
+                // in their top two: three shifts a half, Q6_K's layout five.
                 const __m256i r0 = load(blk + 96 * h), r1 = load(blk + 96 * h + 32), r2 = load(blk + 96 * h + 64);
                 const __m256i six = _mm256_set1_epi8(0x3F);
                 q0 = _mm256_and_si256(r0, six), q1 = _mm256_and_si256(r1, six), q2 = _mm256_and_si256(r2, six);
@@ -353,16 +354,8 @@ static inline std::pair<float, float> kquant(const uint8_t* blk, const Act& x, i
                 const __m256i xs = load(x.sum + r * sums_per_row + k0 / 16);
                 return _mm256_sub_epi32(total, _mm256_slli_epi32(_mm256_madd_epi16(xs, sc16), 5));
             };
-            if (x.mult) {
-                half(h, q0, q1, q2, q3, [&](int r, __m256i* s) {
-                    for (int i = 0; i < NS; ++i) s[i] = _mm256_shuffle_epi8(row[h][r], control(i));
-                }, finish);
-            } else {
-                const __m256i units = eight(h);
-                __m256i shared[NS];
-                for (int i = 0; i < NS; ++i) shared[i] = _mm256_shuffle_epi8(units, control(i));
-                half(h, q0, q1, q2, q3, [&](int, __m256i* s) { std::copy(shared, shared + NS, s); }, finish);
-            }
+            half(h, q0, q1, q2, q3, eight(h), row[h], [](int i) { return load(T == Q6_K ? PAIRED[i] : QUAD[i]); },
+                 finish);
         }
         return {f16(blk + 208), 0.f};
     }
