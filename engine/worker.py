@@ -88,7 +88,8 @@ def default_quant(device: str = "auto") -> str:
     and evals load when none are named. On the CPU, gguf (each GGUF file's own blocks,
     docs/engine.md's GGUF section): float32's exact match within a point and perplexity within
     0.5%, the fewest bytes, faster than int8 at batch 1 and on prompts and as fast at batch 8 on
-    Zen 3 cores (on Zen 1's 128-bit AVX2 units 0.82-0.91x at batch 1, faster at 16). On
+    Zen 3 cores, and on Zen 1's 128-bit AVX2 units 1.03x / 1.28x int8 at batch 1 (0.5B / 1.5B,
+    benchmarks/results/cpu_decode_bench-gguf-zen1.json). On
     CUDA, int8: the GGUF Triton kernel measured 0.3-0.8x bf16 a layer on an H200, where int8
     measured 0.93-1.35x bf16 a step."""
     return "int8" if Device.named(device).type == "cuda" else "gguf"
