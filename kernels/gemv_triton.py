@@ -73,12 +73,14 @@ def programs_to_fill(device: torch.device) -> int:
     return 2 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-def plan(M: int, N: int, K: int, fill: int, block_k: int = 128) -> tuple[int, int, int]:
+def plan(M: int, N: int, K: int, fill: int, block_k: int = 128, block_m: int | None = None,
+         block_n: int | None = None) -> tuple[int, int, int]:
     """(block_m, block_n, splits) for an [M, K] x [K, N] product on a chip that `fill` programs
     keep busy: columns of 64 outputs, or 32 (64 bytes of bf16 a row, still whole memory sectors)
-    where 64 leave SMs idle; then K in as many slices of whole BLOCK_Ks as it takes to fill."""
-    block_m = min(64, max(16, triton.next_power_of_2(M)))
-    block_n = 64 if triton.cdiv(N, 64) * triton.cdiv(M, block_m) >= fill else 32
+    where 64 leave SMs idle; then K in as many slices of whole BLOCK_Ks as it takes to fill.
+    `block_m`, `block_n`: a kernel's own tile, where it has one."""
+    block_m = block_m or min(64, max(16, triton.next_power_of_2(M)))
+    block_n = block_n or (64 if triton.cdiv(N, 64) * triton.cdiv(M, block_m) >= fill else 32)
     tiles = triton.cdiv(N, block_n) * triton.cdiv(M, block_m)
     return block_m, block_n, _slices(K, max(1, min(triton.cdiv(fill, tiles), triton.cdiv(K, block_k))), block_k)[0]
 
@@ -103,10 +105,9 @@ class Launch:
 
     @classmethod
     def of(cls, x: torch.Tensor, N: int, block_k: int, block_n: int | None = None,
-           splits: int | None = None) -> Launch:
+           splits: int | None = None, block_m: int | None = None) -> Launch:
         (M, K) = x.shape
-        block_m, planned_n, planned_splits = plan(M, N, K, programs_to_fill(x.device), block_k)
-        block_n = block_n or planned_n
+        block_m, block_n, planned_splits = plan(M, N, K, programs_to_fill(x.device), block_k, block_m, block_n)
         splits, k_per_split = _slices(K, splits or planned_splits, block_k)
         out = torch.empty(M, N, dtype=x.dtype, device=x.device)
         dest = out if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=x.device)

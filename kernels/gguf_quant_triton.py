@@ -2,13 +2,24 @@
 
 A decode step's matmul is bound by reading the weights, and the blocks are the fewest bytes that
 hold them (Q4_K: 4.5 bits a weight against bf16's 16), so each program reads a tile of outputs'
-blocks as stored, dequantizes them in registers (the formulas of gguf_quant.py) and multiplies.
-A block is taken 32 weights at a time: their bytes are 16-32 contiguous ones of each row, and
-their scales one or two values per row, loaded once for the 32 (the first form of this kernel
-decoded every weight from gathered bytes, scales included, and read the 1.5B's Q4_K gate|up at
-93 GB/s on an H200, where bf16 reads 3.5 TB/s). The grid is the bf16 GEMV's (gemv_triton.plan):
-columns of outputs, then slices of K whose float32 partial sums a second launch adds in order,
-so that a short, wide layer (the MLP's down projection) still fills the chip.
+blocks as stored and multiplies them in registers. Once the bytes are read, what costs is the
+work per weight, so a weight takes none that can be done per unit of 16 or 32 instead:
+- its small unsigned integer t becomes a bfloat16 by an OR of 0x4300 (128.0) into its bits,
+  128 + t exactly, two at a time in a 32-bit word where the bytes allow (`_nibbles`, `_spread`),
+  with no integer-to-float conversion;
+- the tensor cores sum a unit's products with x exactly (integers below 256 and bf16 x, in
+  float32), and the unit's scale s and offset o (w = s (t - z) + o, z the type's zero point)
+  apply to the sum once: s * sum(x t) + (o - s (128 + z)) * sum(x), x's sum from the tensor
+  cores too;
+- the weights are the product's rows and x its columns, so one row of x pads to the tensor
+  cores' 8 columns rather than to 16 rows of x.
+The previous form of this kernel dequantized every weight to float32, its unit's scale and
+offset applied, before a product: compiled for sm_90 it issued 112 SM-cycles of instructions per
+KB of Q4_K and 163 of Q6_K, where an H200's memory delivers a KB in 56 (benchmarks/gguf_sass.py),
+and it read an H200's memory at 0.6-1.2 TB/s; this one issues 65 and 72.
+The grid is the bf16 GEMV's (gemv_triton.plan): columns of outputs, then slices of K whose
+float32 partial sums a second launch adds in order, so that a short, wide layer (the MLP's down
+projection) still fills the chip.
 Above a few rows the engine dequantizes to bf16 once instead (engine/quantize.py), where a dense
 GEMM computes faster than the decode of blocks repeated per tile.
 """
@@ -22,47 +33,114 @@ from kernels.gguf_quant import TYPES
 
 @triton.jit
 def _f16(p):
-    """Two little-endian bytes at p -> float32."""
-    lo = tl.load(p).to(tl.uint16)
-    hi = tl.load(p + 1).to(tl.uint16)
-    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+    """float16 at 2-byte aligned byte pointers p -> float32."""
+    return tl.load(p.to(tl.pointer_type(tl.float16))).to(tl.float32)
 
 
 @triton.jit
-def _byte(p):
-    return tl.load(p).to(tl.int32)
+def _t(v):
+    """Small unsigned integers (< 128, any integer dtype) -> 128 + v in bfloat16, exactly."""
+    return (v.to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
-def _chunk(b, c, U: tl.constexpr, TYPE: tl.constexpr):
-    """Weights 32 U + c (c = 0..31, [1, 32]) of the blocks at byte pointers b ([BLOCK_N, 1]) -> float32."""
-    if TYPE == 0:                                           # Q8_0
-        return _f16(b) * tl.load(b + 2 + c).to(tl.int8, bitcast=True).to(tl.float32)
-    elif TYPE == 1:                                         # Q5_0: the fifth bits in one uint32
-        qh = _byte(b + 2) | (_byte(b + 3) << 8) | (_byte(b + 4) << 16) | (_byte(b + 5) << 24)
-        low = (_byte(b + 6 + c % 16) >> (4 * (c // 16))) & 0xF
-        return _f16(b) * ((low | (((qh >> c) & 1) << 4)) - 16).to(tl.float32)
-    elif TYPE == 2:                                         # Q4_1
-        q = (_byte(b + 4 + c % 16) >> (4 * (c // 16))) & 0xF
-        return _f16(b) * q.to(tl.float32) + _f16(b + 2)
-    elif TYPE == 3:                                         # Q4_K: unit U of 8, 6-bit scale and min
-        q = (_byte(b + 16 + 32 * (U // 2) + c) >> (4 * (U % 2))) & 0xF
-        s = b + 4
-        if U < 4:
-            sc = _byte(s + U) & 63
-            mn = _byte(s + 4 + U) & 63
-        else:
-            sc = (_byte(s + 8 + U % 4) & 0xF) | ((_byte(s + U % 4) >> 6) << 4)
-            mn = (_byte(s + 8 + U % 4) >> 4) | ((_byte(s + 4 + U % 4) >> 6) << 4)
-        return (_f16(b) * sc.to(tl.float32)) * q.to(tl.float32) - _f16(b + 2) * mn.to(tl.float32)
-    else:                                                   # Q6_K: two units of 16, int8 scales
-        h: tl.constexpr = U // 4
-        g: tl.constexpr = U % 4
-        low = (_byte(b + 64 * h + 32 * (g % 2) + c) >> (4 * (g // 2))) & 0xF
-        high = (_byte(b + 128 + 32 * h + c) >> (2 * g)) & 3
-        s0 = tl.load(b + 192 + 2 * U).to(tl.int8, bitcast=True).to(tl.float32)
-        s1 = tl.load(b + 193 + 2 * U).to(tl.int8, bitcast=True).to(tl.float32)
-        return (_f16(b + 208) * tl.where(c < 16, s0, s1)) * ((low | (high << 4)) - 32).to(tl.float32)
+def _nibbles(words, shift: tl.constexpr):
+    """int32 words [N, 8] -> 128 + their bytes' nibbles at `shift` (0 or 4), [N, 32] bfloat16 in
+    the order of `nibble_order`: a word's bytes 0 and 2 (1 and 3) are masked into its two halves
+    together, and the halves joined as they stand (in the bytes' order, the joins cost 11% more
+    instructions per weight compiled for sm_90)."""
+    a = ((words >> shift) & 0x000F000F) | 0x43004300                     # bytes 0, 2
+    b = ((words >> (shift + 8)) & 0x000F000F) | 0x43004300               # bytes 1, 3
+    t = tl.join(tl.join(a.to(tl.int16), b.to(tl.int16)), tl.join((a >> 16).to(tl.int16), (b >> 16).to(tl.int16)))
+    return tl.reshape(t, [words.shape[0], 4 * words.shape[1]]).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _spread(p):
+    """16 bytes at 2-byte aligned byte pointers p [N, 1] -> int32 [N, 8]: bytes 2 i and 2 i + 1 in
+    the low and high halves of word i (at bits 0 and 16), for `_halves`."""
+    v = tl.load(p.to(tl.pointer_type(tl.uint16)) + tl.arange(0, 8)[None, :]).to(tl.int32)
+    return v | ((v & 0xFF00) << 8)
+
+
+@triton.jit
+def _halves(v):
+    """int32 [N, W] each holding two bfloat16 -> [N, 2 W] bfloat16, low half first."""
+    t = tl.join(v.to(tl.int16), (v >> 16).to(tl.int16))
+    return tl.reshape(t, [v.shape[0], 2 * v.shape[1]]).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _unit(acc, t, x_ptrs, x_mask, scale, zero, offset, HAS_SUM: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] + w @ x.T [U, BLOCK_M] for a unit of U weights per row, w = scale
+    (t - 128 - zero) + offset with t [BLOCK_N, U] 128 + the unit's unsigned integers (`_t`), scale
+    and offset [BLOCK_N]; with no HAS_SUM, w = scale t (Q8_0's int8 t)."""
+    x = tl.load(x_ptrs, mask=x_mask, other=0.0)
+    acc += tl.dot(t.to(x.dtype), x) * scale[:, None]
+    if HAS_SUM:     # else (Q8_0) t holds the weights' integers themselves
+        # x's sum over the unit, in every row: on the tensor cores and in the product's layout,
+        # where a sum along x would take shuffles and a change of layout
+        xsum = tl.dot(tl.full(t.shape, 1.0, x.dtype), x)
+        acc += xsum * (offset - scale * (128.0 + zero))[:, None]
+    return acc
+
+
+@triton.jit
+def _block(acc, b, xb, x_mask, TYPE: tl.constexpr):
+    """acc plus one block's products: b [BLOCK_N] byte pointers to each row's block, xb
+    [1, BLOCK_M] pointers to x's values at the block's first column."""
+    c = tl.arange(0, 32)[None, :]
+    h = tl.arange(0, 16)[None, :]
+    r = b[:, None]
+    xc = tl.arange(0, 32)[:, None]      # x's columns, down
+    xh = tl.arange(0, 16)[:, None]
+    nibble_order = xc // 4 * 4 + xc % 2 * 2 + xc // 2 % 2      # a word's bytes 0, 2, 1, 3
+    if TYPE == 0:                                           # Q8_0: d, 32 int8
+        q = tl.load(r + 2 + c).to(tl.int8, bitcast=True)
+        acc = _unit(acc, q, xb + xc, x_mask, _f16(b), 0.0, 0.0, False)
+    elif TYPE == 1:                                         # Q5_0: d, 32 fifth bits, 16 bytes of nibbles
+        d = _f16(b)
+        qh = (tl.load(b + 2).to(tl.int32) | (tl.load(b + 3).to(tl.int32) << 8) |
+              (tl.load(b + 4).to(tl.int32) << 16) | (tl.load(b + 5).to(tl.int32) << 24))[:, None]
+        qs = tl.load(r + 6 + h)
+        acc = _unit(acc, _t((qs & 0xF) | (((qh >> h) & 1) << 4).to(tl.uint8)), xb + xh, x_mask, d, 16.0, 0.0, True)
+        acc = _unit(acc, _t((qs >> 4) | (((qh >> (h + 16)) & 1) << 4).to(tl.uint8)), xb + 16 + xh, x_mask, d, 16.0,
+                    0.0, True)
+    elif TYPE == 2:                                         # Q4_1: d, m, 16 bytes of nibbles
+        d, m = _f16(b), _f16(b + 2)
+        qs = tl.load(r + 4 + h)
+        acc = _unit(acc, _t(qs & 0xF), xb + xh, x_mask, d, 0.0, m, True)
+        acc = _unit(acc, _t(qs >> 4), xb + 16 + xh, x_mask, d, 0.0, m, True)
+    elif TYPE == 3:                                         # Q4_K: d, dmin, 12 bytes of 6-bit scales, 128 of nibbles
+        d, dmin = _f16(b), _f16(b + 2)
+        for i in tl.static_range(4):                        # units 2 i and 2 i + 1: one run of 32 bytes
+            words = tl.load((r + 16 + 32 * i).to(tl.pointer_type(tl.int32)) + tl.arange(0, 8)[None, :])
+            for half in tl.static_range(2):
+                u = 2 * i + half
+                if u < 4:
+                    sc = tl.load(b + 4 + u) & 63
+                    mn = tl.load(b + 8 + u) & 63
+                else:
+                    sc = (tl.load(b + 12 + u % 4) & 0xF) | ((tl.load(b + 4 + u % 4) >> 6) << 4)
+                    mn = (tl.load(b + 12 + u % 4) >> 4) | ((tl.load(b + 8 + u % 4) >> 6) << 4)
+                t = _nibbles(words, 4 * half)
+                acc = _unit(acc, t, xb + 32 * u + nibble_order, x_mask, d * sc.to(tl.float32), 0.0,
+                            -dmin * mn.to(tl.float32), True)
+    else:   # Q6_K: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales (a unit of 16 each), d
+        d = _f16(b + 208)
+        for hh in tl.static_range(2):                       # halves of 128 weights
+            for c16 in tl.static_range(2):                  # weights 16 c16 .. 16 c16 + 15 of each run of 32
+                qh = _spread(r + 128 + 32 * hh + 16 * c16) << 4
+                ql0 = _spread(r + 64 * hh + 16 * c16)
+                ql1 = _spread(r + 64 * hh + 32 + 16 * c16)
+                for g in tl.static_range(4):
+                    u = 8 * hh + 2 * g + c16
+                    low = (ql0 if g % 2 == 0 else ql1) >> (4 * (g // 2))
+                    t = _halves((low & 0x000F000F) | ((qh >> (2 * g)) & 0x00300030) | 0x43004300)
+                    sc = tl.load(b + 192 + u).to(tl.int8, bitcast=True).to(tl.float32)
+                    acc = _unit(acc, t, xb + 128 * hh + 32 * g + 16 * c16 + xh, x_mask, d * sc, 32.0,
+                                0.0, True)
+    return acc
 
 
 @triton.jit
@@ -72,28 +150,25 @@ def _gguf_kernel(x_ptr, w_ptr, out_ptr, M, N, K, blocks_per_split, row_bytes, st
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     first = tl.program_id(2) * blocks_per_split
-    c = tl.arange(0, 32)[None, :]
-    n_mask = rn[:, None] < N
-    m_mask = rm[:, None] < M
-    rows = w_ptr + tl.where(n_mask, rn[:, None], 0).to(tl.int64) * row_bytes     # masked rows read row 0
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    rows = w_ptr + tl.where(rn < N, rn, 0).to(tl.int64) * row_bytes     # masked rows read row 0
+    xs = x_ptr + rm[None, :] * stride_xm
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)      # outputs down, x's rows across
     for blk in range(first, tl.minimum(first + blocks_per_split, K // BLOCK)):
-        b = rows + blk * NBYTES
-        for u in tl.static_range(BLOCK // 32):
-            w = _chunk(b, c, u, TYPE)                                             # [BLOCK_N, 32]
-            x = tl.load(x_ptr + rm[:, None] * stride_xm + blk * BLOCK + 32 * u + c, mask=m_mask, other=0.0)
-            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
-    mask = m_mask & (rn[None, :] < N)
+        acc = _block(acc, rows + blk * NBYTES, xs + blk * BLOCK, rm[None, :] < M, TYPE)
+    mask = (rm[None, :] < M) & (rn[:, None] < N)
     if SPLIT:   # a float32 partial sum, which _gemv_reduce_kernel adds up
-        tl.store(out_ptr + (tl.program_id(2) * M + rm[:, None]) * N + rn[None, :], acc, mask=mask)
+        tl.store(out_ptr + (tl.program_id(2) * M + rm[None, :]) * N + rn[:, None], acc, mask=mask)
     else:
-        tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + rm[None, :] * stride_om + rn[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def gguf_matmul(x: torch.Tensor, w: torch.Tensor, qtype: str, block_n: int | None = None,
+def gguf_matmul(x: torch.Tensor, w: torch.Tensor, qtype: str, block_n: int = 64,
                 splits: int | None = None, num_warps: int = 4) -> torch.Tensor:
-    """`block_n` (outputs per program) and `splits` (slices of K, in whole blocks): None, as the
-    GEMV's `plan` sizes them for this chip."""
+    """`block_n`: outputs per program; at 64, Q4_K's loop issues 42% fewer instructions per weight
+    than at 32, compiled for sm_90 (benchmarks/gguf_sass.py's count). `splits` (slices of K, in whole
+    blocks): None, as the GEMV's `plan` sizes them for this chip. A program takes x's rows up to
+    the next power of two (one at a decode of one sequence: the tensor cores' 8 columns padded,
+    not 16 rows)."""
     t = TYPES[qtype]
     assert t.id <= 4, f"{qtype} is a CPU kernel's layout; the GPU reads the file's types"
     assert w.is_contiguous() and w.dtype == torch.uint8, "GGUF blocks: contiguous uint8 [N, row_bytes]"
@@ -102,7 +177,7 @@ def gguf_matmul(x: torch.Tensor, w: torch.Tensor, qtype: str, block_n: int | Non
     assert K % t.block == 0 and w.shape[1] == K // t.block * t.nbytes
     if M == 0:
         return torch.empty(M, N, dtype=x.dtype, device=x.device)
-    run = Launch.of(x, N, t.block, block_n, splits)
+    run = Launch.of(x, N, t.block, block_n, splits, block_m=triton.next_power_of_2(M))
     _gguf_kernel[run.grid](x, w, run.dest, M, N, K, run.k_per_split // t.block, w.shape[1], x.stride(0),
                            run.out.stride(0), TYPE=t.id, BLOCK=t.block, NBYTES=t.nbytes, SPLIT=run.splits > 1,
                            BLOCK_M=run.block_m, BLOCK_N=run.block_n, num_warps=num_warps)

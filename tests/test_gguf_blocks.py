@@ -293,13 +293,14 @@ def test_gguf_precision_on_a_float_checkpoint_is_refused(tmp_path):
 @triton_only
 @pytest.mark.parametrize("qtype", gguf_quant.FILE_TYPES)
 @pytest.mark.parametrize("splits", [1, 3, None])       # slices of K summed by a second launch; None: planned
-def test_triton_gguf_matmul_matches_its_reference(qtype, splits):
+@pytest.mark.parametrize("M", [1, 3])
+def test_triton_gguf_matmul_matches_its_reference(qtype, splits, M):
     """The GPU's kernel, interpreted on the CPU in float32, against the dense reference over the
     same blocks dequantized; N not a multiple of the output tile, M not of the row tile, K in
     slices that do not divide its blocks evenly."""
     from kernels import gguf_quant_triton
     w = gguf_quant.random_blocks(qtype, 40, 1280, seed=3)
-    x = torch.randn(3, 1280, generator=torch.Generator().manual_seed(4))
+    x = torch.randn(M, 1280, generator=torch.Generator().manual_seed(4))
     got = gguf_quant_triton.gguf_matmul(x, w, qtype, block_n=16, splits=splits)
     want = gguf_quant.gguf_matmul(x, w, qtype)
     # float32 sums in another order: they differ in the fifth or sixth digit.

@@ -653,18 +653,13 @@ def test_dispatcher_runs_the_compiled_cpu_kernels_when_turned_on_for_float32():
 # bytes; an int8 cache and bf16 take less), compiled for a GPU without one, as Triton's
 # launcher specializes it; prints [[kernel, capability, bytes of shared memory], ...].
 COMPILE_FOR_GPUS = r"""
-import json, torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import json, torch
 from kernels import attention_triton as at, gemv_triton as gt, gguf_quant, gguf_quant_triton as ggt
 from kernels import quant_matmul_triton as qt
+from kernels.triton_offline import Record as Recorder, compile_launch
 
 launches = []
-class Record:
-    def __init__(self, kernel):
-        self.kernel = kernel
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: launches.append((self.kernel, args, kwargs))
+Record = lambda kernel: Recorder(kernel, launches)
 for name in ("_decode_kernel", "_combine_kernel", "_prefill_kernel"):
     setattr(at, name, Record(getattr(at, name)))
 for name in ("_gemv_kernel", "_gemv_reduce_kernel"):
@@ -695,29 +690,12 @@ for qtype in gguf_quant.FILE_TYPES:
     for M in (1, 16):
         ggt.gguf_matmul(torch.zeros(M, 1536, dtype=torch.bfloat16), blocks, qtype)
 
-POINTEE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int32: "i32", torch.int64: "i64", torch.int8: "i8",
-           torch.uint8: "u8", torch.float8_e4m3fn: "fp8e4nv"}
 def shared(kernel, args, kwargs, capability):
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
-    values = dict(zip(kernel.arg_names, args), **kwargs)
-    signature, constants, attrs = {}, {}, {}
-    for i, name in enumerate(kernel.arg_names):
-        v = values[name]
-        if i in kernel.constexprs or v is None:
-            signature[name], constants[name] = "constexpr", v
-        elif isinstance(v, float):
-            signature[name] = "fp32"
-        else:
-            tensor = isinstance(v, torch.Tensor)
-            signature[name] = "*" + POINTEE[v.dtype] if tensor else "i32"
-            if (v.data_ptr() if tensor else v) % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(kernel, signature, constants, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=options).metadata.shared
+    return compile_launch(kernel, args, kwargs, capability).metadata.shared
 
 def capabilities(args):       # e4m3 is Ada's and Hopper's (sm_89 on), as the engine's fp8 is
     return (90,) if any(isinstance(v, torch.Tensor) and v.dtype == torch.float8_e4m3fn for v in args) else (90, 86)
-print(json.dumps([[k.fn.__name__, cap, shared(k, a, dict(kw), cap)]
+print(json.dumps([[k.fn.__name__, cap, shared(k, a, kw, cap)]
                   for k, a, kw in launches for cap in capabilities(a)]))
 """
 
