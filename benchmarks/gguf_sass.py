@@ -7,7 +7,9 @@ kernel exactly as kernels/gguf_quant_triton.py launches it at one row (Triton's 
 sm_90), finds its main loop in the machine code (cuobjdump), and counts the instructions a loop
 pass issues per KB of weights it reads; the same for the bf16 GEMV (kernels/gemv_triton.py) on
 the same layer, the baseline. An SM issues four warp instructions a cycle; an integer-to-float
-conversion (I2F) occupies its pipe for two SM-cycles, so the estimate is the larger of the two.
+conversion (I2F) occupies its pipe for two SM-cycles, so the estimate is the larger of the two
+(I2FP, which the previous form used for its weights, counts as an ordinary instruction: if it
+is slower, that form's count is too low, not this one's).
 A static count, not a time: stalls on memory and occupancy come on top (the kernel's previous
 form counts 0.062 SM-cycles a Q4_K weight here and took 0.12 on the LM head and 0.23 on gate|up
 on an H200, gpu_kernels-nvidia-h200.json).
@@ -89,8 +91,8 @@ def main() -> None:
         if name == "bf16 GEMV":
             weights, nbytes = const["BLOCK_N"] * const["BLOCK_K"], 2 * const["BLOCK_N"] * const["BLOCK_K"]
         else:
-            t = gguf_quant.TYPES[name]
-            weights, nbytes = const["BLOCK_N"] * t.block, const["BLOCK_N"] * t.nbytes
+            t, blocks = gguf_quant.TYPES[name], const["BLOCK_N"] * const.get("GROUP", 1)     # a pass's
+            weights, nbytes = blocks * t.block, blocks * t.nbytes
         results["kernels"][name] = cost(ops, kw.get("num_warps", 4), weights, nbytes) | {"block_n": const["BLOCK_N"]}
     scratch.unlink(missing_ok=True)
 

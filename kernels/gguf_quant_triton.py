@@ -10,13 +10,14 @@ work per weight, so a weight takes none that can be done per unit of 16 or 32 in
 - the tensor cores sum a unit's products with x exactly (integers below 256 and bf16 x, in
   float32), and the unit's scale s and offset o (w = s (t - z) + o, z the type's zero point)
   apply to the sum once: s * sum(x t) + (o - s (128 + z)) * sum(x), x's sum from the tensor
-  cores too;
+  cores too; a type with no offset (Q6_K, Q5_0) takes 128 + z off t in bfloat16 instead,
+  exactly and two weights an instruction, and needs no sum of x;
 - the weights are the product's rows and x its columns, so one row of x pads to the tensor
   cores' 8 columns rather than to 16 rows of x.
 The previous form of this kernel dequantized every weight to float32, its unit's scale and
 offset applied, before a product: compiled for sm_90 it issued 112 SM-cycles of instructions per
 KB of Q4_K and 163 of Q6_K, where an H200's memory delivers a KB in 56 (benchmarks/gguf_sass.py),
-and it read an H200's memory at 0.6-1.2 TB/s; this one issues 65 and 72.
+and it read an H200's memory at 0.6-1.2 TB/s; this one issues 63 and 67.
 The grid is the bf16 GEMV's (gemv_triton.plan): columns of outputs, then slices of K whose
 float32 partial sums a second launch adds in order, so that a short, wide layer (the MLP's down
 projection) still fills the chip.
@@ -71,17 +72,24 @@ def _halves(v):
 
 
 @triton.jit
-def _unit(acc, t, x_ptrs, x_mask, scale, zero, offset, HAS_SUM: tl.constexpr):
+def _unit(acc, t, x_ptrs, x_mask, scale, offset, ZERO: tl.constexpr, HAS_SUM: tl.constexpr):
     """acc [BLOCK_N, BLOCK_M] + w @ x.T [U, BLOCK_M] for a unit of U weights per row, w = scale
-    (t - 128 - zero) + offset with t [BLOCK_N, U] 128 + the unit's unsigned integers (`_t`), scale
-    and offset [BLOCK_N]; with no HAS_SUM, w = scale t (Q8_0's int8 t)."""
+    (t - 128 - ZERO) + offset with t [BLOCK_N, U] 128 + the unit's unsigned integers (`_t`; Q8_0's
+    int8 weights themselves, ZERO -128), scale and offset [BLOCK_N]. With no offset (no HAS_SUM),
+    128 + ZERO is taken off t before the product, exactly, in bfloat16 two at a time: cheaper
+    than x's sum."""
     x = tl.load(x_ptrs, mask=x_mask, other=0.0)
-    acc += tl.dot(t.to(x.dtype), x) * scale[:, None]
-    if HAS_SUM:     # else (Q8_0) t holds the weights' integers themselves
+    t = t.to(x.dtype)
+    if HAS_SUM:
+        acc += tl.dot(t, x) * scale[:, None]
         # x's sum over the unit, in every row: on the tensor cores and in the product's layout,
         # where a sum along x would take shuffles and a change of layout
         xsum = tl.dot(tl.full(t.shape, 1.0, x.dtype), x)
-        acc += xsum * (offset - scale * (128.0 + zero))[:, None]
+        acc += xsum * (offset - scale * (128.0 + ZERO))[:, None]
+    else:
+        if ZERO != -128:
+            t -= 128.0 + ZERO
+        acc += tl.dot(t, x) * scale[:, None]
     return acc
 
 
@@ -97,35 +105,38 @@ def _block(acc, b, xb, x_mask, TYPE: tl.constexpr):
     nibble_order = xc // 4 * 4 + xc % 2 * 2 + xc // 2 % 2      # a word's bytes 0, 2, 1, 3
     if TYPE == 0:                                           # Q8_0: d, 32 int8
         q = tl.load(r + 2 + c).to(tl.int8, bitcast=True)
-        acc = _unit(acc, q, xb + xc, x_mask, _f16(b), 0.0, 0.0, False)
+        acc = _unit(acc, q, xb + xc, x_mask, _f16(b), 0.0, -128, False)
     elif TYPE == 1:                                         # Q5_0: d, 32 fifth bits, 16 bytes of nibbles
-        d = _f16(b)
-        qh = (tl.load(b + 2).to(tl.int32) | (tl.load(b + 3).to(tl.int32) << 8) |
-              (tl.load(b + 4).to(tl.int32) << 16) | (tl.load(b + 5).to(tl.int32) << 24))[:, None]
-        qs = tl.load(r + 6 + h)
-        acc = _unit(acc, _t((qs & 0xF) | (((qh >> h) & 1) << 4).to(tl.uint8)), xb + xh, x_mask, d, 16.0, 0.0, True)
-        acc = _unit(acc, _t((qs >> 4) | (((qh >> (h + 16)) & 1) << 4).to(tl.uint8)), xb + 16 + xh, x_mask, d, 16.0,
-                    0.0, True)
+        fifth = (b + 2).to(tl.pointer_type(tl.uint16))
+        qh = (tl.load(fifth).to(tl.int32) | (tl.load(fifth + 1).to(tl.int32) << 16))[:, None]
+        qs = _spread(r + 6)                                 # weights 2 i, 2 i + 1 (low nibbles), 16 on (high)
+        for half in tl.static_range(2):
+            f = qh >> (2 * tl.arange(0, 8)[None, :] + 16 * half)        # the pair's fifth bits at bits 0, 1
+            five = ((qs >> (4 * half)) & 0x000F000F) | ((f & 1) << 4) | ((f & 2) << 19) | 0x43004300
+            acc = _unit(acc, _halves(five), xb + 16 * half + xh, x_mask, _f16(b), 0.0, 16, False)
     elif TYPE == 2:                                         # Q4_1: d, m, 16 bytes of nibbles
         d, m = _f16(b), _f16(b + 2)
         qs = tl.load(r + 4 + h)
-        acc = _unit(acc, _t(qs & 0xF), xb + xh, x_mask, d, 0.0, m, True)
-        acc = _unit(acc, _t(qs >> 4), xb + 16 + xh, x_mask, d, 0.0, m, True)
+        acc = _unit(acc, _t(qs & 0xF), xb + xh, x_mask, d, m, 0, True)
+        acc = _unit(acc, _t(qs >> 4), xb + 16 + xh, x_mask, d, m, 0, True)
     elif TYPE == 3:                                         # Q4_K: d, dmin, 12 bytes of 6-bit scales, 128 of nibbles
         d, dmin = _f16(b), _f16(b + 2)
+        s = (b + 4).to(tl.pointer_type(tl.int32))          # the 12 bytes of scales as 3 words
+        s0, s1, s2 = tl.load(s), tl.load(s + 1), tl.load(s + 2)
         for i in tl.static_range(4):                        # units 2 i and 2 i + 1: one run of 32 bytes
             words = tl.load((r + 16 + 32 * i).to(tl.pointer_type(tl.int32)) + tl.arange(0, 8)[None, :])
             for half in tl.static_range(2):
                 u = 2 * i + half
+                at = 8 * (u % 4)                            # the unit's byte in each word
                 if u < 4:
-                    sc = tl.load(b + 4 + u) & 63
-                    mn = tl.load(b + 8 + u) & 63
+                    sc = (s0 >> at) & 63
+                    mn = (s1 >> at) & 63
                 else:
-                    sc = (tl.load(b + 12 + u % 4) & 0xF) | ((tl.load(b + 4 + u % 4) >> 6) << 4)
-                    mn = (tl.load(b + 12 + u % 4) >> 4) | ((tl.load(b + 8 + u % 4) >> 6) << 4)
+                    sc = ((s2 >> at) & 0xF) | (((s0 >> at) >> 2) & 0x30)
+                    mn = ((s2 >> (at + 4)) & 0xF) | (((s1 >> at) >> 2) & 0x30)
                 t = _nibbles(words, 4 * half)
-                acc = _unit(acc, t, xb + 32 * u + nibble_order, x_mask, d * sc.to(tl.float32), 0.0,
-                            -dmin * mn.to(tl.float32), True)
+                acc = _unit(acc, t, xb + 32 * u + nibble_order, x_mask, d * sc.to(tl.float32),
+                            -dmin * mn.to(tl.float32), 0, True)
     else:   # Q6_K: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales (a unit of 16 each), d
         d = _f16(b + 208)
         for hh in tl.static_range(2):                       # halves of 128 weights
@@ -138,23 +149,23 @@ def _block(acc, b, xb, x_mask, TYPE: tl.constexpr):
                     low = (ql0 if g % 2 == 0 else ql1) >> (4 * (g // 2))
                     t = _halves((low & 0x000F000F) | ((qh >> (2 * g)) & 0x00300030) | 0x43004300)
                     sc = tl.load(b + 192 + u).to(tl.int8, bitcast=True).to(tl.float32)
-                    acc = _unit(acc, t, xb + 128 * hh + 32 * g + 16 * c16 + xh, x_mask, d * sc, 32.0,
-                                0.0, True)
+                    acc = _unit(acc, t, xb + 128 * hh + 32 * g + 16 * c16 + xh, x_mask, d * sc, 0.0, 32, False)
     return acc
 
 
 @triton.jit
 def _gguf_kernel(x_ptr, w_ptr, out_ptr, M, N, K, blocks_per_split, row_bytes, stride_xm, stride_om,
-                 TYPE: tl.constexpr, BLOCK: tl.constexpr, NBYTES: tl.constexpr, SPLIT: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                 TYPE: tl.constexpr, BLOCK: tl.constexpr, NBYTES: tl.constexpr, GROUP: tl.constexpr,
+                 SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     first = tl.program_id(2) * blocks_per_split
     rows = w_ptr + tl.where(rn < N, rn, 0).to(tl.int64) * row_bytes     # masked rows read row 0
     xs = x_ptr + rm[None, :] * stride_xm
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)      # outputs down, x's rows across
-    for blk in range(first, tl.minimum(first + blocks_per_split, K // BLOCK)):
-        acc = _block(acc, rows + blk * NBYTES, xs + blk * BLOCK, rm[None, :] < M, TYPE)
+    for blk in range(first, tl.minimum(first + blocks_per_split, K // BLOCK), GROUP):
+        for j in tl.static_range(GROUP):
+            acc = _block(acc, rows + (blk + j) * NBYTES, xs + (blk + j) * BLOCK, rm[None, :] < M, TYPE)
     mask = (rm[None, :] < M) & (rn[:, None] < N)
     if SPLIT:   # a float32 partial sum, which _gemv_reduce_kernel adds up
         tl.store(out_ptr + (tl.program_id(2) * M + rm[None, :]) * N + rn[:, None], acc, mask=mask)
@@ -177,8 +188,12 @@ def gguf_matmul(x: torch.Tensor, w: torch.Tensor, qtype: str, block_n: int = 64,
     assert K % t.block == 0 and w.shape[1] == K // t.block * t.nbytes
     if M == 0:
         return torch.empty(M, N, dtype=x.dtype, device=x.device)
-    run = Launch.of(x, N, t.block, block_n, splits, block_m=triton.next_power_of_2(M))
+    # Blocks of 32 four to a loop pass, where K allows, so that a pass's fixed work (the loop,
+    # x's loads) is spread over more weights.
+    group = 4 if t.block == 32 and K % 128 == 0 else 1
+    run = Launch.of(x, N, t.block * group, block_n, splits, block_m=triton.next_power_of_2(M))
     _gguf_kernel[run.grid](x, w, run.dest, M, N, K, run.k_per_split // t.block, w.shape[1], x.stride(0),
-                           run.out.stride(0), TYPE=t.id, BLOCK=t.block, NBYTES=t.nbytes, SPLIT=run.splits > 1,
+                           run.out.stride(0), TYPE=t.id, BLOCK=t.block, NBYTES=t.nbytes, GROUP=group,
+                           SPLIT=run.splits > 1,
                            BLOCK_M=run.block_m, BLOCK_N=run.block_n, num_warps=num_warps)
     return run.finish(None, num_warps)
