@@ -15,7 +15,8 @@
 #   4. benchmarks/step_overhead.py       the engine's host work per step there, the model stubbed
 # Results go to benchmarks/results/ (and to $OUT when the device tool sets it, with the table),
 # with gpu_check-<device>.json naming the device and saying what ran, passed, failed or was
-# skipped, the table's picks, fp8 against bf16 and the targets. The whole run keeps within
+# skipped, the table's picks, fp8 against bf16, the GGUF files'
+# layers against bf16 (issue 52) and the targets. The whole run keeps within
 # $GPU_CHECK_SECONDS (510): a step's limit is cut to what is left, and a step with nothing left
 # is skipped. Without a GPU it says what it skipped and exits 0, so it can be dry-run anywhere.
 # Arguments name the steps to run (tests kernels bench host; all by default), so a step that
@@ -91,6 +92,9 @@ summary = {"device": os.environ["DEVICE"], "steps": steps, "tests": tests,
 table = Path("engine/precision_buckets.json")
 if table.exists():      # the batch-bucket picks gpu_kernels.py measured here, which gpu_bench.py ran with
     summary["buckets"] = json.loads(table.read_text())["devices"].get(os.environ["DEVICE"])
+kernels = results / f"gpu_kernels-{os.environ['SLUG']}.json"
+if kernels.exists():    # issue 52: a step's linear layers on the GGUF files' blocks against bf16, 1 row
+    summary["gguf_vs_bf16"] = json.loads(kernels.read_text()).get("gguf_step")
 bench = results / f"gpu_bench-{os.environ['SLUG']}.json"
 if bench.exists():
     b = json.loads(bench.read_text())
@@ -102,7 +106,8 @@ if bench.exists():
     summary["targets"] = b.get("targets", {})
 (results / f"gpu_check-{os.environ['SLUG']}.json").write_text(json.dumps(summary, indent=2))
 print(json.dumps({"device": summary["device"], "steps": steps, "counts": summary["counts"],
-                  "fp8_vs_bf16": summary.get("fp8_vs_bf16"), "buckets": summary.get("buckets")}))
+                  "fp8_vs_bf16": summary.get("fp8_vs_bf16"), "gguf_vs_bf16": summary.get("gguf_vs_bf16"),
+                  "buckets": summary.get("buckets")}))
 EOF
 if [ -n "${OUT:-}" ]; then
     cp "$RESULTS"/*-"$slug".json "$RESULTS/gpu_tests-$slug.xml" engine/precision_buckets.json "$OUT"/ 2>/dev/null

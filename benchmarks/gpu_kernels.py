@@ -80,6 +80,15 @@ SHAPES = {
 GROUP = 128
 LAYERS = {"qwen2.5-coder-0.5b": 24, "qwen2.5-coder-1.5b": 28}     # decoder layers: each holds one of every linear
 PRECISIONS = ("int8", "int4", "fp8")
+# The shipped GGUFs' types per layer kind, (type, layers) (read from the files): Q4_K_M gives
+# every other layer's v and down Q6_K. A fused q|k|v counts as its q and k's type (v is an
+# eighth of its rows).
+GGUF_TYPES = {
+    "qwen2.5-coder-0.5b": {"qkv": [("Q5_0", 24)], "o": [("Q5_0", 24)], "gate_up": [("Q5_0", 24)],
+                           "down": [("Q4_K", 12), ("Q6_K", 12)], "lm_head": [("Q8_0", 1)]},
+    "qwen2.5-coder-1.5b": {"qkv": [("Q4_K", 28)], "o": [("Q4_K", 28)], "gate_up": [("Q4_K", 28)],
+                           "down": [("Q4_K", 14), ("Q6_K", 14)], "lm_head": [("Q6_K", 1)]},
+}
 
 
 def ways(w: torch.Tensor) -> dict[str, tuple[object, int]]:
@@ -217,6 +226,37 @@ def bucket_table(models: dict, max_bucket: int) -> dict:
     return {quant: t for quant, t in table.items() if t}
 
 
+def gguf_step(models: dict, rows: int = 1) -> dict:
+    """Issue 52's target per model: one decode step's linear layers at `rows` rows on the GGUF
+    file's own blocks (kernels/gguf_quant_triton.py, each layer at its type in the file) against
+    bf16's faster way per layer (cuBLAS or the GEMV), µs; the target is bf16 / gguf >= 2.0."""
+    out = {}
+    for model, layers in models.items():
+        gguf = bf16 = 0.0
+        for kind, parts in GGUF_TYPES.get(model, {}).items():
+            ways = (layers.get(kind, {}).get("rows", {}).get(str(rows)) or
+                    layers.get(kind, {}).get("rows", {}).get(rows) or {}).get("ways", {})
+            if not ways or any(f"{t} triton" not in ways for t, _ in parts):
+                break
+            gguf += sum(n * ways[f"{t} triton"]["us"] for t, n in parts)
+            bf16 += sum(n for _, n in parts) * min(ways[w]["us"] for w in ("bf16 [in,out]", "bf16 gemv") if w in ways)
+        else:
+            if gguf:
+                out[model] = {"rows": rows, "gguf_us": gguf, "bf16_us": bf16, "speedup": bf16 / gguf}
+    return out
+
+
+def show_gguf(step: dict, device: str) -> None:
+    if not step:        # a run without the GGUF types' columns
+        return
+    t = Table(title=f"The GGUF files' blocks on {device}: a decode step's linear layers at 1 row (target 2.0x bf16)")
+    for col in ("model", "gguf µs", "bf16 µs", "bf16 / gguf"):
+        t.add_column(col)
+    for model, r in step.items():
+        t.add_row(model, f"{r['gguf_us']:.0f}", f"{r['bf16_us']:.0f}", f"{r['speedup']:.2f}x")
+    console.print(t)
+
+
 def show_buckets(table: dict, device: str) -> None:
     t = Table(title=f"Batch buckets on {device}: one decode step's linear layers, µs on the precision's kernel / "
                     f"dense bf16 / (int8, fp8) the GEMV on its own bytes (bf16.<layer>: the Triton GEMV / cuBLAS); "
@@ -255,6 +295,7 @@ def main() -> None:
         device = saved["machine"]["device"]
         table = bucket_table(saved["models"], args.max_bucket)
         show_buckets(table, device)
+        show_gguf(gguf_step(saved["models"]), device)
         record_buckets(table, device, str(args.table_from), saved["machine"].get("torch", ""), args.table)
         console.print(f"wrote {args.table}")
         return
@@ -312,6 +353,8 @@ def main() -> None:
     console.print(table)
     results["buckets"] = bucket_table(results["models"], args.max_bucket)
     show_buckets(results["buckets"], device)
+    results["gguf_step"] = gguf_step(results["models"])
+    show_gguf(results["gguf_step"], device)
     out = save(results, device)
     record_buckets(results["buckets"], device, str(out.relative_to(ROOT)), torch.__version__, args.table)
     console.print(f"wrote {args.table}")
