@@ -413,6 +413,26 @@ def test_gpu_kernels_bf16_picks_reach_the_engines_layers(tmp_path, monkeypatch):
                                                         "o": (False, False) + (True,) * 15}
 
 
+def test_gpu_kernels_gguf_step_weighs_each_layer_at_its_type_in_the_file(monkeypatch):
+    """Issue 52's figure from a run's timings (made up: no GPU): per layer kind, the shipped file's
+    types times their layer counts (the 1.5B's down half Q4_K, half Q6_K; its head Q6_K) against
+    bf16's faster way times all the layers; a model missing a type's timing gets no figure."""
+    from pathlib import Path
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
+    import gpu_kernels
+
+    def layer(q4: float, q6: float, dense: float, gemv: float) -> dict:
+        return {"rows": {"1": {"ways": {"Q4_K triton": {"us": q4}, "Q6_K triton": {"us": q6},
+                                        "bf16 [in,out]": {"us": dense}, "bf16 gemv": {"us": gemv}}}}}
+    models = {"qwen2.5-coder-1.5b": {"qkv": layer(2, 9, 5, 4), "o": layer(2, 9, 4, 5), "gate_up": layer(6, 9, 16, 15),
+                                     "down": layer(4, 8, 12, 13), "lm_head": layer(40, 50, 106, 110)},
+              "qwen2.5-coder-0.5b": {"qkv": layer(1, 1, 1, 1)}}      # no Q5_0 timings
+    step = gpu_kernels.gguf_step(models)
+    gguf = 28 * (2 + 2 + 6) + 14 * 4 + 14 * 8 + 50
+    bf16 = 28 * (4 + 4 + 15 + 12) + 106
+    assert step == {"qwen2.5-coder-1.5b": {"rows": 1, "gguf_us": gguf, "bf16_us": bf16, "speedup": bf16 / gguf}}
+
+
 def test_gpu_kernels_quantized_picks_weigh_kernel_dense_and_gemv_and_reach_the_engines_layers(tmp_path, monkeypatch):
     """Per int8 bucket, the fastest of the Triton kernel, dense bf16 and the GEMV on int8 bytes,
     summed over the layers (timings made up: no GPU); a GEMV not measured at some layer is not a
