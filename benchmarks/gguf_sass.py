@@ -76,8 +76,9 @@ def main() -> None:
     x = torch.zeros(1, K, dtype=torch.bfloat16)
     gemv_triton.gemv_linear(x, torch.zeros(K, N, dtype=torch.bfloat16))
     names = ["bf16 GEMV"]
-    for qtype in gguf_quant.FILE_TYPES:
-        if K % gguf_quant.TYPES[qtype].block == 0:
+    # Each file type as stored, and the GPU's planar layout of those that have one (the engine's).
+    for qtype in gguf_quant.FILE_TYPES + tuple(gguf_quant.PLANAR):
+        if K % gguf_quant.TYPES[gguf_quant.PLANAR.get(qtype, qtype)].block == 0:
             gguf_quant_triton.gguf_matmul(x, torch.zeros(N, gguf_quant.row_bytes(qtype, K), dtype=torch.uint8), qtype)
             names.append(qtype)
     hbm = HBM_TB_S * 1e12 / (SMS * CLOCK_GHZ * 1e9)        # bytes an SM-cycle
@@ -91,7 +92,7 @@ def main() -> None:
         if name == "bf16 GEMV":
             weights, nbytes = const["BLOCK_N"] * const["BLOCK_K"], 2 * const["BLOCK_N"] * const["BLOCK_K"]
         else:
-            t, blocks = gguf_quant.TYPES[name], const["BLOCK_N"] * const.get("GROUP", 1)     # a pass's
+            t, blocks = gguf_quant.TYPES[gguf_quant.PLANAR.get(name, name)], const["BLOCK_N"] * const.get("GROUP", 1)
             weights, nbytes = blocks * t.block, blocks * t.nbytes
         results["kernels"][name] = cost(ops, kw.get("num_warps", 4), weights, nbytes) | {"block_n": const["BLOCK_N"]}
     scratch.unlink(missing_ok=True)

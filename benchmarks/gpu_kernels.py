@@ -17,7 +17,8 @@ batch, a prompt chunk), and which is fastest where.
     fp8 gemv        in registers, each output's scale after the sum (decode buckets only; fp8 on
                     compute capability 8.9 and up)
     Q4_K triton ... kernels/gguf_quant_triton.py on a GGUF type's own blocks (random contents, the
-                    layer's shape; each type whose block divides the layer's input)
+                    layer's shape; each type whose block divides the layer's input), in the layout
+                    the engine serves them in on a GPU (Q6_K, Q5_0, Q8_0 in planes: gguf_quant.to_planes)
 
 Times are medians of CUDA-graph replays (launch overhead out, as in the engine's decode step)
 over copies of the layer that together exceed the L2 cache several times (a weight read from
@@ -120,10 +121,10 @@ def ways(w: torch.Tensor) -> dict[str, tuple[object, int]]:
         if quant == "int8" or fp8_native(torch.device("cuda")):     # e4m3 in Triton needs sm_89 on
             layer = QuantLinear(quant, {"w": q, "scales": s}, None, GROUP, device="cuda", ways=("gemv",) * 257)
             out[f"{quant} gemv"] = (layer, q.nbytes + s.nbytes)
-    for qtype in ("Q4_K", "Q6_K", "Q5_0", "Q8_0"):
+    for qtype in ("Q4_K", "Q6_K", "Q5_0", "Q8_0"):      # in the layout the engine serves them in on a GPU
         if w.shape[1] % gguf_quant.TYPES[qtype].block == 0:
-            blocks = gguf_quant.random_blocks(qtype, *w.shape)
-            out[f"{qtype} triton"] = (GGUFLinear([(qtype, blocks)], None, device="cuda", triton_rows=1 << 30),
+            layout, blocks = gguf_quant.to_planes(qtype, gguf_quant.random_blocks(qtype, *w.shape))
+            out[f"{qtype} triton"] = (GGUFLinear([(layout, blocks)], None, device="cuda", triton_rows=1 << 30),
                                       blocks.nbytes)
     return out
 

@@ -366,8 +366,9 @@ class GGUFLinear(Module):
     consecutive parts of one type are one tensor. On the CPU the compiled kernel computes every
     row count on integer dot products (csrc/gguf_linear.cpp), so a row's output never depends on
     the batch it is in. On CUDA the Triton kernel reads the blocks up to `triton_rows` rows (a
-    decode batch) and a prompt's rows multiply the weights dequantized; elsewhere the weights
-    are dequantized a slice at a time."""
+    decode batch; `apply_gguf` hands it Q6_K, Q5_0 and Q8_0 in their aligned planar layouts) and
+    a prompt's rows multiply the weights dequantized; elsewhere the weights are dequantized a
+    slice at a time."""
 
     row_block = 1
 
@@ -382,12 +383,14 @@ class GGUFLinear(Module):
             else:
                 merged.append((qtype, w))
         self.types = [qtype for qtype, _ in merged]
-        self.ids = [gguf_quant.TYPES[t].id for t in self.types]     # the compiled kernel's
         for i, (_, w) in enumerate(merged):
             self.register_buffer(f"w{i}", w.to(device).contiguous(), persistent=False)
         self.register_buffer("bias", bias, persistent=False)
-        ops = gguf_cpu.load() if torch.device(device).type == "cpu" else None
+        # The compiled kernel reads its types by id; a GPU layout is not one of them.
+        cpu_types = all(t in gguf_quant.TYPES for t in self.types)
+        ops = gguf_cpu.load() if torch.device(device).type == "cpu" and cpu_types else None
         self.compiled = None if ops is None else ops.gguf_linear.default
+        self.ids = [gguf_quant.TYPES[t].id for t in self.types] if cpu_types else []
         self.triton_rows, self.steps = triton_rows, steps      # steps: the compiled kernel's (quantize_steps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -447,8 +450,8 @@ def apply_gguf(model: CausalLM, folder: Path, blocks: Path, steps: int, steps_on
                             folder, hf, types[hf])
                 return None
             qtype, w = types[hf], f.get_tensor(hf).to(device)
-            if device.type != "cpu":
-                return qtype, w
+            if device.type != "cpu":        # the Triton kernel's aligned layout, where the type has one
+                return gguf_quant.to_planes(qtype, w)
             # On the CPU, in its kernel's faster layout (the same values), and in memory of its
             # own: a tensor read here is a view of the file's mapping, and a view kept would hold
             # the whole file resident for as long as the model lives.

@@ -24,6 +24,12 @@ consecutive blocks of a row in their 88 and 136 bytes, interleaved so that each 
 and mins a byte each (148 bytes a block: no unpacking) and its weights in pairs of units; and
 Q6_Kx (`repack_q6_k`), Q6_K's values in its 210 bytes with its units of 16 in quads and each
 weight's six bits in one byte but for every fourth vector's.
+
+On a GPU, the types whose blocks are not a multiple of 16 bytes (Q8_0's 34, Q5_0's 22, Q6_K's
+210) keep their blocks' bytes in planes (`to_planes`, layouts Q8_0g, Q5_0g, Q6_Kg): a row holds
+every block's integers, then every block's scales, then zeros up to a multiple of 16 bytes, so
+that the integers of a block start 16-byte aligned (4 for Q5_0g) and the GPU reads them in wide
+copies it can issue ahead of their use, where the file's layout leaves them 2-byte aligned.
 """
 from __future__ import annotations
 
@@ -59,6 +65,45 @@ TYPES = {t.name: t for t in (
 # A file's type -> the CPU kernel's layout of it.
 LAYOUTS = {"Q5_0": "Q5_0x4", "Q8_0": "Q8_0x4", "Q4_K": "Q4_Kx", "Q6_K": "Q6_Kx"}
 FILE_TYPES = tuple(t for t in TYPES if t not in LAYOUTS.values())   # the GGUF types read as stored
+# Where a file type's block keeps its integers, [lo, hi); the rest (its scales) is one run of
+# bytes before or after them. A file's type -> the GPU's planar layout of it.
+INTS = {"Q8_0": (2, 34), "Q5_0": (2, 22), "Q4_1": (4, 20), "Q4_K": (16, 144), "Q6_K": (0, 192)}
+GPU_LAYOUTS = {"Q8_0": "Q8_0g", "Q5_0": "Q5_0g", "Q6_K": "Q6_Kg"}
+PLANAR = {layout: file for file, layout in GPU_LAYOUTS.items()}     # layout -> file type
+
+
+def _planes(qtype: str, cols: int) -> tuple[int, int, int]:
+    """A file type's (blocks a row, integer bytes a block, row bytes in planes with the padding)."""
+    t, (lo, hi) = TYPES[qtype], INTS[qtype]
+    blocks = cols // t.block
+    return blocks, hi - lo, -(-blocks * t.nbytes // 16) * 16
+
+
+def to_planes(qtype: str, w: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """Rows of a file type uint8 [rows, row_bytes] -> (the GPU's layout of it, its rows in planes),
+    or the type and rows as they are where the type has no planar layout."""
+    if qtype not in GPU_LAYOUTS:
+        return qtype, w
+    (lo, hi), t = INTS[qtype], TYPES[qtype]
+    rows, blocks = w.shape[0], w.shape[1] // t.nbytes
+    b = w.reshape(rows, blocks, t.nbytes)
+    out = torch.zeros(rows, _planes(qtype, blocks * t.block)[2], dtype=torch.uint8, device=w.device)
+    ints, scales = b[..., lo:hi].reshape(rows, -1), torch.cat([b[..., :lo], b[..., hi:]], -1).reshape(rows, -1)
+    out[:, :ints.shape[1]] = ints
+    out[:, ints.shape[1]:ints.shape[1] + scales.shape[1]] = scales
+    return GPU_LAYOUTS[qtype], out
+
+
+def from_planes(layout: str, w: torch.Tensor, cols: int) -> torch.Tensor:
+    """`to_planes`' inverse: a GPU layout's rows -> the file type's rows [rows, row_bytes]."""
+    qtype = PLANAR[layout]
+    lo, t = INTS[qtype][0], TYPES[qtype]
+    blocks, ints, _ = _planes(qtype, cols)
+    rows = w.shape[0]
+    q = w[:, :blocks * ints].reshape(rows, blocks, ints)
+    rest = w[:, blocks * ints:blocks * t.nbytes].reshape(rows, blocks, t.nbytes - ints)
+    return torch.cat([rest[..., :lo], q, rest[..., lo:]], -1).reshape(rows, -1)
+
 
 # Q5_0x4 and Q8_0x4 interleave four blocks: each of their four vectors of 32 weights holds, in every
 # 4-byte lane L, four weights of block L % 4, so the kernel's products sum per lane within one block
@@ -110,10 +155,10 @@ def group_q8_0(w: torch.Tensor) -> torch.Tensor:
 
 
 def row_bytes(qtype: str, cols: int) -> int:
-    t = TYPES[qtype]
+    t = TYPES[PLANAR.get(qtype, qtype)]
     if cols % t.block:
         raise ValueError(f"{qtype} rows hold whole blocks of {t.block} weights; got {cols} columns")
-    return cols // t.block * t.nbytes
+    return _planes(PLANAR[qtype], cols)[2] if qtype in PLANAR else cols // t.block * t.nbytes
 
 
 def _f16(b: torch.Tensor) -> torch.Tensor:
@@ -239,10 +284,12 @@ def unpack(blocks: torch.Tensor, qtype: str) -> tuple[torch.Tensor, torch.Tensor
 
 def dequantize(w: torch.Tensor, qtype: str, cols: int) -> torch.Tensor:
     """uint8 [rows, row_bytes] as stored -> float32 [rows, cols], equal to gguf.quants.dequantize."""
-    t = TYPES[qtype]
     rows = w.shape[0]
     if w.shape[1] != row_bytes(qtype, cols):
         raise ValueError(f"{qtype} rows of {cols} weights take {row_bytes(qtype, cols)} bytes; got {w.shape[1]}")
+    if qtype in PLANAR:
+        w, qtype = from_planes(qtype, w, cols), PLANAR[qtype]
+    t = TYPES[qtype]
     q, scale, offset = unpack(w.reshape(-1, t.nbytes), qtype)
     out = scale[..., None] * q.to(torch.float32)
     if offset is not None:
@@ -316,6 +363,8 @@ def random_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> torch.Tens
     if qtype in LAYOUTS.values():             # a layout's valid blocks are a file type's, repacked
         file_type = next(f for f, layout in LAYOUTS.items() if layout == qtype)
         return repack(file_type, random_blocks(file_type, rows, cols, seed))[1]
+    if qtype in PLANAR:
+        return to_planes(PLANAR[qtype], random_blocks(PLANAR[qtype], rows, cols, seed))[1]
     t = TYPES[qtype]
     g = torch.Generator().manual_seed(seed)
     raw = torch.randint(0, 256, (rows * cols // t.block, t.nbytes), dtype=torch.uint8, generator=g)

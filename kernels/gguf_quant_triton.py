@@ -17,7 +17,10 @@ work per weight, so a weight takes none that can be done per unit of 16 or 32 in
 The previous form of this kernel dequantized every weight to float32, its unit's scale and
 offset applied, before a product: compiled for sm_90 it issued 112 SM-cycles of instructions per
 KB of Q4_K and 163 of Q6_K, where an H200's memory delivers a KB in 56 (benchmarks/gguf_sass.py),
-and it read an H200's memory at 0.6-1.2 TB/s; this one issues 63 and 67.
+and it read an H200's memory at 0.6-1.2 TB/s; this one issues 63, and 60 on Q6_K in the GPU's
+layout of it: Q6_K, Q8_0 and Q5_0 come in planes (gguf_quant.to_planes), each block's integers
+16-byte aligned (Q5_0: 4) where the file leaves them 2-byte aligned, so that they arrive in
+asynchronous copies issued a pipeline stage ahead.
 The grid is the bf16 GEMV's (gemv_triton.plan): columns of outputs, then slices of K whose
 float32 partial sums a second launch adds in order, so that a short, wide layer (the MLP's down
 projection) still fills the chip.
@@ -29,7 +32,7 @@ import triton
 import triton.language as tl
 
 from kernels.gemv_triton import Launch
-from kernels.gguf_quant import TYPES
+from kernels.gguf_quant import INTS, PLANAR, TYPES, row_bytes
 
 
 @triton.jit
@@ -94,37 +97,37 @@ def _unit(acc, t, x_ptrs, x_mask, scale, offset, ZERO: tl.constexpr, HAS_SUM: tl
 
 
 @triton.jit
-def _block(acc, b, xb, x_mask, TYPE: tl.constexpr):
-    """acc plus one block's products: b [BLOCK_N] byte pointers to each row's block, xb
+def _block(acc, q, s, xb, x_mask, TYPE: tl.constexpr):
+    """acc plus one block's products: q and s [BLOCK_N] byte pointers to each row's block's
+    integers and scales (gguf_quant.INTS: in the file's block, or in a GPU layout's planes), xb
     [1, BLOCK_M] pointers to x's values at the block's first column."""
     c = tl.arange(0, 32)[None, :]
     h = tl.arange(0, 16)[None, :]
-    r = b[:, None]
+    r = q[:, None]
     xc = tl.arange(0, 32)[:, None]      # x's columns, down
     xh = tl.arange(0, 16)[:, None]
     nibble_order = xc // 4 * 4 + xc % 2 * 2 + xc // 2 % 2      # a word's bytes 0, 2, 1, 3
-    if TYPE == 0:                                           # Q8_0: d, 32 int8
-        q = tl.load(r + 2 + c).to(tl.int8, bitcast=True)
-        acc = _unit(acc, q, xb + xc, x_mask, _f16(b), 0.0, -128, False)
-    elif TYPE == 1:                                         # Q5_0: d, 32 fifth bits, 16 bytes of nibbles
-        fifth = (b + 2).to(tl.pointer_type(tl.uint16))
+    if TYPE == 0:                                           # Q8_0: 32 int8; d
+        acc = _unit(acc, tl.load(r + c).to(tl.int8, bitcast=True), xb + xc, x_mask, _f16(s), 0.0, -128, False)
+    elif TYPE == 1:                                         # Q5_0: 32 fifth bits, 16 bytes of nibbles; d
+        fifth = q.to(tl.pointer_type(tl.uint16))
         qh = (tl.load(fifth).to(tl.int32) | (tl.load(fifth + 1).to(tl.int32) << 16))[:, None]
-        qs = _spread(r + 6)                                 # weights 2 i, 2 i + 1 (low nibbles), 16 on (high)
+        qs = _spread(r + 4)                                 # weights 2 i, 2 i + 1 (low nibbles), 16 on (high)
         for half in tl.static_range(2):
             f = qh >> (2 * tl.arange(0, 8)[None, :] + 16 * half)        # the pair's fifth bits at bits 0, 1
             five = ((qs >> (4 * half)) & 0x000F000F) | ((f & 1) << 4) | ((f & 2) << 19) | 0x43004300
-            acc = _unit(acc, _halves(five), xb + 16 * half + xh, x_mask, _f16(b), 0.0, 16, False)
-    elif TYPE == 2:                                         # Q4_1: d, m, 16 bytes of nibbles
-        d, m = _f16(b), _f16(b + 2)
-        qs = tl.load(r + 4 + h)
+            acc = _unit(acc, _halves(five), xb + 16 * half + xh, x_mask, _f16(s), 0.0, 16, False)
+    elif TYPE == 2:                                         # Q4_1: 16 bytes of nibbles; d, m
+        d, m = _f16(s), _f16(s + 2)
+        qs = tl.load(r + h)
         acc = _unit(acc, _t(qs & 0xF), xb + xh, x_mask, d, m, 0, True)
         acc = _unit(acc, _t(qs >> 4), xb + 16 + xh, x_mask, d, m, 0, True)
-    elif TYPE == 3:                                         # Q4_K: d, dmin, 12 bytes of 6-bit scales, 128 of nibbles
-        d, dmin = _f16(b), _f16(b + 2)
-        s = (b + 4).to(tl.pointer_type(tl.int32))          # the 12 bytes of scales as 3 words
-        s0, s1, s2 = tl.load(s), tl.load(s + 1), tl.load(s + 2)
+    elif TYPE == 3:                                         # Q4_K: 128 bytes of nibbles; d, dmin, 12 bytes of
+        d, dmin = _f16(s), _f16(s + 2)                      # 6-bit scales and mins
+        sw = (s + 4).to(tl.pointer_type(tl.int32))          # the 12 bytes of scales as 3 words
+        s0, s1, s2 = tl.load(sw), tl.load(sw + 1), tl.load(sw + 2)
         for i in tl.static_range(4):                        # units 2 i and 2 i + 1: one run of 32 bytes
-            words = tl.load((r + 16 + 32 * i).to(tl.pointer_type(tl.int32)) + tl.arange(0, 8)[None, :])
+            words = tl.load((r + 32 * i).to(tl.pointer_type(tl.int32)) + tl.arange(0, 8)[None, :])
             for half in tl.static_range(2):
                 u = 2 * i + half
                 at = 8 * (u % 4)                            # the unit's byte in each word
@@ -137,8 +140,8 @@ def _block(acc, b, xb, x_mask, TYPE: tl.constexpr):
                 t = _nibbles(words, 4 * half)
                 acc = _unit(acc, t, xb + 32 * u + nibble_order, x_mask, d * sc.to(tl.float32),
                             -dmin * mn.to(tl.float32), 0, True)
-    else:   # Q6_K: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales (a unit of 16 each), d
-        d = _f16(b + 208)
+    else:   # Q6_K: 128 bytes of low nibbles, 64 of high bit pairs; 16 int8 scales (a unit of 16 each), d
+        d = _f16(s + 16)
         for hh in tl.static_range(2):                       # halves of 128 weights
             for c16 in tl.static_range(2):                  # weights 16 c16 .. 16 c16 + 15 of each run of 32
                 qh = _spread(r + 128 + 32 * hh + 16 * c16) << 4
@@ -148,24 +151,30 @@ def _block(acc, b, xb, x_mask, TYPE: tl.constexpr):
                     u = 8 * hh + 2 * g + c16
                     low = (ql0 if g % 2 == 0 else ql1) >> (4 * (g // 2))
                     t = _halves((low & 0x000F000F) | ((qh >> (2 * g)) & 0x00300030) | 0x43004300)
-                    sc = tl.load(b + 192 + u).to(tl.int8, bitcast=True).to(tl.float32)
+                    sc = tl.load(s + u).to(tl.int8, bitcast=True).to(tl.float32)
                     acc = _unit(acc, t, xb + 128 * hh + 32 * g + 16 * c16 + xh, x_mask, d * sc, 0.0, 32, False)
     return acc
 
 
 @triton.jit
 def _gguf_kernel(x_ptr, w_ptr, out_ptr, M, N, K, blocks_per_split, row_bytes, stride_xm, stride_om,
-                 TYPE: tl.constexpr, BLOCK: tl.constexpr, NBYTES: tl.constexpr, GROUP: tl.constexpr,
-                 SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                 TYPE: tl.constexpr, BLOCK: tl.constexpr, NBYTES: tl.constexpr, LO: tl.constexpr,
+                 HI: tl.constexpr, PLANAR: tl.constexpr, GROUP: tl.constexpr, SPLIT: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     first = tl.program_id(2) * blocks_per_split
     rows = w_ptr + tl.where(rn < N, rn, 0).to(tl.int64) * row_bytes     # masked rows read row 0
+    scales = rows + (K // BLOCK) * (HI - LO)                # a GPU layout's plane of scales
     xs = x_ptr + rm[None, :] * stride_xm
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)      # outputs down, x's rows across
     for blk in range(first, tl.minimum(first + blocks_per_split, K // BLOCK), GROUP):
         for j in tl.static_range(GROUP):
-            acc = _block(acc, rows + (blk + j) * NBYTES, xs + (blk + j) * BLOCK, rm[None, :] < M, TYPE)
+            if PLANAR:
+                q, s = rows + (blk + j) * (HI - LO), scales + (blk + j) * (NBYTES - HI + LO)
+            else:   # a block's integers in [LO, HI), its scales before or after them
+                q, s = rows + (blk + j) * NBYTES + LO, rows + (blk + j) * NBYTES + (HI if LO == 0 else 0)
+            acc = _block(acc, q, s, xs + (blk + j) * BLOCK, rm[None, :] < M, TYPE)
     mask = (rm[None, :] < M) & (rn[:, None] < N)
     if SPLIT:   # a float32 partial sum, which _gemv_reduce_kernel adds up
         tl.store(out_ptr + (tl.program_id(2) * M + rm[None, :]) * N + rn[:, None], acc, mask=mask)
@@ -180,12 +189,13 @@ def gguf_matmul(x: torch.Tensor, w: torch.Tensor, qtype: str, block_n: int = 64,
     blocks): None, as the GEMV's `plan` sizes them for this chip. A program takes x's rows up to
     the next power of two (one at a decode of one sequence: the tensor cores' 8 columns padded,
     not 16 rows)."""
-    t = TYPES[qtype]
-    assert t.id <= 4, f"{qtype} is a CPU kernel's layout; the GPU reads the file's types"
+    file_type = PLANAR.get(qtype, qtype)
+    assert file_type in INTS, f"{qtype} is a CPU kernel's layout; the GPU reads the file's types and its own layouts"
+    t, (lo, hi) = TYPES[file_type], INTS[file_type]
     assert w.is_contiguous() and w.dtype == torch.uint8, "GGUF blocks: contiguous uint8 [N, row_bytes]"
     x = x if x.stride(-1) == 1 else x.contiguous()
     (M, K), N = x.shape, w.shape[0]
-    assert K % t.block == 0 and w.shape[1] == K // t.block * t.nbytes
+    assert K % t.block == 0 and w.shape[1] == row_bytes(qtype, K)
     if M == 0:
         return torch.empty(M, N, dtype=x.dtype, device=x.device)
     # Blocks of 32 four to a loop pass, where K allows, so that a pass's fixed work (the loop,
@@ -193,7 +203,7 @@ def gguf_matmul(x: torch.Tensor, w: torch.Tensor, qtype: str, block_n: int = 64,
     group = 4 if t.block == 32 and K % 128 == 0 else 1
     run = Launch.of(x, N, t.block * group, block_n, splits, block_m=triton.next_power_of_2(M))
     _gguf_kernel[run.grid](x, w, run.dest, M, N, K, run.k_per_split // t.block, w.shape[1], x.stride(0),
-                           run.out.stride(0), TYPE=t.id, BLOCK=t.block, NBYTES=t.nbytes, GROUP=group,
-                           SPLIT=run.splits > 1,
+                           run.out.stride(0), TYPE=t.id, BLOCK=t.block, NBYTES=t.nbytes, LO=lo, HI=hi,
+                           PLANAR=qtype in PLANAR, GROUP=group, SPLIT=run.splits > 1,
                            BLOCK_M=run.block_m, BLOCK_N=run.block_n, num_warps=num_warps)
     return run.finish(None, num_warps)

@@ -43,6 +43,27 @@ def test_dequantize_equals_gguf_to_the_bit(qtype):
     assert layout == gguf_quant.LAYOUTS.get(qtype, qtype)
     ours = gguf_quant.dequantize(repacked, layout, 512).numpy()
     assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))
+    layout, planes = gguf_quant.to_planes(qtype, w)       # and the GPU's, its rows 16-byte multiples
+    assert layout == gguf_quant.GPU_LAYOUTS.get(qtype, qtype)
+    assert planes.shape[1] == gguf_quant.row_bytes(layout, 512) and (layout == qtype or planes.shape[1] % 16 == 0)
+    ours = gguf_quant.dequantize(planes, layout, 512).numpy()
+    assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))
+
+
+def test_a_layer_on_the_gpus_layouts_merges_them_and_multiplies_their_values():
+    """GGUFLinear as apply_gguf builds it on a GPU (Q6_K and Q8_0 in planes, Q4_K as stored), here
+    on the CPU, where the compiled kernel does not read the GPU's layouts and the weights are
+    dequantized instead: consecutive parts of a layout merge, and the outputs are the file's
+    blocks' dequantized products; rows() keeps the layout."""
+    file = [(t, gguf_quant.random_blocks(t, rows, 512, seed))
+            for seed, (t, rows) in enumerate([("Q4_K", 8), ("Q6_K", 16), ("Q6_K", 4), ("Q8_0", 8)])]
+    layer = GGUFLinear([gguf_quant.to_planes(t, w) for t, w in file], None)
+    assert layer.types == ["Q4_K", "Q6_Kg", "Q8_0g"] and layer.compiled is None
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(4))
+    want = torch.cat([x @ gguf_quant.dequantize(w, t, 512).T for t, w in file], 1)
+    torch.testing.assert_close(layer(x), want)
+    head = GGUFLinear([gguf_quant.to_planes(*file[1])], None).rows(torch.tensor([3, 0]))
+    torch.testing.assert_close(head(x), want[:, [8 + 3, 8]], rtol=1e-5, atol=1e-4)    # another BLAS blocking
 
 
 @pytest.mark.parametrize("steps", [1, gguf_quant.MAX_STEPS])
@@ -291,7 +312,7 @@ def test_gguf_precision_on_a_float_checkpoint_is_refused(tmp_path):
 
 
 @triton_only
-@pytest.mark.parametrize("qtype", gguf_quant.FILE_TYPES)
+@pytest.mark.parametrize("qtype", gguf_quant.FILE_TYPES + tuple(gguf_quant.PLANAR))
 @pytest.mark.parametrize("splits", [1, 3, None])       # slices of K summed by a second launch; None: planned
 @pytest.mark.parametrize("M", [1, 3])
 def test_triton_gguf_matmul_matches_its_reference(qtype, splits, M):

@@ -496,5 +496,6 @@ def test_gguf_layers_on_cuda_match_the_cpu_reference(qtype, M):
     w = gguf_quant.random_blocks(qtype, 1536, 1536)      # the 1.5B's o projection's shape
     x = torch.randn(M, 1536)
     want = gguf_quant.gguf_matmul(x, w, qtype)
-    got = GGUFLinear([(qtype, w)], None, device="cuda")(x.cuda().to(torch.bfloat16)).float().cpu()
+    layout, served = gguf_quant.to_planes(qtype, w)      # as apply_gguf hands them to a GPU
+    got = GGUFLinear([(layout, served)], None, device="cuda")(x.cuda().to(torch.bfloat16)).float().cpu()
     assert ((got - want).norm() / want.norm()).item() < 0.01     # bf16 activations

@@ -683,10 +683,9 @@ for dtype in (torch.int8, torch.float8_e4m3fn):
 # fp8's activations, a row per program, at the 1.5B's hidden size and its down projection's input.
 for M, K in ((1, 1536), (64, 8960)):
     qt.quantize_fp8(torch.zeros(M, K, dtype=torch.bfloat16))
-# The GGUF kernel on each file type's blocks at the 1.5B's q|k|v, at 1 and 16 rows.
-for qtype in gguf_quant.FILE_TYPES:
-    blocks = torch.zeros(2048, 1536 // gguf_quant.TYPES[qtype].block * gguf_quant.TYPES[qtype].nbytes,
-                         dtype=torch.uint8)
+# The GGUF kernel on each file type's blocks and each GPU layout at the 1.5B's q|k|v, at 1 and 16 rows.
+for qtype in gguf_quant.FILE_TYPES + tuple(gguf_quant.PLANAR):
+    blocks = torch.zeros(2048, gguf_quant.row_bytes(qtype, 1536), dtype=torch.uint8)
     for M in (1, 16):
         ggt.gguf_matmul(torch.zeros(M, 1536, dtype=torch.bfloat16), blocks, qtype)
 
