@@ -29,7 +29,8 @@ On a GPU, the types whose blocks are not a multiple of 16 bytes (Q8_0's 34, Q5_0
 210) keep their blocks' bytes in planes (`to_planes`, layouts Q8_0g, Q5_0g, Q6_Kg): a row holds
 every block's integers, then every block's scales, then zeros up to a multiple of 16 bytes, so
 that the integers of a block start 16-byte aligned (4 for Q5_0g) and the GPU reads them in wide
-copies it can issue ahead of their use, where the file's layout leaves them 2-byte aligned.
+copies it can issue ahead of their use, where the file's layout leaves them 2-byte aligned;
+Q5_0g's fifth bits in the order the kernel takes them (`_FIFTH`).
 """
 from __future__ import annotations
 
@@ -70,6 +71,10 @@ FILE_TYPES = tuple(t for t in TYPES if t not in LAYOUTS.values())   # the GGUF t
 INTS = {"Q8_0": (2, 34), "Q5_0": (2, 22), "Q4_1": (4, 20), "Q4_K": (16, 144), "Q6_K": (0, 192)}
 GPU_LAYOUTS = {"Q8_0": "Q8_0g", "Q5_0": "Q5_0g", "Q6_K": "Q6_Kg"}
 PLANAR = {layout: file for file, layout in GPU_LAYOUTS.items()}     # layout -> file type
+# Q5_0g's fifth bits in the order the GPU kernel takes its weights, two to a 32-bit word: bit p
+# is weight 16 (p % 16 // 8) + 2 (p % 8) + p // 16's, so that one shift brings a word's two to
+# bits 0 and 16 (kernels/gguf_quant_triton.py).
+_FIFTH = torch.tensor([16 * (p % 16 // 8) + 2 * (p % 8) + p // 16 for p in range(32)])
 
 
 def _planes(qtype: str, cols: int) -> tuple[int, int, int]:
@@ -87,6 +92,8 @@ def to_planes(qtype: str, w: torch.Tensor) -> tuple[str, torch.Tensor]:
     (lo, hi), t = INTS[qtype], TYPES[qtype]
     rows, blocks = w.shape[0], w.shape[1] // t.nbytes
     b = w.reshape(rows, blocks, t.nbytes)
+    if qtype == "Q5_0":
+        b = torch.cat([b[..., :2], _bytes(_bits(b[..., 2:6])[..., _FIFTH.to(w.device)]), b[..., 6:]], -1)
     out = torch.zeros(rows, _planes(qtype, blocks * t.block)[2], dtype=torch.uint8, device=w.device)
     ints, scales = b[..., lo:hi].reshape(rows, -1), torch.cat([b[..., :lo], b[..., hi:]], -1).reshape(rows, -1)
     out[:, :ints.shape[1]] = ints
@@ -101,6 +108,10 @@ def from_planes(layout: str, w: torch.Tensor, cols: int) -> torch.Tensor:
     blocks, ints, _ = _planes(qtype, cols)
     rows = w.shape[0]
     q = w[:, :blocks * ints].reshape(rows, blocks, ints)
+    if qtype == "Q5_0":
+        fifth = torch.empty(rows, blocks, 32, dtype=torch.uint8, device=w.device)
+        fifth[..., _FIFTH.to(w.device)] = _bits(q[..., :4])
+        q = torch.cat([_bytes(fifth), q[..., 4:]], -1)
     rest = w[:, blocks * ints:blocks * t.nbytes].reshape(rows, blocks, t.nbytes - ints)
     return torch.cat([rest[..., :lo], q, rest[..., lo:]], -1).reshape(rows, -1)
 
@@ -115,6 +126,12 @@ def _bits(b: torch.Tensor) -> torch.Tensor:
     """[..., 4] bytes of a little-endian uint32 -> [..., 32] its bits, bit 0 first."""
     at = torch.arange(32, device=b.device)
     return (b[..., at // 8] >> (at % 8).to(torch.uint8)) & 1
+
+
+def _bytes(bits: torch.Tensor) -> torch.Tensor:
+    """`_bits`' inverse: [..., 32] bits (0 or 1, uint8) -> [..., 4] bytes."""
+    shift = torch.arange(8, dtype=torch.uint8, device=bits.device)
+    return (bits.view(*bits.shape[:-1], 4, 8) << shift).sum(-1, dtype=torch.uint8)
 
 
 def _fifth_bytes(bits: torch.Tensor) -> torch.Tensor:

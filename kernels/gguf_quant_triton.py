@@ -97,7 +97,7 @@ def _unit(acc, t, x_ptrs, x_mask, scale, offset, ZERO: tl.constexpr, HAS_SUM: tl
 
 
 @triton.jit
-def _block(acc, q, s, xb, x_mask, TYPE: tl.constexpr):
+def _block(acc, q, s, xb, x_mask, TYPE: tl.constexpr, PLANAR: tl.constexpr):
     """acc plus one block's products: q and s [BLOCK_N] byte pointers to each row's block's
     integers and scales (gguf_quant.INTS: in the file's block, or in a GPU layout's planes), xb
     [1, BLOCK_M] pointers to x's values at the block's first column."""
@@ -113,9 +113,14 @@ def _block(acc, q, s, xb, x_mask, TYPE: tl.constexpr):
         fifth = q.to(tl.pointer_type(tl.uint16))
         qh = (tl.load(fifth).to(tl.int32) | (tl.load(fifth + 1).to(tl.int32) << 16))[:, None]
         qs = _spread(r + 4)                                 # weights 2 i, 2 i + 1 (low nibbles), 16 on (high)
+        i = tl.arange(0, 8)[None, :]
         for half in tl.static_range(2):
-            f = qh >> (2 * tl.arange(0, 8)[None, :] + 16 * half)        # the pair's fifth bits at bits 0, 1
-            five = ((qs >> (4 * half)) & 0x000F000F) | ((f & 1) << 4) | ((f & 2) << 19) | 0x43004300
+            if PLANAR:      # Q5_0g: word i's two fifth bits are bits i + 8 half and 16 + i + 8 half, to 4 and 20
+                f = ((qh << 4) >> i if half == 0 else qh >> (i + 4)) & 0x00100010
+            else:           # the file's: bits 2 i + 16 half and 2 i + 1 + 16 half
+                f = qh >> (2 * i + 16 * half)
+                f = ((f & 1) << 4) | ((f & 2) << 19)
+            five = ((qs >> (4 * half)) & 0x000F000F) | f | 0x43004300
             acc = _unit(acc, _halves(five), xb + 16 * half + xh, x_mask, _f16(s), 0.0, 16, False)
     elif TYPE == 2:                                         # Q4_1: 16 bytes of nibbles; d, m
         d, m = _f16(s), _f16(s + 2)
@@ -174,7 +179,7 @@ def _gguf_kernel(x_ptr, w_ptr, out_ptr, M, N, K, blocks_per_split, row_bytes, st
                 q, s = rows + (blk + j) * (HI - LO), scales + (blk + j) * (NBYTES - HI + LO)
             else:   # a block's integers in [LO, HI), its scales before or after them
                 q, s = rows + (blk + j) * NBYTES + LO, rows + (blk + j) * NBYTES + (HI if LO == 0 else 0)
-            acc = _block(acc, q, s, xs + (blk + j) * BLOCK, rm[None, :] < M, TYPE)
+            acc = _block(acc, q, s, xs + (blk + j) * BLOCK, rm[None, :] < M, TYPE, PLANAR)
     mask = (rm[None, :] < M) & (rn[:, None] < N)
     if SPLIT:   # a float32 partial sum, which _gemv_reduce_kernel adds up
         tl.store(out_ptr + (tl.program_id(2) * M + rm[None, :]) * N + rn[:, None], acc, mask=mask)
