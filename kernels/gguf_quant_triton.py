@@ -97,7 +97,7 @@ def _unit(acc, t, x_ptrs, x_mask, scale, offset, ZERO: tl.constexpr, HAS_SUM: tl
 
 
 @triton.jit
-def _block(acc, q, s, xb, x_mask, TYPE: tl.constexpr, PLANAR: tl.constexpr):
+def _block(acc, q, s, xb, x_mask, TYPE: tl.constexpr, IN_PLANES: tl.constexpr):
     """acc plus one block's products: q and s [BLOCK_N] byte pointers to each row's block's
     integers and scales (gguf_quant.INTS: in the file's block, or in a GPU layout's planes), xb
     [1, BLOCK_M] pointers to x's values at the block's first column."""
@@ -115,7 +115,7 @@ def _block(acc, q, s, xb, x_mask, TYPE: tl.constexpr, PLANAR: tl.constexpr):
         qs = _spread(r + 4)                                 # weights 2 i, 2 i + 1 (low nibbles), 16 on (high)
         i = tl.arange(0, 8)[None, :]
         for half in tl.static_range(2):
-            if PLANAR:      # Q5_0g: word i's two fifth bits are bits i + 8 half and 16 + i + 8 half, to 4 and 20
+            if IN_PLANES:   # Q5_0g: word i's two fifth bits are bits i + 8 half and 16 + i + 8 half, to 4 and 20
                 f = ((qh << 4) >> i if half == 0 else qh >> (i + 4)) & 0x00100010
             else:           # the file's: bits 2 i + 16 half and 2 i + 1 + 16 half
                 f = qh >> (2 * i + 16 * half)
@@ -164,7 +164,7 @@ def _block(acc, q, s, xb, x_mask, TYPE: tl.constexpr, PLANAR: tl.constexpr):
 @triton.jit
 def _gguf_kernel(x_ptr, w_ptr, out_ptr, M, N, K, blocks_per_split, row_bytes, stride_xm, stride_om,
                  TYPE: tl.constexpr, BLOCK: tl.constexpr, NBYTES: tl.constexpr, LO: tl.constexpr,
-                 HI: tl.constexpr, PLANAR: tl.constexpr, GROUP: tl.constexpr, SPLIT: tl.constexpr,
+                 HI: tl.constexpr, IN_PLANES: tl.constexpr, GROUP: tl.constexpr, SPLIT: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -175,11 +175,11 @@ def _gguf_kernel(x_ptr, w_ptr, out_ptr, M, N, K, blocks_per_split, row_bytes, st
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)      # outputs down, x's rows across
     for blk in range(first, tl.minimum(first + blocks_per_split, K // BLOCK), GROUP):
         for j in tl.static_range(GROUP):
-            if PLANAR:
+            if IN_PLANES:
                 q, s = rows + (blk + j) * (HI - LO), scales + (blk + j) * (NBYTES - HI + LO)
             else:   # a block's integers in [LO, HI), its scales before or after them
                 q, s = rows + (blk + j) * NBYTES + LO, rows + (blk + j) * NBYTES + (HI if LO == 0 else 0)
-            acc = _block(acc, q, s, xs + (blk + j) * BLOCK, rm[None, :] < M, TYPE, PLANAR)
+            acc = _block(acc, q, s, xs + (blk + j) * BLOCK, rm[None, :] < M, TYPE, IN_PLANES)
     mask = (rm[None, :] < M) & (rn[:, None] < N)
     if SPLIT:   # a float32 partial sum, which _gemv_reduce_kernel adds up
         tl.store(out_ptr + (tl.program_id(2) * M + rm[None, :]) * N + rn[:, None], acc, mask=mask)
@@ -209,6 +209,6 @@ def gguf_matmul(x: torch.Tensor, w: torch.Tensor, qtype: str, block_n: int = 64,
     run = Launch.of(x, N, t.block * group, block_n, splits, block_m=triton.next_power_of_2(M))
     _gguf_kernel[run.grid](x, w, run.dest, M, N, K, run.k_per_split // t.block, w.shape[1], x.stride(0),
                            run.out.stride(0), TYPE=t.id, BLOCK=t.block, NBYTES=t.nbytes, LO=lo, HI=hi,
-                           PLANAR=qtype in PLANAR, GROUP=group, SPLIT=run.splits > 1,
+                           IN_PLANES=qtype in PLANAR, GROUP=group, SPLIT=run.splits > 1,
                            BLOCK_M=run.block_m, BLOCK_N=run.block_n, num_warps=num_warps)
     return run.finish(None, num_warps)
