@@ -14,9 +14,10 @@ A static count, not a time: stalls on memory and occupancy come on top (the kern
 form counts 0.062 SM-cycles a Q4_K weight here and took 0.12 on the LM head and 0.23 on gate|up
 on an H200, gpu_kernels-nvidia-h200.json).
 
-    python benchmarks/gguf_sass.py [--layer gate_up]
+    python benchmarks/gguf_sass.py [--layer gate_up] [--block-n 32] [--out ...]
 
-Prints a table and writes benchmarks/results/gguf_sass-sm90.json.
+Prints a table and writes benchmarks/results/gguf_sass-sm90.json, with each loop's loads from
+global memory by kind and width.
 """
 from __future__ import annotations
 
@@ -41,8 +42,9 @@ LAYERS = {"qkv": (1536, 2048), "o": (1536, 1536), "gate_up": (1536, 17920), "dow
 SMS, CLOCK_GHZ, HBM_TB_S = 132, 1.98, 4.8
 
 
-def main_loop(cubin: bytes, scratch: Path) -> collections.Counter:
-    """The opcodes of the cubin's longest backward branch's body (the K loop), one per warp instruction."""
+def main_loop(cubin: bytes, scratch: Path) -> list[str]:
+    """The opcodes, modifiers included, of the cubin's longest backward branch's body (the K
+    loop), one per warp instruction."""
     scratch.write_bytes(cubin)
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     sass = subprocess.run([str(tool), "-sass", str(scratch)], capture_output=True, text=True, check=True).stdout
@@ -50,24 +52,32 @@ def main_loop(cubin: bytes, scratch: Path) -> collections.Counter:
     loops = [(int(target, 16), at) for at, text in code if "BRA" in text
              for target in re.findall(r"0x([0-9a-f]+)", text)[-1:] if int(target, 16) < at]
     start, end = max(loops, key=lambda span: span[1] - span[0])
-    return collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]
-                               for at, text in code if start <= at <= end)
+    return [re.sub(r"^@!?U?P\w+\s+", "", text).split()[0] for at, text in code if start <= at <= end]
 
 
-def cost(ops: collections.Counter, warps: int, weights: int, nbytes: int) -> dict:
-    """SM-cycles per KB of weights for a loop pass that reads `weights` weights in `nbytes` bytes."""
+def cost(opcodes: list[str], warps: int, weights: int, nbytes: int) -> dict:
+    """SM-cycles per KB of weights for a loop pass that reads `weights` weights in `nbytes` bytes,
+    and the pass's loads from global memory by kind (LDGSTS: an asynchronous copy to shared
+    memory, which a pipeline stage issues ahead of its use; LDG: a load into registers; the
+    suffix its width)."""
+    ops = collections.Counter(op.split(".")[0] for op in opcodes)
     issue = warps * sum(ops.values()) / 4               # four schedulers, one warp instruction a cycle each
     convert = warps * ops["I2F"] * 2                     # 16 conversions a cycle an SM
     cycles = max(issue, convert)
     return {"instructions": sum(ops.values()), "i2f": ops["I2F"], "weights_per_pass": weights,
             "cycles_per_kb": cycles * 1024 / nbytes, "cycles_per_weight": cycles / weights,
-            "top": dict(ops.most_common(8))}
+            "top": dict(ops.most_common(8)),
+            "global_loads": dict(collections.Counter(op for op in opcodes
+                                                     if op.startswith("LDG") and op != "LDGDEPBAR"))}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layer", choices=LAYERS, default="gate_up")
+    ap.add_argument("--block-n", type=int, help="the GGUF kernel's outputs per program (default: its own)")
+    ap.add_argument("--out", type=Path, default=RESULTS / "gguf_sass-sm90.json")
     args = ap.parse_args()
+    tile = {} if args.block_n is None else {"block_n": args.block_n}
     K, N = LAYERS[args.layer]
     gemv_triton.programs_to_fill = lambda device: 2 * SMS
     launches: list = []
@@ -79,11 +89,12 @@ def main() -> None:
     # Each file type as stored, and the GPU's planar layout of those that have one (the engine's).
     for qtype in gguf_quant.FILE_TYPES + tuple(gguf_quant.PLANAR):
         if K % gguf_quant.TYPES[gguf_quant.PLANAR.get(qtype, qtype)].block == 0:
-            gguf_quant_triton.gguf_matmul(x, torch.zeros(N, gguf_quant.row_bytes(qtype, K), dtype=torch.uint8), qtype)
+            w = torch.zeros(N, gguf_quant.row_bytes(qtype, K), dtype=torch.uint8)
+            gguf_quant_triton.gguf_matmul(x, w, qtype, **tile)
             names.append(qtype)
     hbm = HBM_TB_S * 1e12 / (SMS * CLOCK_GHZ * 1e9)        # bytes an SM-cycle
     results = {"target": "sm_90", "triton": triton.__version__, "layer": args.layer, "shape": [K, N], "rows": 1,
-               "hbm_cycles_per_kb": 1024 / hbm, "kernels": {}}
+               "block_n": args.block_n, "hbm_cycles_per_kb": 1024 / hbm, "kernels": {}}
     scratch = RESULTS / ".gguf_sass.cubin"
     for name, (kernel, a, kw) in zip(names, launches):
         compiled = compile_launch(kernel, a, kw, 90)
@@ -110,7 +121,7 @@ def main() -> None:
                       str(r["i2f"]), f"{r['cycles_per_kb']:.0f}", f"{r['vs_hbm']:.2f}x",
                       f"{r['cycles_per_weight']:.4f}", f"{r['vs_bf16_per_weight']:.2f}x")
     Console().print(table)
-    write_results(RESULTS / "gguf_sass-sm90.json", results)
+    write_results(args.out, results)
 
 
 if __name__ == "__main__":

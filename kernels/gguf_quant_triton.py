@@ -51,8 +51,8 @@ def _t(v):
 def _nibbles(words, shift: tl.constexpr):
     """int32 words [N, 8] -> 128 + their bytes' nibbles at `shift` (0 or 4), [N, 32] bfloat16 in
     the order of `nibble_order`: a word's bytes 0 and 2 (1 and 3) are masked into its two halves
-    together, and the halves joined as they stand (in the bytes' order, the joins cost 11% more
-    instructions per weight compiled for sm_90)."""
+    together, and the halves joined as they stand; x is loaded in their order, which costs less
+    than joining them back into the bytes' order."""
     a = ((words >> shift) & 0x000F000F) | 0x43004300                     # bytes 0, 2
     b = ((words >> (shift + 8)) & 0x000F000F) | 0x43004300               # bytes 1, 3
     t = tl.join(tl.join(a.to(tl.int16), b.to(tl.int16)), tl.join((a >> 16).to(tl.int16), (b >> 16).to(tl.int16)))
@@ -189,8 +189,8 @@ def _gguf_kernel(x_ptr, w_ptr, out_ptr, M, N, K, blocks_per_split, row_bytes, st
 
 def gguf_matmul(x: torch.Tensor, w: torch.Tensor, qtype: str, block_n: int = 64,
                 splits: int | None = None, num_warps: int = 4) -> torch.Tensor:
-    """`block_n`: outputs per program; at 64, Q4_K's loop issues 42% fewer instructions per weight
-    than at 32, compiled for sm_90 (benchmarks/gguf_sass.py's count). `splits` (slices of K, in whole
+    """`block_n`: outputs per program; at 64, Q4_K's loop takes 40% fewer SM-cycles to issue per
+    weight than at 32, compiled for sm_90 (benchmarks/gguf_sass.py, --block-n 32). `splits` (slices of K, in whole
     blocks): None, as the GEMV's `plan` sizes them for this chip. A program takes x's rows up to
     the next power of two (one at a decode of one sequence: the tensor cores' 8 columns padded,
     not 16 rows)."""
