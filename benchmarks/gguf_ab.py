@@ -50,6 +50,7 @@ def main() -> None:
     ap.add_argument("--rev", required=True, help="the git revision whose kernel is the baseline")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--layouts", nargs="+", help="only the layers served in these layouts (Q4_Kx, Q6_Kx, ...)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--out", type=Path, default=RESULTS / "gguf_ab.json")
     args = ap.parse_args()
@@ -60,9 +61,11 @@ def main() -> None:
                             check=True).stdout.strip()
     results = []
     for name, qtype, k, n, _ in LAYERS:
+        if args.layouts and gguf_quant.LAYOUTS.get(qtype, qtype) not in args.layouts:
+            continue
         layout, w = gguf_quant.repack(qtype, gguf_quant.random_blocks(qtype, n, k))
-        ws = copies(w)
-        int8, int8_scales = int8_weights(n, k)
+        ws = copies(w, cached=False)
+        int8, int8_scales = int8_weights(n, k, cached=False)
         tid = gguf_quant.TYPES[layout].id
         for m in args.rows:
             x = torch.randn(m, k)
