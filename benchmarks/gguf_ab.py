@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
@@ -36,13 +35,11 @@ def build_revision(rev: str) -> object:
     namespace sluice_rev."""
     text = subprocess.run(["git", "show", f"{rev}:{SOURCE}"], cwd=ROOT, capture_output=True, text=True,
                           check=True).stdout
-    text = text.replace("TORCH_LIBRARY_FRAGMENT(sluice,", "TORCH_LIBRARY_FRAGMENT(sluice_rev,")
-    text = text.replace("TORCH_LIBRARY_IMPL(sluice,", "TORCH_LIBRARY_IMPL(sluice_rev,")
-    source = Path(tempfile.mkdtemp(prefix="gguf_ab_")) / "gguf_linear.cpp"
-    source.write_text(text)
-    if not cpu_build.build("sluice_gguf_rev", [source], f"no baseline at {rev}", use_vnni=True):
+    ops = cpu_build.build_beside("sluice_gguf_rev", Path(SOURCE).name, text, "sluice_rev", f"no baseline at {rev}",
+                                 use_vnni=True)
+    if ops is None:
         raise SystemExit(f"the kernel at {rev} did not build: {cpu_build.BUILDS['sluice_gguf_rev'].error}")
-    return torch.ops.sluice_rev
+    return ops
 
 
 def main() -> None:

@@ -14,6 +14,7 @@ import hashlib
 import logging
 import os
 import shutil
+import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -75,22 +76,29 @@ def folder_name(name: str, sources: list[Path], flags: list[str], include: Path 
     return f"{name}_{digest.hexdigest()[:12]}"
 
 
-def build(name: str, sources: list[Path], what: str, use_vnni: bool = False) -> bool:
-    """Compile and load `sources` (with CSRC's headers) as the extension `name` for AVX2 and FMA
-    (and, with `use_vnni` where `vnni()`, AVX-512 VNNI with SLUICE_VNNI defined); False where it
-    is not built, logged, naming `what` falls back."""
+VNNI_FLAGS = ["-mavx512vnni", "-mavx512vl", "-DSLUICE_VNNI"]
+
+
+def compile_flags(use_vnni: bool = False, defines: tuple[str, ...] = ()) -> tuple[list[str], str]:
+    """The compiler's flags for a build, and the instructions it is for: AVX2 and FMA, plus AVX-512
+    VNNI with SLUICE_VNNI defined where `use_vnni` and `vnni()`; `defines` as -D flags."""
+    # at::parallel_for is OpenMP inlined into the module: without -fopenmp it runs on one
+    # thread. No contraction: where a kernel is equal to its twin to the bit, a * b - c * d
+    # must round as PyTorch's separate operators do (the kernels' FMAs are written out).
+    out = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", *(f"-D{d}" for d in defines)]
+    if use_vnni and vnni():
+        return out + VNNI_FLAGS, "AVX-512 VNNI"
+    return out, "AVX2, VNNI's form" if "SLUICE_VNNI_FORM" in defines else "AVX2"
+
+
+def build(name: str, sources: list[Path], what: str, use_vnni: bool = False, defines: tuple[str, ...] = ()) -> bool:
+    """Compile and load `sources` (with CSRC's headers) as the extension `name` (`compile_flags`); False
+    where it is not built, logged, naming `what` falls back."""
     reason = unable()
     if reason:
         log.warning("the compiled CPU kernels %s are not built here (%s); %s", name, reason, what)
         return False
-    # at::parallel_for is OpenMP inlined into the module: without -fopenmp it runs on one
-    # thread. No contraction: where a kernel is equal to its twin to the bit, a * b - c * d
-    # must round as PyTorch's separate operators do (the kernels' FMAs are written out).
-    flags = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]
-    isa = "AVX2"
-    if use_vnni and vnni():
-        flags += ["-mavx512vnni", "-mavx512vl", "-DSLUICE_VNNI"]
-        isa = "AVX-512 VNNI"
+    flags, isa = compile_flags(use_vnni, defines)
     record = Build(name, tuple(path.name for path in sources), isa)
     try:
         from torch.utils.cpp_extension import load
@@ -106,3 +114,19 @@ def build(name: str, sources: list[Path], what: str, use_vnni: bool = False) -> 
         return False
     BUILDS[name] = record
     return True
+
+
+def build_beside(name: str, file: str, text: str, namespace: str, what: str, use_vnni: bool = False,
+                 defines: tuple[str, ...] = ()):
+    """`text`, a kernel source named `file` (one of CSRC's, at another revision or to be built with
+    other `defines`), built as the extension `name` beside the served build, its operators
+    registered under `namespace` where the served ones are under sluice: torch.ops.<namespace>, or
+    None where it did not build (BUILDS[name] says why). The source is kept in one place per name,
+    rewritten only when it changes, so that a second call finds it built."""
+    for macro in ("TORCH_LIBRARY_FRAGMENT", "TORCH_LIBRARY_IMPL"):
+        text = text.replace(f"{macro}(sluice,", f"{macro}({namespace},")
+    source = Path(tempfile.gettempdir()) / "sluice_kernels" / name / file
+    source.parent.mkdir(parents=True, exist_ok=True)
+    if not source.exists() or source.read_text() != text:
+        source.write_text(text)
+    return getattr(torch.ops, namespace) if build(name, [source], what, use_vnni, defines) else None

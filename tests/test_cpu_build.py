@@ -1,7 +1,10 @@
 """kernels/cpu_build.py: what a build that fails keeps (the compiler's message, for the tests to
 fail on), what a host without a compiler does (nothing, and says why), and what names a build
 folder (every source and header: an edited header rebuilds)."""
+import os
 import shutil
+import subprocess
+import sysconfig
 
 import pytest
 import torch
@@ -51,3 +54,21 @@ def test_the_build_folder_changes_with_every_source_header_and_flag(tmp_path):
     other = tmp_path / "other"
     shutil.copytree(include, other)
     assert cpu_build.folder_name("sluice_x", [other / "a.cpp"], ["-O3"], other) != third
+
+
+@needs_a_compiler
+def test_the_kernels_vnni_code_compiles_on_any_host(tmp_path):
+    """The sources with code for AVX-512 VNNI compile with its flags here, whether or not this host
+    runs them: a mistake there fails on every host, not first on one with VNNI (-O0: the compiler
+    checks the same code, sooner; the two at once)."""
+    from torch.utils.cpp_extension import include_paths
+    flags, _ = cpu_build.compile_flags()
+    command = [os.environ.get("CXX", "c++"), "-std=c++20", *(f for f in flags if f != "-O3"), "-O0",
+               *cpu_build.VNNI_FLAGS, "-DTORCH_API_INCLUDE_EXTENSION_H", f"-I{cpu_build.CSRC}",
+               *(f"-isystem{p}" for p in [*include_paths(), sysconfig.get_paths()["include"]]), "-c"]
+    runs = {source: subprocess.Popen([*command, str(cpu_build.CSRC / source), "-o", str(tmp_path / f"{source}.o")],
+                                     stderr=subprocess.PIPE, text=True)
+            for source in ("quant_matmul.cpp", "gguf_linear.cpp")}
+    for source, run in runs.items():
+        errors = run.communicate()[1]
+        assert run.returncode == 0, f"{source}:\n{errors[-4000:]}"

@@ -93,6 +93,28 @@ def test_compiled_kernel_matches_its_twin_and_is_batch_invariant(qtype, steps):
         assert torch.equal(got, y)
 
 
+def test_the_vnni_form_sums_the_same_integers_as_the_avx2_form():
+    """A VNNI build sums the x4 layouts' and Q4_1's bytes in int32 and the K-quants' scaled pairs
+    with VNNI's word dot products (SLUICE_VNNI_FORM, kernels/csrc/common.h). Built beside the served
+    kernel in the form it does not take here (on AVX2 that form, VNNI's instructions done as
+    AVX2's; on a VNNI host the AVX2 build), every type and layout gives the same outputs to the bit:
+    decode rows, a tile and a part tile, one int8 scale per block or steps."""
+    ops = compiled()
+    served = cpu_build.BUILDS["sluice_gguf_linear"].isa
+    other = cpu_build.build_beside(
+        "sluice_gguf_other_form", "gguf_linear.cpp", (cpu_build.CSRC / "gguf_linear.cpp").read_text(),
+        "sluice_other_form", "nothing falls back", defines=() if served != "AVX2" else ("SLUICE_VNNI_FORM",))
+    assert other is not None, cpu_build.BUILDS["sluice_gguf_other_form"].error
+    k = 768
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(6))
+    for i, (name, t) in enumerate(sorted(gguf_quant.TYPES.items())):
+        w = gguf_quant.random_blocks(name, 24, k, seed=i)
+        for steps in (1, gguf_quant.MAX_STEPS):
+            for rows in (1, 3, 8, 40):
+                want = ops.gguf_linear(x[:rows], [w], [t.id], None, steps)
+                assert torch.equal(other.gguf_linear(x[:rows], [w], [t.id], None, steps), want), (name, rows, steps)
+
+
 @pytest.mark.parametrize("rows", [1, 3, 40])
 def test_a_layer_of_mixed_parts_and_a_bias_is_its_parts_side_by_side(rows):
     """A fused q|k|v stored in several types is one call: x quantized once per activation layout

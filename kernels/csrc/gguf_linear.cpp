@@ -113,10 +113,10 @@ static inline int hsum_epi32(__m256i v) {
     return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
 }
 
-// u8 q times s8 x, summed per adjacent pair into int16 (q <= 63: no pair saturates), then times
-// the int16 `scale` and summed per pair into int32 lanes.
-static inline __m256i dot(__m256i q, const int8_t* x, __m256i scale) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(q, load(x)), scale);
+// acc + u8 q times s8 x, summed per adjacent pair into int16 (q <= 63: no pair saturates), then
+// times the int16 `scale` and summed per pair into int32 lanes.
+static inline __m256i dot(__m256i acc, __m256i q, const int8_t* x, __m256i scale) {
+    return dot_s16(acc, _mm256_maddubs_epi16(q, load(x)), scale);
 }
 
 // Q4_Kx's half block, two pairs of units: vector 2 i + j holds weights 16 j .. 16 j + 15 of
@@ -130,14 +130,14 @@ static inline __m256i dot_pairs(__m256i q0, __m256i q1, __m256i q2, __m256i q3, 
                                 __m256i s23) {
     const __m256i a = _mm256_add_epi16(_mm256_maddubs_epi16(q0, load(x)), _mm256_maddubs_epi16(q1, load(x + 32)));
     const __m256i b = _mm256_add_epi16(_mm256_maddubs_epi16(q2, load(x + 64)), _mm256_maddubs_epi16(q3, load(x + 96)));
-    return _mm256_add_epi32(_mm256_madd_epi16(a, s01), _mm256_madd_epi16(b, s23));
+    return dot_s16(_mm256_madd_epi16(a, s01), b, s23);
 }
 
 // A K-quant's half block, four units of 32 with a scale each, against x's 128 values there.
 static inline __m256i dot4(__m256i q0, __m256i q1, __m256i q2, __m256i q3, const int8_t* x,
                            __m256i s0, __m256i s1, __m256i s2, __m256i s3) {
-    return _mm256_add_epi32(_mm256_add_epi32(dot(q0, x, s0), dot(q1, x + 32, s1)),
-                            _mm256_add_epi32(dot(q2, x + 64, s2), dot(q3, x + 96, s3)));
+    const __m256i zero = _mm256_setzero_si256();
+    return _mm256_add_epi32(dot(dot(zero, q0, x, s0), q1, x + 32, s1), dot(dot(zero, q2, x + 64, s2), q3, x + 96, s3));
 }
 
 // The K-quants' outputs are per row, not per lane: a block's integer sums settle, then one float
@@ -418,7 +418,8 @@ static inline void block(const uint8_t* blk, const Act& x, int64_t b, int rows, 
         // each lane its block's d times x's scale there: no reduction across lanes. Q5_0's q stay
         // unsigned (0..31, no sign steps), add up in int16 across the four vectors first (at most
         // 4 * 2 * 31 * 127 = 31496), and its -16 comes off as 16 times x's sum over each block,
-        // in the block's lane of the low half. Q8_0's pairs fill int16 already.
+        // in the block's lane of the low half. Q8_0's pairs fill int16 already. VNNI's form sums
+        // both types' bytes in int32 directly, in two chains.
         const __m256i ones = _mm256_set1_epi16(1);
         const __m128 d4 = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)blk));
         const __m256 d = _mm256_set_m128(d4, d4);
@@ -430,18 +431,23 @@ static inline void block(const uint8_t* blk, const Act& x, int64_t b, int rows, 
         }
         for (int r = 0; r < R; ++r) {
             const int8_t* xr = x.q + r * K + k0;
+            __m256i xv[4];
+            for (int j = 0; j < 4; ++j) xv[j] = T == Q5_0x4 ? load(xr + 32 * j) : _mm256_sign_epi8(load(xr + 32 * j), q[j]);
+#ifdef SLUICE_VNNI_FORM     // two chains of byte dot products in int32
+            const __m256i zero = _mm256_setzero_si256();
+            __m256i lanes = _mm256_add_epi32(dot_u8s8(dot_u8s8(zero, u[0], xv[0], ones), u[1], xv[1], ones),
+                                             dot_u8s8(dot_u8s8(zero, u[2], xv[2], ones), u[3], xv[3], ones));
+#else                       // Q5_0's four vectors add up in int16 before their one madd
             __m256i p[4];
-            for (int j = 0; j < 4; ++j) {
-                const __m256i xv = load(xr + 32 * j);
-                p[j] = _mm256_maddubs_epi16(u[j], T == Q5_0x4 ? xv : _mm256_sign_epi8(xv, q[j]));
-            }
-            const __m256i lanes = T == Q5_0x4
-                ? _mm256_sub_epi32(
-                      _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3])), ones),
-                      _mm256_zextsi128_si256(_mm_slli_epi32(_mm_cvtepi16_epi32(
-                          _mm_loadl_epi64((const __m128i*)(x.sum + r * sums_per_row + k0 / 32))), 4)))
+            for (int j = 0; j < 4; ++j) p[j] = _mm256_maddubs_epi16(u[j], xv[j]);
+            __m256i lanes = T == Q5_0x4
+                ? _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3])), ones)
                 : _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(p[0], ones), _mm256_madd_epi16(p[1], ones)),
                                    _mm256_add_epi32(_mm256_madd_epi16(p[2], ones), _mm256_madd_epi16(p[3], ones)));
+#endif
+            if constexpr (T == Q5_0x4)
+                lanes = _mm256_sub_epi32(lanes, _mm256_zextsi128_si256(_mm_slli_epi32(_mm_cvtepi16_epi32(
+                            _mm_loadl_epi64((const __m128i*)(x.sum + r * sums_per_row + k0 / 32))), 4)));
             const __m256 scale = _mm256_mul_ps(d, _mm256_broadcast_ps((const __m128*)(x.scale + r * scales_per_row + k0 / 32)));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), scale, acc[r]);
         }
@@ -453,7 +459,7 @@ static inline void block(const uint8_t* blk, const Act& x, int64_t b, int rows, 
             __m256i xv = load(x.q + r * K + k0);
             if constexpr (T != Q4_1) xv = _mm256_sign_epi8(xv, q);
             const float sx = x.scale[r * scales_per_row + b];
-            acc[r] = scaled(acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), ones), d * sx);
+            acc[r] = scaled(acc[r], dot_u8s8(_mm256_setzero_si256(), u, xv, ones), d * sx);
             if constexpr (T == Q4_1) off[r] += f16(blk + 2) * sx * (float)x.sum[r * sums_per_row + b];
         }
     } else {                                        // a K-quant: its integer sums, then one float step

@@ -73,18 +73,6 @@ int64_t set_prefetch(int64_t bytes) {        // returns the distance it replaces
     return std::exchange(prefetch_bytes, bytes);
 }
 
-// acc + the products of unsigned u and signed s bytes, summed in fours, in int32. VNNI does it in
-// one instruction; AVX2 in three, through int16 pairs (maddubs), which cannot saturate here: every
-// caller's |u|, |s| <= 127 (int8) or u <= 15 (int4), so the sums are the same integers either way.
-static inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s, __m256i ones) {
-#ifdef SLUICE_VNNI
-    (void)ones;
-    return _mm256_dpbusd_epi32(acc, u, s);
-#else
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), ones));
-#endif
-}
-
 // f(integral_constant<b>) for a block of b <= MB rows (or outputs): each size its own instance, so the
 // accumulators stay in registers.
 template <int MB, typename F>
