@@ -4,9 +4,11 @@ VNNI build int8's register tiles for prompts (tile8, from 16 rows) against its r
 
 Both builds register the same operators, so each runs in its own process; the two take turns,
 `--rounds` times, each round timing the 1.5B's MLP up projection ([1536 x 8960], weights in
-cache: the kernels' arithmetic, not the memory's) at int8 and int4 over 1, 8, 64 and 512 rows,
-best of several calls. The table gives each build's best over its rounds and VNNI's speedup.
-The outputs are equal to the bit (tests/test_kernels.py runs on whichever build the host makes).
+cache: the kernels' arithmetic, not the memory's) at int8 and int4, and on GGUF blocks in the
+layouts the gguf precision serves (Q4_Kx, Q6_Kx, Q5_0x4, Q8_0x4: gguf_linear in VNNI's form,
+kernels/csrc/common.h), over 1, 8, 64 and 512 rows, best of several calls. The table gives each
+build's best over its rounds and VNNI's speedup. The outputs are equal to the bit
+(tests/test_kernels.py and tests/test_gguf_blocks.py compare the two forms).
 
     python benchmarks/vnni_bench.py [--rounds 3] [--threads 2] [--out benchmarks/results/vnni_bench.json]
 """
@@ -25,7 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 from engine.quantize import quantize_int4, quantize_int8
-from kernels import cpu_build, quant_matmul_cpu
+from kernels import cpu_build, gguf_cpu, gguf_quant, quant_matmul_cpu
 
 K, N, ROWS = 1536, 8960, (1, 8, 64, 512)
 
@@ -33,16 +35,20 @@ K, N, ROWS = 1536, 8960, (1, 8, 64, 512)
 def measure(threads: int) -> dict[str, float]:
     """One build's best ms per (weights, rows), in this process."""
     torch.set_num_threads(threads)
-    ops = quant_matmul_cpu.load()
+    ops, gguf_ops = quant_matmul_cpu.load(), gguf_cpu.load()
     torch.manual_seed(0)
+    gguf = [gguf_quant.repack(t, gguf_quant.random_blocks(t, N, K)) for t in ("Q4_K", "Q6_K", "Q5_0", "Q8_0")]
     q8, s8 = quantize_int8(torch.randn(N, K) * 0.02)
     q4, s4, z4 = quantize_int4(torch.randn(N, K) * 0.02, 128)
     zs = (z4 * s4).contiguous()
     out = {}
     for m in ROWS:
         x = torch.randn(m, K)
-        for name, fn in (("int8", lambda: ops.int8_linear(x, q8, s8, 128)),
-                         ("int4", lambda: ops.int4_linear(x, q4, s4, zs, 128))):
+        ways = [("int8", lambda: ops.int8_linear(x, q8, s8, 128)),
+                ("int4", lambda: ops.int4_linear(x, q4, s4, zs, 128))]
+        ways += [(layout, lambda w=w, t=gguf_quant.TYPES[layout].id: gguf_ops.gguf_linear(x, [w], [t], None, 1))
+                 for layout, w in gguf]
+        for name, fn in ways:
             fn()
             out[f"{name} {m}"] = 1e3 * min(timed(fn) for _ in range(5 if m > 64 else 30))
         if cpu_build.vnni():
