@@ -11,8 +11,8 @@ conversion (I2F) occupies its pipe for two SM-cycles, so the estimate is the lar
 (I2FP, which the previous form used for its weights, counts as an ordinary instruction: if it
 is slower, that form's count is too low, not this one's).
 A static count, not a time: stalls on memory and occupancy come on top (the kernel's previous
-form counts 0.062 SM-cycles a Q4_K weight here and took 0.12 on the LM head and 0.23 on gate|up
-on an H200, gpu_kernels-nvidia-h200.json).
+form counts 0.062 SM-cycles a Q4_K weight here, gguf_sass-sm90-second-form.json, and took 0.12
+on the LM head and 0.23 on gate|up on an H200, gpu_kernels-nvidia-h200.json).
 
     python benchmarks/gguf_sass.py [--layer gate_up] [--block-n 32] [--out ...]
 
@@ -30,16 +30,15 @@ from pathlib import Path
 import torch
 import triton
 from common import RESULTS, write_results
+from gpu_kernels import SHAPES
 from rich.console import Console
 from rich.table import Table
 
 from kernels import gemv_triton, gguf_quant, gguf_quant_triton
 from kernels.triton_offline import Record, compile_launch
 
-# Qwen2.5-Coder-1.5B's layers (inputs, outputs) and an H200's SM count (the launch's grid).
-LAYERS = {"qkv": (1536, 2048), "o": (1536, 1536), "gate_up": (1536, 17920), "down": (8960, 1536),
-          "lm_head": (1536, 151936)}
-SMS, CLOCK_GHZ, HBM_TB_S = 132, 1.98, 4.8
+LAYERS = SHAPES["qwen2.5-coder-1.5b"]            # (inputs, outputs) of each of its layers
+SMS, CLOCK_GHZ, HBM_TB_S = 132, 1.98, 4.8           # an H200's (SMS: the launch's grid)
 
 
 def main_loop(cubin: bytes, scratch: Path) -> list[str]:

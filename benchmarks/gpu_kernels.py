@@ -182,6 +182,11 @@ def engine_way(quant: str, rows: int) -> str:
     return "int8 dequant" if rows >= DEQUANT_ROWS["cuda"] else "int8 triton"
 
 
+def ways_at(layer: dict, rows: int) -> dict:
+    """A layer's timings per way at `rows` rows (a run's own keys are ints, a saved one's strings)."""
+    return (layer.get("rows", {}).get(rows) or layer.get("rows", {}).get(str(rows)) or {}).get("ways", {})
+
+
 def bucket_table(models: dict, max_bucket: int) -> dict:
     """Per precision and decode batch bucket: µs of one step's linear layers on the precision's
     kernel, on dense bf16 and (int8, fp8) on the GEMV, summed over the models' layers, and the
@@ -195,7 +200,7 @@ def bucket_table(models: dict, max_bucket: int) -> dict:
             gemv = True
             for model, layers in models.items():
                 for name, layer in layers.items():
-                    ways = (layer["rows"].get(r) or layer["rows"].get(str(r)) or {}).get("ways", {})
+                    ways = ways_at(layer, r)
                     if engine_way(quant, r) not in ways or "bf16 [out,in]" not in ways:
                         continue
                     count = 1 if name == "lm_head" else LAYERS[model]
@@ -230,20 +235,18 @@ def bucket_table(models: dict, max_bucket: int) -> dict:
 def gguf_step(models: dict, rows: int = 1) -> dict:
     """Issue 52's target per model: one decode step's linear layers at `rows` rows on the GGUF
     file's own blocks (kernels/gguf_quant_triton.py, each layer at its type in the file) against
-    bf16's faster way per layer (cuBLAS or the GEMV), µs; the target is bf16 / gguf >= 2.0."""
+    bf16's faster way per layer (cuBLAS or the GEMV), µs; the target is bf16 / gguf >= 2.0. A
+    model with a type or a layer kind not timed gets no figure."""
     out = {}
-    for model, layers in models.items():
-        gguf = bf16 = 0.0
-        for kind, parts in GGUF_TYPES.get(model, {}).items():
-            ways = (layers.get(kind, {}).get("rows", {}).get(str(rows)) or
-                    layers.get(kind, {}).get("rows", {}).get(rows) or {}).get("ways", {})
-            if not ways or any(f"{t} triton" not in ways for t, _ in parts):
-                break
-            gguf += sum(n * ways[f"{t} triton"]["us"] for t, n in parts)
-            bf16 += sum(n for _, n in parts) * min(ways[w]["us"] for w in ("bf16 [in,out]", "bf16 gemv") if w in ways)
-        else:
-            if gguf:
-                out[model] = {"rows": rows, "gguf_us": gguf, "bf16_us": bf16, "speedup": bf16 / gguf}
+    for model, kinds in GGUF_TYPES.items():
+        ways = {kind: ways_at(models.get(model, {}).get(kind, {}), rows) for kind in kinds}
+        dense = {kind: [w[way]["us"] for way in ("bf16 [in,out]", "bf16 gemv") if way in w] for kind, w in ways.items()}
+        if not all(dense.values()) or any(f"{t} triton" not in ways[kind] for kind, parts in kinds.items()
+                                          for t, _ in parts):
+            continue
+        gguf = sum(n * ways[kind][f"{t} triton"]["us"] for kind, parts in kinds.items() for t, n in parts)
+        bf16 = sum(sum(n for _, n in parts) * min(dense[kind]) for kind, parts in kinds.items())
+        out[model] = {"rows": rows, "gguf_us": gguf, "bf16_us": bf16, "speedup": bf16 / gguf}
     return out
 
 

@@ -37,7 +37,7 @@ def measure(threads: int) -> dict[str, float]:
     torch.set_num_threads(threads)
     ops, gguf_ops = quant_matmul_cpu.load(), gguf_cpu.load()
     torch.manual_seed(0)
-    gguf = [gguf_quant.repack(t, gguf_quant.random_blocks(t, N, K)) for t in ("Q4_K", "Q6_K", "Q5_0", "Q8_0")]
+    gguf = [gguf_quant.repack(t, gguf_quant.random_blocks(t, N, K)) for t in gguf_quant.LAYOUTS]   # as served
     q8, s8 = quantize_int8(torch.randn(N, K) * 0.02)
     q4, s4, z4 = quantize_int4(torch.randn(N, K) * 0.02, 128)
     zs = (z4 * s4).contiguous()

@@ -16,11 +16,12 @@ work per weight, so a weight takes none that can be done per unit of 16 or 32 in
   cores' 8 columns rather than to 16 rows of x.
 The previous form of this kernel dequantized every weight to float32, its unit's scale and
 offset applied, before a product: compiled for sm_90 it issued 112 SM-cycles of instructions per
-KB of Q4_K and 163 of Q6_K, where an H200's memory delivers a KB in 56 (benchmarks/gguf_sass.py),
-and it read an H200's memory at 0.6-1.2 TB/s; this one issues 63, and 60 on Q6_K in the GPU's
-layout of it: Q6_K, Q8_0 and Q5_0 come in planes (gguf_quant.to_planes), each block's integers
-16-byte aligned (Q5_0: 4) where the file leaves them 2-byte aligned, so that they arrive in
-asynchronous copies issued a pipeline stage ahead.
+KB of Q4_K and 163 of Q6_K, where an H200's memory delivers a KB in 56
+(benchmarks/gguf_sass.py), and it read the 1.5B's Q4_K layers from an H200's memory at 0.2-0.6
+TB/s; this one issues 63, and 60 on Q6_K in the GPU's layout of it: Q6_K, Q8_0 and Q5_0 come in
+planes (gguf_quant.to_planes), each block's integers 16-byte aligned (Q5_0: 4) where the file
+leaves them 2-byte aligned, so that they arrive in asynchronous copies issued a pipeline stage
+ahead.
 The grid is the bf16 GEMV's (gemv_triton.plan): columns of outputs, then slices of K whose
 float32 partial sums a second launch adds in order, so that a short, wide layer (the MLP's down
 projection) still fills the chip.
